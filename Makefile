@@ -1,0 +1,44 @@
+# The two commands of the README's quick start: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP_CORE := $(VENV)/.core-installed
+STAMP_TEST := $(VENV)/.test-installed
+
+.PHONY: demo test lint bench clean sysdeps
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP_CORE): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	touch $@
+
+# torch==2.13.0 is the CPU build that installs offline on these machines (see README).
+$(STAMP_TEST): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e ".[test,serve,train]"
+	touch $@ $(STAMP_CORE)
+
+demo: $(STAMP_CORE)
+	$(BIN)/libra costmodel report
+
+sysdeps:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && apt-get install -y -qq bubblewrap) >/dev/null 2>&1 || echo "warning: could not install bubblewrap"; \
+	  else echo "note: bubblewrap (bwrap) is not installed; sandbox tests will be skipped"; fi; }
+
+test: $(STAMP_TEST) sysdeps
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/python -m pytest
+
+lint: $(STAMP_TEST)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+bench: $(STAMP_TEST)
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

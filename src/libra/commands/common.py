@@ -1,0 +1,78 @@
+"""Options and output helpers shared by every subcommand: --json, --set, --catalog, tables."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+json_option = click.option(
+    "--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table."
+)
+set_option = click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override one config value (repeatable), e.g. rollout.tp=4.",
+)
+catalog_option = click.option(
+    "--catalog",
+    "catalogs",
+    multiple=True,
+    type=click.Path(dir_okay=False),
+    help="Extra hardware/model catalog YAML (repeatable).",
+)
+profile_option = click.option(
+    "--profile",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Calibration profile YAML (from `libra costmodel calibrate`).",
+)
+
+console = Console(stderr=False, highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+
+def emit_json(obj: object, out: str | Path | None = None) -> None:
+    text = json.dumps(obj, indent=2, sort_keys=False, default=_json_default)
+    if out:
+        Path(out).write_text(text + "\n", encoding="utf-8")
+    else:
+        sys.stdout.write(text + "\n")
+
+
+def _json_default(o: object):
+    if hasattr(o, "model_dump"):
+        return o.model_dump()
+    if hasattr(o, "__float__"):
+        return float(o)
+    return str(o)
+
+
+def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> Table:
+    t = Table(title=title, title_justify="left")
+    for i, c in enumerate(columns):
+        t.add_column(c, justify="left" if i == 0 else "right")
+    for r in rows:
+        t.add_row(*[fmt(v) for v in r])
+    return t
+
+
+def fmt(v: object) -> str:
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if v == 0:
+            return "0"
+        if abs(v) >= 1000:
+            return f"{v:,.0f}"
+        if abs(v) >= 1:
+            return f"{v:.2f}"
+        return f"{v:.4g}"
+    return str(v)

@@ -1,0 +1,247 @@
+"""`libra costmodel`: query the rollout and training cost models, list the catalog, calibrate."""
+
+from __future__ import annotations
+
+import click
+from pydantic import BaseModel, ConfigDict, Field
+
+from libra.commands.common import (
+    catalog_option,
+    console,
+    emit_json,
+    json_option,
+    profile_option,
+    set_option,
+    table,
+)
+from libra.core.config import load_model
+from libra.core.errors import ConfigError
+from libra.costmodel.calibrate import fit_rollout, read_measurements
+from libra.costmodel.catalog import Catalog, load_catalog
+from libra.costmodel.efficiency import Profile, load_profile, save_profile
+from libra.costmodel.rollout import RolloutCostModel
+from libra.costmodel.training import TrainCostModel, TrainParallel
+
+
+class RolloutQuery(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    hardware: str = "a800-80g"
+    model: str = "qwen3-14b"
+    tp: int = Field(1, ge=1)
+    batch: int = Field(64, ge=1)
+    context: int = Field(1024, ge=1)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    max_num_batched_tokens: int = Field(8192, ge=1)
+
+
+class TrainQuery(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    hardware: str = "a800-80g"
+    model: str = "qwen3-14b"
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    dp: int = Field(1, ge=1)
+    cp: int = Field(1, ge=1)
+    micro_batch: int = Field(1, ge=1)
+    seq_len: int = Field(4096, ge=1)
+    num_seqs: int = Field(64, ge=1)
+    recompute: bool = True
+
+
+def _query(cls, config, overrides, flags: dict):
+    base = {k: v for k, v in flags.items() if v is not None}
+    q = load_model(cls, config, overrides, base={})
+    # Flags given explicitly win over the file; the file wins over defaults.
+    return q.model_copy(update=load_model(cls, None, [], base={**q.model_dump(), **base}).model_dump())
+
+
+def check_tp(cat_hw, cat_model, tp: int) -> None:
+    if tp > cat_hw.gpus_per_node:
+        raise ConfigError("tp", tp, f"<= gpus_per_node ({cat_hw.gpus_per_node}) of {cat_hw.name}")
+    if cat_model.heads % tp:
+        raise ConfigError("tp", tp, f"a divisor of {cat_model.name}'s {cat_model.heads} attention heads")
+
+
+@click.group()
+def costmodel() -> None:
+    """Query and calibrate the analytic cost model."""
+
+
+def _common(f):
+    for deco in reversed([catalog_option, profile_option, set_option, json_option,
+                          click.option("--config", type=click.Path(dir_okay=False), help="Query as YAML.")]):  # fmt: skip
+        f = deco(f)
+    return f
+
+
+@costmodel.command()
+@click.option("--hardware", default=None, help="Hardware profile name (see `libra costmodel catalog`).")
+@click.option("--model", default=None, help="Model name (see `libra costmodel catalog`).")
+@click.option("--tp", type=int, default=None, help="Tensor-parallel degree of the instance.")
+@click.option("--batch", type=int, default=None, help="Sequences decoding together.")
+@click.option("--context", type=int, default=None, help="Context length of each sequence, tokens.")
+@_common
+def rollout(hardware, model, tp, batch, context, config, overrides, as_json, catalogs, profile):
+    """One decode iteration of BATCH sequences at CONTEXT tokens on a TP instance."""
+    q = _query(
+        RolloutQuery,
+        config,
+        overrides,
+        dict(hardware=hardware, model=model, tp=tp, batch=batch, context=context),
+    )
+    cat = load_catalog(catalogs)
+    res = rollout_report(cat, q, load_profile(profile))
+    if as_json:
+        emit_json(res)
+        return
+    console.print(table(f"{q.model} on {q.tp} x {q.hardware}", ["metric", "value"], list(res.items())))
+
+
+def rollout_report(cat: Catalog, q: RolloutQuery, prof: Profile) -> dict:
+    hw, m = cat.hardware(q.hardware), cat.model(q.model)
+    check_tp(hw, m, q.tp)
+    cm = RolloutCostModel(hw, m, q.tp, prof.rollout, q.gpu_memory_utilization, q.max_num_batched_tokens)
+    cap = cm.kv_capacity_tokens()
+    if cap == 0:
+        raise ConfigError(
+            "tp",
+            q.tp,
+            f"a degree at which {q.model}'s weights fit on {q.hardware} (they do not at tp={q.tp})",
+        )
+    running = cm.max_batch(q.context, q.batch)
+    step = cm.decode_time(running, q.context) if running else float("inf")
+    return {
+        "hardware": q.hardware, "model": q.model, "tp": q.tp, "batch": q.batch, "context": q.context,
+        "running_batch": running,
+        "step_time_s": step,
+        "tokens_per_s": running / step if running else 0.0,
+        "kv_capacity_tokens": cap,
+        "fits": q.batch * q.context <= cap,
+        "weights_gib_per_gpu": m.weight_bytes / q.tp / 2**30,
+    }  # fmt: skip
+
+
+@costmodel.command()
+@click.option("--hardware", default=None)
+@click.option("--model", default=None)
+@click.option("--tp", type=int, default=None)
+@click.option("--pp", type=int, default=None)
+@click.option("--dp", type=int, default=None)
+@click.option("--cp", type=int, default=None)
+@click.option("--micro-batch", type=int, default=None)
+@click.option("--seq-len", type=int, default=None, help="Length of every sequence in the batch.")
+@click.option("--num-seqs", type=int, default=None, help="Sequences in the global batch.")
+@click.option("--recompute/--no-recompute", default=None, help="Full activation recompute (default on).")
+@_common
+def train(hardware, model, tp, pp, dp, cp, micro_batch, seq_len, num_seqs, recompute, config, overrides, as_json, catalogs, profile):  # fmt: skip
+    """One training step: time and per-GPU memory for a TP/PP/DP/CP layout."""
+    flags = dict(hardware=hardware, model=model, tp=tp, pp=pp, dp=dp, cp=cp, micro_batch=micro_batch,
+                 seq_len=seq_len, num_seqs=num_seqs, recompute=recompute)  # fmt: skip
+    q = _query(TrainQuery, config, overrides, flags)
+    cat = load_catalog(catalogs)
+    res = train_report(cat, q, load_profile(profile))
+    if as_json:
+        emit_json(res)
+        return
+    console.print(
+        table(f"{q.model} training on {res['gpus']} x {q.hardware}", ["metric", "value"], list(res.items()))
+    )
+
+
+def train_report(cat: Catalog, q: TrainQuery, prof: Profile) -> dict:
+    hw, m = cat.hardware(q.hardware), cat.model(q.model)
+    par = TrainParallel(q.tp, q.pp, q.dp, q.cp, q.micro_batch, q.recompute)
+    est = TrainCostModel(hw, m, prof.train).step(par, [q.seq_len] * q.num_seqs)
+    mem = est.memory
+    return {
+        "hardware": q.hardware, "model": q.model, "gpus": par.gpus,
+        "tp": q.tp, "pp": q.pp, "dp": q.dp, "cp": q.cp, "micro_batch": q.micro_batch,
+        "step_time_s": est.step_time_s, "compute_s": est.compute_s, "tp_comm_s": est.tp_comm_s,
+        "pp_bubble_s": est.pp_bubble_s, "dp_comm_s": est.dp_comm_s,
+        "memory_gib_per_gpu": mem.total / 2**30, "capacity_gib": mem.capacity / 2**30,
+        "fits": mem.fits,
+    }  # fmt: skip
+
+
+@costmodel.command()
+@json_option
+@catalog_option
+def catalog(as_json, catalogs):
+    """List the known hardware profiles and models."""
+    cat = load_catalog(catalogs)
+    hw = [h.model_dump() for h in cat.hardware_specs.values()]
+    ms = [{**m.model_dump(), "params_b": m.total_params / 1e9} for m in cat.model_specs.values()]
+    if as_json:
+        emit_json({"hardware": hw, "models": ms})
+        return
+    cols = [
+        "name",
+        "memory_gib",
+        "memory_bw_gbps",
+        "bf16_tflops",
+        "intra_node_link",
+        "intra_node_bw_gbps",
+        "gpus_per_node",
+    ]
+    console.print(table("Hardware", cols, [[h[c] for c in cols] for h in hw]))
+    mcols = ["name", "params_b", "layers", "hidden", "heads", "kv_heads", "experts"]
+    console.print(table("Models", mcols, [[m[c] for c in mcols] for m in ms]))
+
+
+@costmodel.command()
+@click.option("--hardware", default="a800-80g", show_default=True)
+@click.option("--model", default="qwen3-14b", show_default=True)
+@json_option
+@catalog_option
+@profile_option
+def report(hardware, model, as_json, catalogs, profile):
+    """The TP crossover: 8 x TP1 against one TP8 instance, across context lengths."""
+    cat = load_catalog(catalogs)
+    hw, m = cat.hardware(hardware), cat.model(model)
+    eff = load_profile(profile).rollout
+    per_node = hw.gpus_per_node
+    rows = []
+    for ctx in (1024, 2048, 4096, 8192, 16384, 24576, 32768):
+        row = {"context": ctx}
+        for tp in (1, 2, 4, 8):
+            if tp > per_node or m.heads % tp:
+                continue
+            cm = RolloutCostModel(hw, m, tp, eff)
+            row[f"tp{tp}_node_tok_s"] = per_node // tp * cm.throughput(512 * tp // per_node, ctx)
+        rows.append(row)
+    if as_json:
+        emit_json({"hardware": hardware, "model": model, "rows": rows})
+        return
+    cols = list(rows[0].keys())
+    console.print(table(f"Decode throughput of one {per_node}-GPU {hardware} node, {model}, batch 512 per node",
+                        cols, [[r.get(c, "") for c in cols] for r in rows]))  # fmt: skip
+
+
+@costmodel.command()
+@click.option("--data", required=True, type=click.Path(dir_okay=False), help="JSONL of measured iterations.")
+@click.option(
+    "--out", required=True, type=click.Path(dir_okay=False), help="Where to write the profile YAML."
+)
+@json_option
+@catalog_option
+@profile_option
+def calibrate(data, out, as_json, catalogs, profile):
+    """Fit the rollout efficiency coefficients to measured iteration times; write a profile."""
+    recs = read_measurements(data)
+    base = load_profile(profile)
+    eff, mape = fit_rollout(recs, load_catalog(catalogs), base.rollout)
+    prof = base.model_copy(
+        update={"rollout": eff, "note": f"fitted to {len(recs)} iterations from {data}; MAPE {mape:.3f}"}
+    )
+    save_profile(prof, out)
+    res = {"profile": out, "records": len(recs), "mape": mape, "rollout": eff.model_dump()}
+    if as_json:
+        emit_json(res)
+        return
+    console.print(
+        table(
+            f"Calibrated profile -> {out} (MAPE {mape:.1%})",
+            ["coefficient", "value"],
+            list(eff.model_dump().items()),
+        )
+    )

@@ -1,0 +1,1 @@
+"""Domain types shared by every layer: specs, trajectories, tool returns, typed errors."""

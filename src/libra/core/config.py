@@ -1,0 +1,96 @@
+"""Configuration: YAML files and dotted overrides, validated into typed models.
+
+YAML is only a serialisation of pydantic models. `--set a.b=c` edits one value before validation,
+and the value is parsed as YAML, so `--set rollout.tp=4` gives an int and `--set x=[1,2]` a list.
+Validation errors become one `ConfigError` line naming the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from libra.core.errors import ConfigError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def load_yaml(path: str | Path) -> dict:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError("config", str(p), f"a readable YAML file ({e.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{p}:{mark.line + 1}" if mark else str(p)
+        raise ConfigError("config", where, f"well-formed YAML ({getattr(e, 'problem', e)})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("config", str(p), "a YAML mapping at the top level")
+    return data
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError("--set", text, "KEY=VALUE with a dotted KEY, e.g. rollout.tp=4")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Return a copy of `data` with each `a.b.c=value` applied, creating mappings as needed."""
+    import copy
+
+    out = copy.deepcopy(data)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = out
+        for part in path[:-1]:
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(
+                    "--set", text, f"a path through mappings; {part!r} is a {type(nxt).__name__}"
+                )
+            node = nxt
+        node[path[-1]] = value
+    return out
+
+
+def _first_error(err: ValidationError, prefix: str) -> ConfigError:
+    e = err.errors()[0]
+    loc = ".".join(str(p) for p in e.get("loc", ()) if p != "__root__")
+    field = f"{prefix}.{loc}" if prefix and loc else (loc or prefix or "config")
+    msg = e.get("msg", "invalid").removeprefix("Value error, ")
+    if e.get("type") == "extra_forbidden":
+        msg = "no such field"
+    return ConfigError(field, e.get("input"), msg)
+
+
+def build(model: type[M], data: dict, prefix: str = "") -> M:
+    """Validate `data` into `model`, turning the first problem into a one-line ConfigError."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        raise _first_error(err, prefix) from None
+
+
+def load_model(
+    model: type[M], path: str | Path | None, overrides: list[str] = (), base: dict | None = None
+) -> M:
+    data = dict(base or {})
+    if path is not None:
+        data.update(load_yaml(path))
+    return build(model, apply_overrides(data, list(overrides)))

@@ -1,0 +1,121 @@
+"""Fit the cost model's efficiency coefficients to measurements.
+
+Input is JSONL, one measured engine iteration per line:
+    {"hardware": "a800-80g", "model": "qwen3-14b", "tp": 1, "prefill_tokens": 0,
+     "prefill_attn": 0, "decode_seqs": 64, "decode_ctx": 65536, "step_time_s": 0.031}
+(`prefill_attn` is optional and defaults to a fresh prefill: n*(n+1)/2.) The fit minimises the
+mean squared log error with a Nelder-Mead search over the log of each coefficient, so every
+coefficient stays positive and fractions are clipped to (0, 1]. No scipy: the core stays light.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from libra.core.errors import ConfigError, TraceError
+from libra.costmodel.catalog import Catalog
+from libra.costmodel.efficiency import RolloutEfficiency
+from libra.costmodel.rollout import RolloutCostModel
+
+FIT_FIELDS = ("bw", "compute", "base_overhead_s", "per_seq_overhead_s")
+_FRACTIONS = {"bw", "compute", "link"}
+
+
+def nelder_mead(
+    f: Callable[[np.ndarray], float], x0: np.ndarray, step: float = 0.3, iters: int = 600
+) -> np.ndarray:
+    """Minimise f from x0 (plain Nelder-Mead; enough for a handful of smooth coefficients)."""
+    n = len(x0)
+    simplex = [x0] + [x0 + step * np.eye(n)[i] for i in range(n)]
+    vals = [f(x) for x in simplex]
+    for _ in range(iters):
+        order = np.argsort(vals)
+        simplex, vals = [simplex[i] for i in order], [vals[i] for i in order]
+        centroid = np.mean(simplex[:-1], axis=0)
+        xr = centroid + (centroid - simplex[-1])
+        fr = f(xr)
+        if fr < vals[0]:
+            xe = centroid + 2 * (centroid - simplex[-1])
+            fe = f(xe)
+            simplex[-1], vals[-1] = (xe, fe) if fe < fr else (xr, fr)
+        elif fr < vals[-2]:
+            simplex[-1], vals[-1] = xr, fr
+        else:
+            xc = centroid + 0.5 * (simplex[-1] - centroid)
+            fc = f(xc)
+            if fc < vals[-1]:
+                simplex[-1], vals[-1] = xc, fc
+            else:
+                simplex = [simplex[0] + 0.5 * (x - simplex[0]) for x in simplex]
+                vals = [f(x) for x in simplex]
+        if max(vals) - min(vals) < 1e-12:
+            break
+    return simplex[int(np.argmin(vals))]
+
+
+def _with(base: RolloutEfficiency, fields: Sequence[str], logx: np.ndarray) -> RolloutEfficiency:
+    upd = {}
+    for name, lx in zip(fields, logx, strict=True):
+        v = math.exp(lx)
+        upd[name] = min(v, 1.0) if name in _FRACTIONS else v
+    return base.model_copy(update=upd)
+
+
+def read_measurements(path: str | Path) -> list[dict]:
+    recs = []
+    with Path(path).open(encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TraceError(str(path), n, "<line>", f"is not valid JSON ({e})") from None
+            for key in ("hardware", "model", "tp", "decode_seqs", "step_time_s"):
+                if key not in r:
+                    raise TraceError(str(path), n, key, "is missing")
+            if not (isinstance(r["step_time_s"], (int, float)) and r["step_time_s"] > 0):
+                raise TraceError(str(path), n, "step_time_s", "must be a number > 0")
+            recs.append(r)
+    if not recs:
+        raise ConfigError("data", str(path), "a JSONL file with at least one measurement")
+    return recs
+
+
+def _predict(recs: list[dict], catalog: Catalog, eff: RolloutEfficiency) -> np.ndarray:
+    models: dict[tuple, RolloutCostModel] = {}
+    out = []
+    for r in recs:
+        key = (r["hardware"], r["model"], int(r["tp"]))
+        if key not in models:
+            models[key] = RolloutCostModel(catalog.hardware(key[0]), catalog.model(key[1]), key[2], eff)
+        p = int(r.get("prefill_tokens", 0))
+        attn = float(r.get("prefill_attn", p * (p + 1) / 2))
+        out.append(models[key].step_time(p, attn, int(r["decode_seqs"]), float(r.get("decode_ctx", 0))))
+    return np.array(out)
+
+
+def fit_rollout(
+    recs: list[dict],
+    catalog: Catalog,
+    base: RolloutEfficiency | None = None,
+    fields: Sequence[str] = FIT_FIELDS,
+) -> tuple[RolloutEfficiency, float]:
+    """Return the fitted coefficients and the mean absolute percentage error after the fit."""
+    base = base or RolloutEfficiency()
+    y = np.log(np.array([r["step_time_s"] for r in recs]))
+
+    def loss(logx: np.ndarray) -> float:
+        pred = _predict(recs, catalog, _with(base, fields, logx))
+        return float(np.mean((np.log(np.maximum(pred, 1e-12)) - y) ** 2))
+
+    x0 = np.log(np.array([getattr(base, f) for f in fields]))
+    best = _with(base, fields, nelder_mead(loss, x0))
+    pred = _predict(recs, catalog, best)
+    mape = float(np.mean(np.abs(pred - np.exp(y)) / np.exp(y)))
+    return best, mape

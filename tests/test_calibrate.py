@@ -1,0 +1,62 @@
+import json
+
+import numpy as np
+import pytest
+
+from libra.costmodel.calibrate import fit_rollout, nelder_mead, read_measurements
+from libra.costmodel.efficiency import RolloutEfficiency, load_profile
+from libra.costmodel.rollout import RolloutCostModel
+from tests.conftest import run_cli
+
+
+def test_nelder_mead_quadratic():
+    x = nelder_mead(lambda v: float(np.sum((v - np.array([1.0, -2.0])) ** 2)), np.zeros(2))
+    assert x == pytest.approx([1.0, -2.0], abs=1e-3)
+
+
+def _synthetic(catalog, truth: RolloutEfficiency, n: int = 60) -> list[dict]:
+    """Measurements made by the model itself with known coefficients, spanning the regimes."""
+    rng = np.random.default_rng(0)
+    recs = []
+    for _ in range(n):
+        tp = int(rng.choice([1, 2, 4, 8]))
+        cm = RolloutCostModel(catalog.hardware("a800-80g"), catalog.model("qwen3-14b"), tp, truth)
+        b = int(rng.integers(1, 256))
+        ctx = int(rng.integers(256, 16384))
+        p = int(rng.choice([0, 0, 512, 2048, 8192]))
+        t = cm.step_time(p, p * (p + 1) / 2, b, b * ctx)
+        recs.append({"hardware": "a800-80g", "model": "qwen3-14b", "tp": tp, "prefill_tokens": p,
+                     "decode_seqs": b, "decode_ctx": b * ctx, "step_time_s": t})  # fmt: skip
+    return recs
+
+
+def test_fit_recovers_known_coefficients(catalog):
+    truth = RolloutEfficiency(bw=0.62, compute=0.41, base_overhead_s=4e-3, per_seq_overhead_s=35e-6)
+    fitted, mape = fit_rollout(_synthetic(catalog, truth), catalog)
+    assert mape < 0.01
+    for f in ("bw", "compute", "base_overhead_s", "per_seq_overhead_s"):
+        assert getattr(fitted, f) == pytest.approx(getattr(truth, f), rel=0.05), f
+
+
+def test_calibrate_cli_writes_loadable_profile(tmp_path, catalog):
+    truth = RolloutEfficiency(bw=0.6, compute=0.45, base_overhead_s=3e-3, per_seq_overhead_s=25e-6)
+    data = tmp_path / "m.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in _synthetic(catalog, truth, 40)))
+    out = tmp_path / "profile.yaml"
+    r = run_cli("costmodel", "calibrate", "--data", str(data), "--out", str(out), "--json")
+    assert r.returncode == 0, r.stderr
+    prof = load_profile(out)
+    assert prof.rollout.bw == pytest.approx(0.6, rel=0.05)
+    # The profile is used downstream: a query with it differs from the defaults.
+    q1 = json.loads(run_cli("costmodel", "rollout", "--json").stdout)
+    q2 = json.loads(run_cli("costmodel", "rollout", "--json", "--profile", str(out)).stdout)
+    assert q1["step_time_s"] != q2["step_time_s"]
+
+
+def test_bad_measurements_name_line_and_field(tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"hardware": "a800-80g", "model": "qwen3-14b", "tp": 1, "decode_seqs": 1, "step_time_s": 0.01}\n'
+                 '{"hardware": "a800-80g", "tp": 1}\n')  # fmt: skip
+    with pytest.raises(Exception) as e:
+        read_measurements(f)
+    assert ":2:" in str(e.value) and "model" in str(e.value)

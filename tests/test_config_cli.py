@@ -1,0 +1,119 @@
+"""Configuration validation and the CLI's behaviour on good and bad input (real subprocesses)."""
+
+import json
+
+import pytest
+from pydantic import BaseModel, Field
+
+from libra.core.config import apply_overrides, build, load_model
+from libra.core.errors import ConfigError
+from tests.conftest import run_cli
+
+
+class Small(BaseModel):
+    tp: int = Field(1, ge=1)
+    name: str = "x"
+
+
+def test_overrides_parse_yaml_values():
+    out = apply_overrides({"rollout": {"tp": 1}}, ["rollout.tp=4", "a.b.c=[1, 2]", "flag=true"])
+    assert out == {"rollout": {"tp": 4}, "a": {"b": {"c": [1, 2]}}, "flag": True}
+
+
+def test_override_without_equals_is_an_error():
+    with pytest.raises(ConfigError) as e:
+        apply_overrides({}, ["rollout.tp"])
+    assert "KEY=VALUE" in str(e.value)
+
+
+def test_override_through_scalar_is_an_error():
+    with pytest.raises(ConfigError):
+        apply_overrides({"a": 3}, ["a.b=1"])
+
+
+def test_build_names_field_and_value():
+    with pytest.raises(ConfigError) as e:
+        build(Small, {"tp": 0}, prefix="rollout")
+    assert e.value.field == "rollout.tp" and e.value.value == 0
+
+
+def test_load_model_yaml_then_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("tp: 2\nname: y\n")
+    assert load_model(Small, f, ["tp=8"]) == Small(tp=8, name="y")
+
+
+def test_malformed_yaml(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("tp: [1,\n")
+    with pytest.raises(ConfigError) as e:
+        load_model(Small, f)
+    assert "YAML" in str(e.value)
+
+
+def test_rollout_json_fields():
+    r = run_cli("costmodel", "rollout", "--hardware", "a800-80g", "--model", "qwen3-14b", "--tp", "1",
+                "--batch", "64", "--context", "1024", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["tokens_per_s"] == pytest.approx(64 / d["step_time_s"])
+    assert d["kv_capacity_tokens"] > 0 and d["fits"] is True
+
+
+def test_rollout_from_yaml_with_set(tmp_path):
+    f = tmp_path / "q.yaml"
+    f.write_text("model: qwen3-8b\ntp: 2\n")
+    d = json.loads(run_cli("costmodel", "rollout", "--config", str(f), "--set", "tp=4", "--json").stdout)
+    assert d["model"] == "qwen3-8b" and d["tp"] == 4
+
+
+def test_train_json():
+    r = run_cli(
+        "costmodel", "train", "--tp", "8", "--dp", "2", "--seq-len", "8192", "--num-seqs", "64", "--json"
+    )
+    d = json.loads(r.stdout)
+    assert r.returncode == 0 and d["fits"] is True and d["step_time_s"] > 0
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["costmodel", "rollout", "--hardware", "b300"], "a800-80g"),
+        (["costmodel", "rollout", "--model", "gpt-9"], "qwen3-14b"),
+        (["costmodel", "rollout", "--tp", "16"], "gpus_per_node"),
+        (["costmodel", "rollout", "--batch", "0"], "batch"),
+        (["costmodel", "rollout", "--context", "-5"], "context"),
+        (["costmodel", "rollout", "--set", "nosuch=1"], "nosuch"),
+        (["costmodel", "rollout", "--tp", "abc"], "abc"),
+        (["costmodel", "train", "--pp", "3"], "pp"),
+        (
+            ["costmodel", "train", "--model", "qwen3-14b", "--tp", "1", "--dp", "1", "--seq-len", "0"],
+            "seq_len",
+        ),
+        (["costmodel", "nosuch"], "nosuch"),
+        (["costmodel", "rollout", "--config", "/nonexistent.yaml"], "nonexistent"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(args, needle):
+    r = run_cli(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_malformed_yaml_cli(tmp_path):
+    f = tmp_path / "q.yaml"
+    f.write_text("tp: [\n")
+    r = run_cli("costmodel", "rollout", "--config", str(f))
+    assert r.returncode == 2 and "YAML" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_every_command_has_help():
+    r = run_cli("--help")
+    assert r.returncode == 0
+    for cmd in ["costmodel"]:
+        assert cmd in r.stdout
+        assert run_cli(cmd, "--help").returncode == 0
+    for sub in ["rollout", "train", "catalog", "calibrate", "report"]:
+        assert run_cli("costmodel", sub, "--help").returncode == 0
