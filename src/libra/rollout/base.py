@@ -1,0 +1,131 @@
+"""The router interface shared by the simulator and the live gateway.
+
+A router is called at the start of every turn of a trajectory (its first turn, and after every
+tool return). It sees a `RouteRequest` (what is known about the trajectory now) and a list of
+`InstanceView`s (the engines and their load), and returns a `RouteDecision`. It never touches a
+clock, I/O, threads or HTTP: the simulator and the gateway build the snapshots and carry out the
+decision, so the very same object runs in both.
+
+Buckets are ordered by `max_context`; bucket 0 is the smallest. Every trajectory starts there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Protocol, runtime_checkable
+
+
+class PayloadSize(IntEnum):
+    SMALL = 0
+    MEDIUM = 1
+    LARGE = 2
+
+
+class Status(IntEnum):
+    SUCCESS = 0
+    FAILURE = 1
+    TIMEOUT = 2
+
+
+@dataclass(frozen=True, slots=True)
+class ToolState:
+    """What a tool return tells the router: the tool's type, the payload size class, the status."""
+
+    tool: str
+    size: PayloadSize
+    status: Status
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    name: str
+    tp: int
+    max_context: int
+
+
+@dataclass(slots=True)
+class InstanceView:
+    """One engine instance as a router sees it."""
+
+    id: str
+    bucket: int
+    tp: int
+    outstanding: int = 0
+    cap: int = 256
+    healthy: bool = True
+    node: int = 0
+
+    @property
+    def saturated(self) -> bool:
+        return not self.healthy or self.outstanding >= self.cap
+
+
+class MigrationMethod(IntEnum):
+    NONE = 0
+    KV_TRANSFER = 1
+    REPREFILL = 2
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    """What is known about a trajectory at the start of a turn.
+
+    `true_final_tokens` is filled only by the simulator and read only by the oracle baseline.
+    """
+
+    traj_id: str
+    prompt_id: str
+    step: int
+    turn: int
+    prompt_tokens: int
+    context_tokens: int
+    generated_tokens: int
+    path: tuple[ToolState, ...] = ()
+    current_bucket: int | None = None
+    current_instance: str | None = None
+    true_final_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    bucket: int
+    instance: str
+    migrate: bool = False
+    method: MigrationMethod = MigrationMethod.NONE
+    predicted_final_tokens: float | None = None
+
+
+@dataclass(slots=True)
+class FinishedTrajectory:
+    """Feedback when a trajectory ends: its path and the context length at each turn start."""
+
+    traj_id: str
+    prompt_id: str
+    step: int
+    path: tuple[ToolState, ...]
+    turn_contexts: tuple[int, ...]
+    final_tokens: int
+    meta: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class Router(Protocol):
+    """Every routing policy implements this. Registered by short name in `libra.rollout.registry`."""
+
+    name: str
+
+    def route(self, req: RouteRequest, instances: Sequence[InstanceView]) -> RouteDecision: ...
+
+    def on_finish(self, traj: FinishedTrajectory) -> None: ...
+
+    def on_step_end(self, step: int) -> None: ...
+
+
+def bucket_for_length(buckets: Sequence[Bucket], tokens: float) -> int:
+    """The smallest bucket whose max_context holds `tokens` (the largest if none does)."""
+    for i, b in enumerate(buckets):
+        if tokens <= b.max_context:
+            return i
+    return len(buckets) - 1
