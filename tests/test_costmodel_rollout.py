@@ -83,3 +83,12 @@ def test_kv_transfer_cheaper_within_node(a800_14b):
     assert cm.kv_transfer_time(40000, inter_node=False) < cm.kv_transfer_time(40000, inter_node=True)
     # Paper: < 330 ms within a node at 40K tokens, up to 733 ms across nodes.
     assert cm.kv_transfer_time(40000, inter_node=False) < 0.33
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_decode_coeffs_exact(catalog, tp):
+    for model in ("qwen3-14b", "qwen3-30b-a3b"):
+        cm = RolloutCostModel(catalog.hardware("h100-80g"), catalog.model(model), tp)
+        for n, ctx in [(1, 100), (64, 64 * 3000), (200, 200 * 30000)]:
+            a, b = cm.decode_coeffs(n)
+            assert a + b * ctx == pytest.approx(cm.step_time(0, 0.0, n, ctx), rel=1e-12)

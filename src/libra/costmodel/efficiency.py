@@ -20,16 +20,22 @@ class RolloutEfficiency(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # Decode GEMV and paged-attention kernels reach 70-85% of HBM bandwidth (FlashInfer and
-    # vLLM kernel benchmarks); 0.75 is the middle of that range.
-    bw: float = Field(0.75, gt=0, le=1)
+    # Decode GEMV and paged-attention kernels on Hopper/Blackwell-class GPUs reach 80-90% of HBM
+    # bandwidth (FlashInfer and vLLM kernel benchmarks); 0.85 is the middle of that range.
+    bw: float = Field(0.85, gt=0, le=1)
     # Achieved fraction of dense bf16 peak for the GEMMs of a mixed prefill/decode batch. Large
     # prefill GEMMs reach 60-70% MFU; the small decode part of a batch much less, so 0.5.
     compute: float = Field(0.5, gt=0, le=1)
     # NCCL ring all-reduce bus bandwidth relative to the link (nccl-tests: ~75-80% on NVLink).
     link: float = Field(0.75, gt=0, le=1)
-    # Latency of one small all-reduce inside a node (nccl-tests, 8 GPUs, small messages: 15-30 us).
+    # Latency of one small all-reduce inside an NVLink node (nccl-tests, small messages: 15-30 us).
     allreduce_latency_s: float = Field(20e-6, ge=0)
+    # Without NVLink and without PCIe peer-to-peer (the usual case for workstation-class cards in
+    # servers), NCCL's SHM transport stages every byte through host memory: it crosses PCIe twice
+    # and is copied once on the host, so bus bandwidth is about a quarter of the link rate, with
+    # 50-70 us small-message latency. (The Qwen3-32B TP2 vLLM trace is what exposed this term.)
+    pcie_link: float = Field(0.25, gt=0, le=1)
+    pcie_allreduce_latency_s: float = Field(60e-6, ge=0)
     # Per-iteration CPU work outside the GPU kernels: scheduling, input preparation, sampler and
     # output processing (vLLM profiles show 2-4 ms per step for mid-size batches).
     base_overhead_s: float = Field(2.5e-3, ge=0)

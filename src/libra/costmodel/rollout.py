@@ -55,9 +55,11 @@ class RolloutCostModel:
         self._kv_s = m.kv_bytes_per_token_per_gpu(tp) / bw
         # QK^T and PV: 2 matmuls x 2 FLOPs per multiply-add, per head dim, per attended token.
         self._attn_flop_s = 4 * m.layers * m.heads * m.head_dim / tp / flops
-        link = hw.intra_node_bw_gbps * 1e9 * eff.link
+        nvlink = hw.intra_node_link == "nvlink"
+        link = hw.intra_node_bw_gbps * 1e9 * (eff.link if nvlink else eff.pcie_link)
+        latency = eff.allreduce_latency_s if nvlink else eff.pcie_allreduce_latency_s
         n_ar = 2 * m.layers
-        self._ar_fixed_s = 0.0 if tp == 1 else n_ar * eff.allreduce_latency_s
+        self._ar_fixed_s = 0.0 if tp == 1 else n_ar * latency
         ring = 2 * (tp - 1) / tp
         self._ar_tok_s = 0.0 if tp == 1 else n_ar * ring * m.hidden * m.bytes_per_param / link
         self._fixed_s = eff.base_overhead_s + eff.tp_overhead_s * (tp - 1)
@@ -88,6 +90,23 @@ class RolloutCostModel:
         comm = self._ar_fixed_s + self._ar_tok_s * tokens
         seqs = decode_seqs + (1 if prefill_tokens else 0)
         return linear + attn + comm + self._fixed_s + self._seq_s * seqs
+
+    def decode_coeffs(self, n: int) -> tuple[float, float]:
+        """(A, B) with decode-only step time = A + B * ctx_sum for `n` sequences, exactly.
+
+        With no prefill both attention terms are proportional to the context sum, so their
+        roofline is too; everything else depends on n only. The simulator uses this to advance
+        many identical-composition decode steps in closed form.
+        """
+        if n <= 0:
+            return 0.0, 0.0
+        w = self._w_s
+        if self._experts:
+            w += self._expert_w_s * self._experts * (1.0 - (1.0 - self._k_over_e) ** n)
+        lin = self._lin_flop_s * n
+        a = (w if w > lin else lin) + self._ar_fixed_s + self._ar_tok_s * n + self._fixed_s + self._seq_s * n
+        b = self._kv_s if self._kv_s > self._attn_flop_s else self._attn_flop_s
+        return a, b
 
     def decode_time(self, batch: int, context: float) -> float:
         """One decode iteration of `batch` sequences, each at `context` tokens."""

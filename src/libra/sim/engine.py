@@ -1,0 +1,373 @@
+"""A simulated inference-engine instance that schedules like vLLM.
+
+- Continuous batching with `max_num_seqs` and a `max_num_batched_tokens` budget per step;
+  prefills are chunked into that budget, decodes take one token each.
+- A KV cache of the cost model's capacity, at token granularity. When a decode cannot grow, cached
+  prefixes are evicted first (LRU), then the most recently admitted sequence is preempted and
+  recomputed later (vLLM's recompute preemption).
+- Prefix reuse: a finished turn leaves its KV cached under the trajectory's key, so the next turn
+  on the same instance prefills only the new tokens. On another instance it prefills everything
+  (or receives the KV by transfer, see `submit(..., kv_ready=...)`).
+- During a tool call a trajectory's KV is `resident` (kept as an evictable cached prefix),
+  `offload`ed to host memory (reloaded over PCIe when the next turn arrives), or `drop`ped.
+
+Speed: while only decodes run, the batch composition is fixed until a sequence finishes, the KV
+cache fills, or an arrival can be admitted. Step time is exactly A + B * ctx_sum (see
+`RolloutCostModel.decode_coeffs`), and ctx_sum grows by n per step, so K steps take
+K*A + B*(K*C0 + n*K*(K-1)/2): one event per segment, not per iteration. Each sequence's context is
+derived from a global step counter, so advancing K steps costs O(1) plus heap pops.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from enum import IntEnum
+
+from libra.costmodel.rollout import RolloutCostModel
+from libra.sim.kernel import Handle, Kernel
+
+
+class KVPolicy(IntEnum):
+    RESIDENT = 0
+    OFFLOAD = 1
+    DROP = 2
+
+    @classmethod
+    def parse(cls, text: str) -> KVPolicy:
+        return cls[text.upper()]
+
+
+class SeqState(IntEnum):
+    WAITING = 0
+    PREFILL = 1
+    DECODE = 2
+    DONE = 3
+
+
+class Seq:
+    """One request (one turn of a trajectory) on one engine."""
+
+    __slots__ = ("key", "ctx", "done_tokens", "out_total", "out_left", "keep_kv", "state", "admit_step",
+                 "ctx_at_admit", "finish_step", "t_submit", "t_first", "t_done", "on_first", "on_done",
+                 "order", "prefilled", "owner")  # fmt: skip
+
+    def __init__(self, key, ctx: int, out_tokens: int, on_done: Callable[[Seq], None] | None = None,
+                 keep_kv: bool = False, on_first: Callable[[Seq], None] | None = None, owner=None):  # fmt: skip
+        self.key, self.ctx, self.out_total, self.out_left = key, ctx, out_tokens, out_tokens
+        self.keep_kv, self.on_done, self.on_first, self.owner = keep_kv, on_done, on_first, owner
+        self.state = SeqState.WAITING
+        self.done_tokens = 0  # tokens of `ctx` whose KV is on this engine
+        self.prefilled = 0  # tokens this engine actually prefilled for this seq (incl. recompute)
+        self.admit_step = self.ctx_at_admit = self.finish_step = self.order = 0
+        self.t_submit = self.t_first = self.t_done = -1.0
+
+    def current_ctx(self, step_no: int) -> int:
+        return self.ctx_at_admit + (step_no - self.admit_step)
+
+
+class Engine:
+    """One instance: `cost.tp` GPUs running one model replica."""
+
+    def __init__(self, kernel: Kernel, iid: str, cost: RolloutCostModel, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192, kv_policy: KVPolicy = KVPolicy.RESIDENT,
+                 tracer=None, pcie_gbps: float = 25.0):  # fmt: skip
+        self.k, self.id, self.cost = kernel, iid, cost
+        self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
+        self.kv_policy, self.tracer = kv_policy, tracer
+        self.kv_cap = cost.kv_capacity_tokens()
+        self.pcie_bytes_s = pcie_gbps * 1e9
+        self.waiting: deque[Seq] = deque()
+        self.prefilling: list[Seq] = []
+        self.heap: list[tuple[int, int, Seq]] = []
+        self.order: list[Seq] = []  # decoding seqs by admission, for preemption (lazy)
+        self.n_dec = self.ctx_sum = self.kv_pref = self.step_no = self.cache_tokens = 0
+        self.cache: OrderedDict[object, int] = OrderedDict()
+        self.host: dict[object, int] = {}
+        self._busy: Handle | None = None
+        self._seg: tuple | None = None  # (t0, K, A, B, C0, n) of the running decode segment
+        self._counter = 0
+        self.busy_s = self.prefill_tokens = self.decode_tokens = self.preemptions = 0
+        self.evicted_tokens = 0
+        self.healthy = True
+        self._stepping = False
+
+    # ---- queries ------------------------------------------------------------------------------
+
+    @property
+    def tp(self) -> int:
+        return self.cost.tp
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.waiting) + len(self.prefilling) + self.n_dec
+
+    @property
+    def running(self) -> int:
+        return len(self.prefilling) + self.n_dec
+
+    def kv_used(self) -> int:
+        return self.ctx_sum + self.kv_pref + self.cache_tokens
+
+    def cached(self, key) -> int:
+        return self.cache.get(key, 0) or self.host.get(key, 0)
+
+    # ---- submission ---------------------------------------------------------------------------
+
+    def submit(self, seq: Seq, kv_ready: int = 0) -> None:
+        """Queue a turn. `kv_ready` tokens of its context arrived by KV transfer (no prefill)."""
+        seq.t_submit = self.k.now
+        self._counter += 1
+        seq.order = self._counter
+        reload = 0
+        if seq.key in self.cache:
+            seq.done_tokens = min(seq.ctx, self._take_cache(seq.key))
+        elif seq.key in self.host:
+            seq.done_tokens = reload = min(seq.ctx, self.host.pop(seq.key))
+        else:
+            seq.done_tokens = min(seq.ctx, kv_ready)
+        if seq.done_tokens >= seq.ctx:  # a turn always prefills at least one token
+            seq.done_tokens = seq.ctx - 1
+        if reload:
+            delay = reload * self.cost.model.kv_bytes_per_token / self.pcie_bytes_s
+            self.k.after(delay, self._enqueue, seq)
+        else:
+            self._enqueue(seq)
+
+    def _enqueue(self, seq: Seq) -> None:
+        self.waiting.append(seq)
+        self._poke()
+
+    def release(self, key) -> None:
+        """The trajectory ended (or moved away): forget its cached prefix here."""
+        self._take_cache(key)
+        self.host.pop(key, None)
+
+    def _take_cache(self, key) -> int:
+        tokens = self.cache.pop(key, 0)
+        self.cache_tokens -= tokens
+        return tokens
+
+    # ---- the scheduling loop ------------------------------------------------------------------
+
+    def _poke(self) -> None:
+        """Something changed: start work if idle, or cut a decode segment at the next step."""
+        if self._stepping:
+            return  # the step handler schedules the next step when it is done
+        if self._busy is None:
+            self._schedule_next()
+        elif self._seg is not None and self.waiting and self.running < self.max_num_seqs:
+            self._cut_segment()
+
+    def _schedule_next(self) -> None:
+        self._admit()
+        if self.prefilling and self._mixed_step():
+            return
+        if self.n_dec:
+            self._decode_segment()
+
+    def _admit(self) -> None:
+        """FCFS admission while a sequence slot and KV room for the whole prefill are free."""
+        while self.waiting and self.running < self.max_num_seqs:
+            seq = self.waiting[0]
+            if self._free() + self.cache_tokens < seq.ctx - seq.done_tokens and self.running:
+                break
+            self.waiting.popleft()
+            seq.state = SeqState.PREFILL
+            self.prefilling.append(seq)
+            self.kv_pref += seq.done_tokens
+
+    def _free(self) -> int:
+        return self.kv_cap - self.ctx_sum - self.kv_pref - self.cache_tokens
+
+    def _evict(self, need: int) -> bool:
+        """Evict cached prefixes (LRU) until `need` tokens are free."""
+        while self._free() < need and self.cache:
+            _, tokens = self.cache.popitem(last=False)
+            self.cache_tokens -= tokens
+            self.evicted_tokens += tokens
+        return self._free() >= need
+
+    def _room_for_decode(self) -> None:
+        """Decodes must grow by one token each: evict, then preempt the newest (vLLM recompute)."""
+        while not self._evict(self.n_dec) and self.n_dec > 1:
+            self._preempt_newest()
+
+    def _preempt_newest(self) -> None:
+        while self.order and self.order[-1].state != SeqState.DECODE:
+            self.order.pop()
+        seq = self.order.pop()
+        ctx = seq.current_ctx(self.step_no)
+        seq.state = SeqState.WAITING
+        self.n_dec -= 1
+        self.ctx_sum -= ctx
+        seq.out_left = seq.finish_step - self.step_no
+        seq.ctx, seq.done_tokens = ctx, 0
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _mixed_step(self) -> bool:
+        """One iteration with prefill chunks and every running decode. False if no chunk fits."""
+        self._room_for_decode()
+        budget = self.budget - self.n_dec
+        chunks, p_tok, p_attn = [], 0, 0.0
+        for seq in self.prefilling:
+            if budget <= 0:
+                break
+            c = min(seq.ctx - seq.done_tokens, budget)
+            if not self._evict(c):
+                c = self._free()  # a prefill never preempts running work: take what is free
+                if c <= 0:
+                    break
+            chunks.append((seq, c))
+            self.kv_pref += c
+            p_tok += c
+            p_attn += c * seq.done_tokens + c * (c + 1) / 2
+            budget -= c
+        if not chunks:
+            if not self.n_dec:
+                self._stall()
+                return True
+            return False
+        dt = self.cost.step_time(p_tok, p_attn, self.n_dec, self.ctx_sum)
+        self._run(dt, self._end_mixed, chunks, p_tok)
+        return True
+
+    def _stall(self) -> None:
+        """Partial prefills fill the cache and nothing decodes: requeue the newest and retry."""
+        seq = self.prefilling.pop()
+        if not self.prefilling:
+            raise RuntimeError(f"{self.id}: a request of {seq.ctx} tokens exceeds the KV cache ({self.kv_cap})")
+        self.kv_pref -= seq.done_tokens
+        seq.done_tokens, seq.state = 0, SeqState.WAITING
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+        self._mixed_step()
+
+    def _end_mixed(self, chunks: list, p_tok: int) -> None:
+        self._busy, self._stepping = None, True
+        self._advance(1)
+        self.prefill_tokens += p_tok
+        for seq, c in chunks:
+            seq.done_tokens += c
+            seq.prefilled += c
+            if seq.done_tokens >= seq.ctx:
+                self._prefill_done(seq)
+        self._stepping = False
+        self._schedule_next()
+
+    def _prefill_done(self, seq: Seq) -> None:
+        """The last chunk's step also samples the sequence's next token."""
+        self.prefilling.remove(seq)
+        self.kv_pref -= seq.done_tokens
+        if seq.out_left > 0:
+            if seq.t_first < 0:
+                seq.t_first = self.k.now
+                if seq.on_first:
+                    seq.on_first(seq)
+            seq.out_left -= 1
+            seq.ctx += 1
+            self.decode_tokens += 1
+        if seq.out_left <= 0:
+            self._finish(seq, seq.ctx)
+            return
+        seq.state = SeqState.DECODE
+        seq.admit_step, seq.ctx_at_admit = self.step_no, seq.ctx
+        seq.finish_step = self.step_no + seq.out_left
+        self.n_dec += 1
+        self.ctx_sum += seq.ctx
+        heapq.heappush(self.heap, (seq.finish_step, seq.order, seq))
+        self.order.append(seq)
+        if len(self.order) > 4 * self.n_dec + 64:
+            self.order = [s for s in self.order if s.state == SeqState.DECODE]
+
+    def _top_live(self) -> tuple[int, int, Seq] | None:
+        heap = self.heap
+        while heap and not _live(heap[0]):
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+    def _decode_segment(self) -> None:
+        self._room_for_decode()
+        n, free = self.n_dec, self._free()
+        k_fin = self._top_live()[0] - self.step_no
+        k = max(1, min(k_fin, free // n))
+        a, b = self.cost.decode_coeffs(n)
+        c0 = self.ctx_sum
+        dt = k * a + b * (k * c0 + n * k * (k - 1) / 2)
+        self._seg = (self.k.now, k, a, b, c0, n)
+        self._run(dt, self._end_segment, k)
+
+    def _cut_segment(self) -> None:
+        """An admissible request arrived mid-segment: stop after the step now running."""
+        t0, k, a, b, c0, n = self._seg
+        qa, qb = b * n / 2, a + b * c0 - b * n / 2  # S(j) = qa j^2 + qb j
+        el = self.k.now - t0
+        j = int((-qb + math.sqrt(qb * qb + 4 * qa * el)) / (2 * qa)) if qa > 0 else int(el / qb)
+        j = min(k, j + 1)
+        if j >= k:
+            return
+        self._busy.cancel()
+        t_end = max(self.k.now, t0 + qa * j * j + qb * j)
+        self.busy_s -= (t0 + qa * k * k + qb * k) - t_end
+        self._seg = (t0, j, a, b, c0, n)
+        self._busy = self.k.at(t_end, self._end_segment, j)
+
+    def _end_segment(self, k: int) -> None:
+        self._busy, seg = None, self._seg
+        self._seg, self._stepping = None, True
+        if self.tracer is not None:
+            self.tracer.engine_span(self, seg[0], self.k.now, seg[5], 0)
+        self._advance(k)
+        self._stepping = False
+        self._schedule_next()
+
+    def _run(self, dt: float, fn, *args) -> None:
+        self.busy_s += dt
+        self._busy = self.k.after(dt, fn, *args)
+        if self.tracer is not None and fn == self._end_mixed:
+            self.tracer.engine_span(self, self.k.now, self.k.now + dt, self.n_dec, args[1])
+
+    def _advance(self, k: int) -> None:
+        """k decode steps happened: contexts grow, finished sequences leave."""
+        self.step_no += k
+        self.ctx_sum += self.n_dec * k
+        self.decode_tokens += self.n_dec * k
+        heap = self.heap
+        while heap and heap[0][0] <= self.step_no:
+            entry = heapq.heappop(heap)
+            if not _live(entry):
+                continue
+            seq = entry[2]
+            ctx = seq.current_ctx(self.step_no)
+            self.n_dec -= 1
+            self.ctx_sum -= ctx
+            self._finish(seq, ctx)
+
+    def _finish(self, seq: Seq, ctx: int) -> None:
+        seq.state, seq.t_done, seq.ctx = SeqState.DONE, self.k.now, ctx
+        if seq.keep_kv:
+            self._keep(seq.key, ctx)
+        if seq.on_done:
+            seq.on_done(seq)
+
+    def _keep(self, key, tokens: int) -> None:
+        if self.kv_policy == KVPolicy.DROP:
+            return
+        if self.kv_policy == KVPolicy.OFFLOAD:
+            self.host[key] = tokens
+            return
+        self._take_cache(key)
+        if self._free() < tokens:
+            self._evict(tokens)
+        if self._free() >= tokens:
+            self.cache[key] = tokens
+            self.cache_tokens += tokens
+
+
+def _live(entry: tuple[int, int, Seq]) -> bool:
+    """Heap entries are removed lazily: an entry is live if its sequence still finishes then."""
+    seq = entry[2]
+    return seq.state == SeqState.DECODE and seq.finish_step == entry[0]

@@ -1,0 +1,151 @@
+"""Replay a real vLLM benchmark on one simulated engine, and compare latencies.
+
+The folder format is described in the shared data README: `meta.json` (engine arguments),
+`config.json` (hardware), `requests.jsonl` (arrivals, token counts and the engine's timestamps).
+The model and hardware are looked up in the catalog by name, so the replay uses spec-sheet numbers
+and whatever efficiency profile is given: nothing is fitted per trace.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from libra.core.errors import ConfigError, TraceError
+from libra.costmodel.catalog import Catalog
+from libra.costmodel.efficiency import RolloutEfficiency
+from libra.costmodel.rollout import RolloutCostModel
+from libra.sim.engine import Engine, Seq
+from libra.sim.kernel import Kernel
+
+METRICS = ("ttft", "tpot", "latency")
+STATS = {"mean": np.mean, "median": np.median, "p90": lambda a: np.percentile(a, 90), "p99": lambda a: np.percentile(a, 99)}
+
+
+@dataclass(slots=True)
+class Bench:
+    hardware: str
+    model: str
+    tp: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    gpu_memory_utilization: float
+    requests: list[dict]
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError("dir", str(path.parent), f"a vLLM bench folder with {path.name} ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise TraceError(str(path), e.lineno, "<file>", f"is not valid JSON ({e.msg})") from None
+
+
+def _match(names: dict, wanted: str, field: str, key=lambda spec: spec.source) -> str:
+    norm = wanted.lower().replace("_", "-")
+    for name, spec in names.items():
+        if name == norm or (key(spec) or "").lower() == wanted.lower() or name.replace("-", "") == norm.replace("-", ""):
+            return name
+    raise ConfigError(field, wanted, names.keys())
+
+
+def load_bench(folder: str | Path, catalog: Catalog) -> Bench:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ConfigError("dir", str(folder), "a folder with meta.json, config.json and requests.jsonl")
+    meta, cfg = _read_json(folder / "meta.json"), _read_json(folder / "config.json")
+    kw = meta.get("engine_kwargs", {})
+    inst = cfg["nodes"][0]["instances"][0]
+    hw = _match(catalog.hardware_specs, inst.get("hardware", ""), "config.json: hardware", key=lambda s: "")
+    model = _match(catalog.model_specs, kw.get("model", meta.get("model", "")), "meta.json: model")
+    reqs = _read_requests(folder / "requests.jsonl")
+    return Bench(hw, model, int(kw.get("tensor_parallel_size", 1)), int(kw.get("max_num_seqs") or 256),
+                 int(kw.get("max_num_batched_tokens") or 8192), float(inst["npu_mem"].get("mem_util", 0.9)), reqs)  # fmt: skip
+
+
+def _read_requests(path: Path) -> list[dict]:
+    out = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise ConfigError("dir", str(path.parent), f"a folder with requests.jsonl ({e.strerror})") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TraceError(str(path), n, "<line>", f"is not valid JSON ({e.msg})") from None
+        for key in ("input_toks", "output_toks", "arrival_time"):
+            if not isinstance(r.get(key), (int, float)) or r[key] < 0:
+                raise TraceError(str(path), n, key, "must be a number >= 0")
+        out.append(r)
+    if not out:
+        raise TraceError(str(path), 0, "<file>", "holds no requests")
+    return out
+
+
+def measured(bench: Bench) -> dict[str, np.ndarray]:
+    r = bench.requests
+    q = np.array([x["queued_ts"] for x in r])
+    first = np.array([x["first_token_ts"] for x in r])
+    last = np.array([x["last_token_ts"] for x in r])
+    out = np.array([x["output_toks"] for x in r])
+    keep = out > 1
+    return {"ttft": first - q, "latency": last - q, "tpot": ((last - first)[keep] / (out[keep] - 1))}
+
+
+def simulate(bench: Bench, catalog: Catalog, eff: RolloutEfficiency | None = None) -> dict[str, np.ndarray]:
+    hw, model = catalog.hardware(bench.hardware), catalog.model(bench.model)
+    cost = RolloutCostModel(hw, model, bench.tp, eff, bench.gpu_memory_utilization, bench.max_num_batched_tokens)
+    k = Kernel(0)
+    eng = Engine(k, "replay", cost, bench.max_num_seqs, bench.max_num_batched_tokens)
+    t0 = min(r["arrival_time"] for r in bench.requests)
+    seqs = []
+    for i, r in enumerate(bench.requests):
+        s = Seq(i, max(1, int(r["input_toks"])), max(1, int(r["output_toks"])))
+        seqs.append(s)
+        k.at(r["arrival_time"] - t0, eng.submit, s)
+    k.run()
+    out = np.array([s.out_total for s in seqs])
+    first, done, sub = (np.array([getattr(s, a) for s in seqs]) for a in ("t_first", "t_done", "t_submit"))
+    keep = out > 1
+    return {"ttft": first - sub, "latency": done - sub, "tpot": (done - first)[keep] / (out[keep] - 1)}
+
+
+def summarize(arrs: dict[str, np.ndarray]) -> dict[str, float]:
+    return {f"{m}_{s}": float(f(arrs[m])) for m in METRICS for s, f in STATS.items()}
+
+
+def compare(bench: Bench, catalog: Catalog, eff: RolloutEfficiency | None = None) -> dict:
+    real, sim = summarize(measured(bench)), summarize(simulate(bench, catalog, eff))
+    keys = ("ttft_mean", "latency_mean", "latency_p90", "tpot_mean")
+    return {"measured": real, "simulated": sim, "error": {k: (sim[k] - real[k]) / real[k] for k in keys}}
+
+
+FIT_KEYS = ("latency_mean", "latency_p90", "ttft_mean", "tpot_mean")
+
+
+def calibrate(bench: Bench, catalog: Catalog, base: RolloutEfficiency | None = None,
+              fields: tuple[str, ...] = ("bw", "compute", "base_overhead_s", "per_seq_overhead_s")) -> tuple[RolloutEfficiency, dict]:  # fmt: skip
+    """Fit efficiency coefficients so the replay matches the measured latencies of `bench`.
+
+    Minimises the squared log-ratio of simulated to measured latency mean and p90, TTFT mean and
+    TPOT mean, with Nelder-Mead over the log of each coefficient (fractions clipped to 1).
+    """
+    from libra.costmodel.calibrate import _with, nelder_mead
+
+    base = base or RolloutEfficiency()
+    real = summarize(measured(bench))
+
+    def loss(logx: np.ndarray) -> float:
+        sim = summarize(simulate(bench, catalog, _with(base, fields, logx)))
+        return float(sum(np.log(sim[k] / real[k]) ** 2 for k in FIT_KEYS))
+
+    x0 = np.log(np.array([getattr(base, f) for f in fields]))
+    best = _with(base, fields, nelder_mead(loss, x0, step=0.2, iters=150))
+    return best, compare(bench, catalog, best)["error"]
