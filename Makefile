@@ -21,7 +21,7 @@ $(STAMP_TEST): pyproject.toml | $(BIN)/python
 	touch $@ $(STAMP_CORE)
 
 demo: $(STAMP_CORE)
-	$(BIN)/libra costmodel report
+	$(BIN)/libra simulate
 
 sysdeps:
 	@command -v bwrap >/dev/null 2>&1 || { \

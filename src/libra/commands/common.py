@@ -35,7 +35,8 @@ profile_option = click.option(
     help="Calibration profile YAML (from `libra costmodel calibrate`).",
 )
 
-console = Console(stderr=False, highlight=False)
+# Piped output gets a wide console so tables are not squeezed into 80 columns.
+console = Console(stderr=False, highlight=False, width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True, highlight=False)
 
 

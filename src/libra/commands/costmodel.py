@@ -218,30 +218,43 @@ def report(hardware, model, as_json, catalogs, profile):
 
 
 @costmodel.command()
-@click.option("--data", required=True, type=click.Path(dir_okay=False), help="JSONL of measured iterations.")
+@click.option("--data", type=click.Path(dir_okay=False), default=None, help="JSONL of measured iterations.")
+@click.option("--vllm-bench", type=click.Path(file_okay=False), default=None,
+              help="A vLLM benchmark folder: fit so the simulated replay matches its latencies.")  # fmt: skip
 @click.option(
     "--out", required=True, type=click.Path(dir_okay=False), help="Where to write the profile YAML."
 )
 @json_option
 @catalog_option
 @profile_option
-def calibrate(data, out, as_json, catalogs, profile):
-    """Fit the rollout efficiency coefficients to measured iteration times; write a profile."""
-    recs = read_measurements(data)
-    base = load_profile(profile)
-    eff, mape = fit_rollout(recs, load_catalog(catalogs), base.rollout)
-    prof = base.model_copy(
-        update={"rollout": eff, "note": f"fitted to {len(recs)} iterations from {data}; MAPE {mape:.3f}"}
-    )
-    save_profile(prof, out)
-    res = {"profile": out, "records": len(recs), "mape": mape, "rollout": eff.model_dump()}
+def calibrate(data, vllm_bench, out, as_json, catalogs, profile):
+    """Fit the rollout efficiency coefficients to measurements; write a profile YAML.
+
+    Give either --data (measured iteration times) or --vllm-bench (a real serving trace, fitted
+    through the simulated engine).
+    """
+    if (data is None) == (vllm_bench is None):
+        raise ConfigError("--data/--vllm-bench", data or vllm_bench, "exactly one of the two")
+    base, cat = load_profile(profile), load_catalog(catalogs)
+    if data is not None:
+        recs = read_measurements(data)
+        eff, mape = fit_rollout(recs, cat, base.rollout)
+        note, fit = (
+            f"fitted to {len(recs)} iterations from {data}; MAPE {mape:.3f}",
+            {"records": len(recs), "mape": mape},
+        )
+    else:
+        from libra.sim.replay import calibrate as fit_replay
+        from libra.sim.replay import load_bench
+
+        eff, err = fit_replay(load_bench(vllm_bench, cat), cat, base.rollout)
+        note, fit = f"fitted by replaying {vllm_bench}", {"replay_error": err}
+    save_profile(base.model_copy(update={"rollout": eff, "note": note}), out)
     if as_json:
-        emit_json(res)
+        emit_json({"profile": out, **fit, "rollout": eff.model_dump()})
         return
     console.print(
         table(
-            f"Calibrated profile -> {out} (MAPE {mape:.1%})",
-            ["coefficient", "value"],
-            list(eff.model_dump().items()),
+            f"Calibrated profile -> {out} ({note})", ["coefficient", "value"], list(eff.model_dump().items())
         )
     )

@@ -73,7 +73,7 @@ class Engine:
 
     def __init__(self, kernel: Kernel, iid: str, cost: RolloutCostModel, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, kv_policy: KVPolicy = KVPolicy.RESIDENT,
-                 tracer=None, pcie_gbps: float = 25.0):  # fmt: skip
+                 tracer=None, pcie_gbps: float = 25.0, max_segment_steps: int | None = None):  # fmt: skip
         self.k, self.id, self.cost = kernel, iid, cost
         self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
         self.kv_policy, self.tracer = kv_policy, tracer
@@ -93,6 +93,8 @@ class Engine:
         self.evicted_tokens = 0
         self.healthy = True
         self._stepping = False
+        # Tests set 1 to step iteration by iteration and check the closed form against it.
+        self.max_segment_steps = max_segment_steps
 
     # ---- queries ------------------------------------------------------------------------------
 
@@ -192,6 +194,8 @@ class Engine:
 
     def _room_for_decode(self) -> None:
         """Decodes must grow by one token each: evict, then preempt the newest (vLLM recompute)."""
+        if self.kv_cap - self.ctx_sum - self.kv_pref - self.cache_tokens >= self.n_dec:
+            return  # the common case, without a call
         while not self._evict(self.n_dec) and self.n_dec > 1:
             self._preempt_newest()
 
@@ -239,7 +243,9 @@ class Engine:
         """Partial prefills fill the cache and nothing decodes: requeue the newest and retry."""
         seq = self.prefilling.pop()
         if not self.prefilling:
-            raise RuntimeError(f"{self.id}: a request of {seq.ctx} tokens exceeds the KV cache ({self.kv_cap})")
+            raise RuntimeError(
+                f"{self.id}: a request of {seq.ctx} tokens exceeds the KV cache ({self.kv_cap})"
+            )
         self.kv_pref -= seq.done_tokens
         seq.done_tokens, seq.state = 0, SeqState.WAITING
         self.preemptions += 1
@@ -294,6 +300,8 @@ class Engine:
         n, free = self.n_dec, self._free()
         k_fin = self._top_live()[0] - self.step_no
         k = max(1, min(k_fin, free // n))
+        if self.max_segment_steps:
+            k = min(k, self.max_segment_steps)
         a, b = self.cost.decode_coeffs(n)
         c0 = self.ctx_sum
         dt = k * a + b * (k * c0 + n * k * (k - 1) / 2)

@@ -22,7 +22,12 @@ from libra.sim.engine import Engine, Seq
 from libra.sim.kernel import Kernel
 
 METRICS = ("ttft", "tpot", "latency")
-STATS = {"mean": np.mean, "median": np.median, "p90": lambda a: np.percentile(a, 90), "p99": lambda a: np.percentile(a, 99)}
+STATS = {
+    "mean": np.mean,
+    "median": np.median,
+    "p90": lambda a: np.percentile(a, 90),
+    "p99": lambda a: np.percentile(a, 99),
+}
 
 
 @dataclass(slots=True)
@@ -40,7 +45,9 @@ def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
-        raise ConfigError("dir", str(path.parent), f"a vLLM bench folder with {path.name} ({e.strerror})") from None
+        raise ConfigError(
+            "dir", str(path.parent), f"a vLLM bench folder with {path.name} ({e.strerror})"
+        ) from None
     except json.JSONDecodeError as e:
         raise TraceError(str(path), e.lineno, "<file>", f"is not valid JSON ({e.msg})") from None
 
@@ -48,7 +55,11 @@ def _read_json(path: Path) -> dict:
 def _match(names: dict, wanted: str, field: str, key=lambda spec: spec.source) -> str:
     norm = wanted.lower().replace("_", "-")
     for name, spec in names.items():
-        if name == norm or (key(spec) or "").lower() == wanted.lower() or name.replace("-", "") == norm.replace("-", ""):
+        if (
+            name == norm
+            or (key(spec) or "").lower() == wanted.lower()
+            or name.replace("-", "") == norm.replace("-", "")
+        ):
             return name
     raise ConfigError(field, wanted, names.keys())
 
@@ -101,7 +112,9 @@ def measured(bench: Bench) -> dict[str, np.ndarray]:
 
 def simulate(bench: Bench, catalog: Catalog, eff: RolloutEfficiency | None = None) -> dict[str, np.ndarray]:
     hw, model = catalog.hardware(bench.hardware), catalog.model(bench.model)
-    cost = RolloutCostModel(hw, model, bench.tp, eff, bench.gpu_memory_utilization, bench.max_num_batched_tokens)
+    cost = RolloutCostModel(
+        hw, model, bench.tp, eff, bench.gpu_memory_utilization, bench.max_num_batched_tokens
+    )
     k = Kernel(0)
     eng = Engine(k, "replay", cost, bench.max_num_seqs, bench.max_num_batched_tokens)
     t0 = min(r["arrival_time"] for r in bench.requests)

@@ -1,0 +1,132 @@
+"""`libra simulate`: run systems on a scenario, print a comparison table, write results."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from libra.commands.common import (
+    console,
+    emit_json,
+    err_console,
+    json_option,
+    profile_option,
+    set_option,
+    table,
+)
+from libra.core.config import apply_overrides
+from libra.core.errors import ConfigError
+from libra.costmodel.efficiency import load_profile
+from libra.sim.scenarios import list_scenarios, load_scenario, runner_for
+
+DEFAULT_SCENARIO = "libra-r2e-48gpu"
+
+# Columns of the comparison table: (header, path into a system's metrics).
+COLUMNS = [
+    ("tok/s", ("throughput_tokens_per_s",)),
+    ("step s", ("mean_step_time_s",)),
+    ("rollout s", ("mean_rollout_makespan_s",)),
+    ("train s", ("mean_train_time_s",)),
+    ("GPU util", ("gpu_utilization",)),
+    ("route acc", ("routing", "accuracy")),
+    ("migrated", ("routing", "migrated_token_ratio")),
+    ("mean ACT s", ("actions", "mean_act_s")),
+    ("p99 ACT s", ("actions", "p99_act_s")),
+]
+
+
+def _get(d: dict, path: tuple) -> object:
+    for p in path:
+        if not isinstance(d, dict) or p not in d:
+            return None
+        d = d[p]
+    return d
+
+
+def comparison_table(summary: dict):
+    systems = summary["systems"]
+    cols = [(h, p) for h, p in COLUMNS if any(_get(m, p) is not None for m in systems.values())]
+    rows = [
+        [name] + [_get(m, p) if _get(m, p) is not None else "-" for _, p in cols]
+        for name, m in systems.items()
+    ]
+    title = f"{summary['scenario']}: {summary.get('steps', '?')} steps, seed {summary.get('seed')}"
+    return table(title, ["system"] + [h for h, _ in cols], rows)
+
+
+@click.command()
+@click.option("--scenario", default=DEFAULT_SCENARIO, show_default=True, help="Scenario name or YAML path.")
+@click.option(
+    "--trace",
+    "trace_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Replay this JSONL trace as the workload.",
+)
+@click.option("--systems", default=None, help="Comma-separated systems (default: the scenario's list).")
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="RL steps (default: the scenario's).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Output folder [default: runs/SCENARIO].",
+)
+@click.option("--list", "list_only", is_flag=True, help="List the shipped scenarios and exit.")
+@set_option
+@profile_option
+@json_option
+def simulate(scenario, trace_file, systems, steps, seed, out_dir, list_only, overrides, profile, as_json):
+    """Simulate agentic RL post-training systems on a scenario and compare them.
+
+    Writes summary.json, steps.json, PNG plots and a Perfetto trace.json to --out.
+    """
+    if list_only:
+        for name in list_scenarios():
+            console.print(name)
+        return
+    data = apply_overrides(load_scenario(scenario), list(overrides))
+    names = [s.strip() for s in systems.split(",") if s.strip()] if systems else None
+    if systems is not None and not names:
+        raise ConfigError("--systems", systems, "a comma-separated list of system names")
+    out = Path(out_dir or Path("runs") / data["name"])
+    kwargs = {}
+    if trace_file:
+        if data["kind"] != "rl":
+            raise ConfigError("--trace", trace_file, "only RL scenarios replay trajectory traces")
+        kwargs["trace"] = trace_file
+    if profile:
+        kwargs["profile"] = load_profile(profile)
+    t0 = time.perf_counter()
+    result = _run_with_progress(runner_for(data["kind"]), data, names, steps, seed, out, kwargs)
+    result.setdefault("scenario", data["name"])
+    elapsed = time.perf_counter() - t0
+    if as_json:
+        emit_json({k: v for k, v in result.items() if k != "per_step"})
+        return
+    console.print(comparison_table(result))
+    err_console.print(
+        f"simulated in {elapsed:.1f} s; results in {out}/ (summary.json, steps.json, *.png, trace.json)"
+    )
+
+
+def _run_with_progress(runner, data, names, steps, seed, out, kwargs) -> dict:
+    cols = [
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.percentage:>3.0f}%"),
+        TimeElapsedColumn(),
+    ]
+    with Progress(*cols, console=err_console, transient=True) as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(label: str, frac: float) -> None:
+            if label not in tasks:
+                tasks[label] = bar.add_task(label, total=1.0)
+            bar.update(tasks[label], completed=min(1.0, frac))
+
+        return runner(data, names, steps, seed, out, progress, **kwargs)

@@ -1,0 +1,270 @@
+"""The RL post-training pipeline on a simulated clock: rollout batches, training steps, weights.
+
+Disaggregated systems run rollout and training on separate GPUs, asynchronously with bounded
+staleness: rollout batch s starts once batch s-1 is done and at least s-k training steps have
+finished (weights at most k steps old); training step s starts once batch s is done and step s-1
+has finished. Each rollout batch first syncs the newest weights to the engines. Colocated systems
+alternate on all GPUs, paying a switch cost each way.
+
+Metrics (the README defines each): throughput = generated tokens / wall time, where wall time ends
+with the last training step; mean step time = wall time / steps; rollout makespan = batch start to
+its last trajectory; GPU utilisation = busy GPU-seconds / (all GPUs x wall time).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from libra.core.errors import ConfigError
+from libra.core.trace import read_trace
+from libra.core.trajectory import Trajectory
+from libra.costmodel.catalog import load_catalog
+from libra.costmodel.efficiency import Profile
+from libra.costmodel.training import TrainCostModel
+from libra.rollout.registry import make_router
+from libra.sim.kernel import Kernel
+from libra.sim.rl_config import RLScenario, parse_rl
+from libra.sim.rollout_driver import RolloutDriver, make_engines
+from libra.sim.systems import Setup, System, make_system
+from libra.sim.tracing import Tracer
+
+Progress = Callable[[str, float], None]
+
+
+class Batches:
+    """Where each step's trajectories come from: a workload generator or a replayed trace."""
+
+    def __init__(self, sc: RLScenario, seed: int, trace: list[Trajectory] | None = None):
+        self.trace = None
+        if trace is not None:
+            by_step: dict[int, list[Trajectory]] = {}
+            for t in trace:
+                by_step.setdefault(t.step, []).append(t)
+            self.trace = [by_step[s] for s in sorted(by_step)]
+            return
+        from libra.sim.workloads import WorkloadConfig, make_workload
+
+        self.workload = make_workload(WorkloadConfig(**sc.workload))
+        self.seed = seed
+
+    @property
+    def trace_steps(self) -> int | None:
+        return None if self.trace is None else len(self.trace)
+
+    def get(self, step: int) -> list[Trajectory]:
+        if self.trace is not None:
+            return self.trace[step % len(self.trace)]
+        return self.workload.generate(step, random.Random(self.seed * 1_000_003 + step))
+
+
+class RLSim:
+    """One system on one scenario: the mechanism that carries out the system's decisions."""
+
+    def __init__(self, sc: RLScenario, system: System, batches: Batches, steps: int, seed: int,
+                 profile: Profile | None = None, trace_step: int | None = None):  # fmt: skip
+        cat = load_catalog()
+        self.sc, self.system, self.batches, self.steps = sc, system, batches, steps
+        self.hw, self.model = cat.hardware(sc.cluster.hardware), cat.model(sc.model)
+        self.profile = profile or Profile()
+        self.k = Kernel(seed)
+        self.total_gpus = sc.cluster.nodes * self.hw.gpus_per_node
+        self.tracer = Tracer(trace_step)
+        self.train_cost = TrainCostModel(self.hw, self.model, self.profile.train)
+        self.setup: Setup = system.setup(sc, self.hw)
+        self.driver = self._build_driver(self.setup)
+        self.history: list[dict] = []
+        self.rollout_done = self.train_done = 0
+        self.rollout_running = self.training = False
+        self.weights_on_engines = 0
+        self.train_busy_gpu_s = 0.0
+        self.engine_busy_gpu_s = 0.0
+        self.progress: Progress = lambda label, frac: None
+
+    # ---- construction -------------------------------------------------------------------------
+
+    def _build_driver(self, setup: Setup) -> RolloutDriver:
+        engines = make_engines(
+            self.k, setup.instances, self.hw, self.model, self.sc, self.profile.rollout, self.tracer
+        )
+        bucket_of = {e.id: s.bucket for e, s in zip(engines, setup.instances, strict=True)}
+        node_of = {e.id: s.node for e, s in zip(engines, setup.instances, strict=True)}
+        costs = {
+            b: engines[[s.bucket for s in setup.instances].index(b)].cost for b in set(bucket_of.values())
+        }
+        router = make_router(
+            setup.router,
+            setup.buckets,
+            cost=_coster(costs, len(setup.buckets)),
+            seed=0,
+            **setup.router_params,
+        )
+        drv = RolloutDriver(self.k, engines, setup.buckets, bucket_of, router, node_of,
+                            self.sc.pipeline.tool_latency_default_s, self.tracer)  # fmt: skip
+        drv.set_caps(self.sc.rollout.instance_cap)
+        drv.on_traj_done = self._traj_done
+        return drv
+
+    # ---- the step loop ------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        self._try_rollout()
+        self.k.run()
+        if self.train_done < self.steps:
+            raise RuntimeError(
+                f"{self.system.name}: simulation stalled after {self.train_done} of {self.steps} steps"
+            )
+        return self.summary()
+
+    def _may_roll(self, s: int) -> bool:
+        if self.rollout_running or s >= self.steps:
+            return False
+        if self.setup.colocated:
+            return self.train_done >= s and not self.training
+        return self.train_done >= s - self.sc.pipeline.staleness
+
+    def _try_rollout(self) -> None:
+        s = self.rollout_done
+        if not self._may_roll(s):
+            return
+        self.rollout_running = True
+        delay = self.sc.pipeline.switch_s if self.setup.colocated and s > 0 else 0.0
+        if self.train_done > self.weights_on_engines and not self.setup.colocated:
+            delay += self._weight_sync_s()
+            self.weights_on_engines = self.train_done
+        self.tracer.step_started(s, self.k.now)
+        self.k.after(delay, self._start_batch, s)
+
+    def _weight_sync_s(self) -> float:
+        if self.sc.pipeline.weight_sync_s is not None:
+            return self.sc.pipeline.weight_sync_s
+        tp = min(i.tp for i in self.setup.instances)
+        # Each rollout GPU receives its TP shard over the network; plus pausing and resharding.
+        return self.model.weight_bytes / tp / (self.hw.inter_node_bw_gbps * 1e9 * 0.75) + 0.5
+
+    def _start_batch(self, s: int) -> None:
+        trajs = self.batches.get(s)
+        self._batch = {"step": s, "t0": self.k.now, "left": len(trajs), "trajs": trajs}
+        for t in trajs:
+            self.driver.start(t)
+
+    def _traj_done(self, run) -> None:
+        b = self._batch
+        b["left"] -= 1
+        if b["left"] == 0:
+            self._batch_done(b)
+
+    def _batch_done(self, b: dict) -> None:
+        s, trajs = b["step"], b["trajs"]
+        rec = {"step": s, "rollout_start": b["t0"], "rollout_end": self.k.now,
+               "generated_tokens": sum(t.generated_tokens for t in trajs),
+               "lengths": [t.total_tokens for t in trajs]}  # fmt: skip
+        self.history.append(rec)
+        self.rollout_done += 1
+        self.rollout_running = False
+        self.driver.router.on_step_end(s)
+        self._try_train()
+        self._try_rollout()
+
+    def _try_train(self) -> None:
+        s = self.train_done
+        if self.training or s >= self.rollout_done:
+            return
+        self.training = True
+        rec = self.history[s]
+        dt = self.train_cost.step(self.setup.train, rec["lengths"]).step_time_s
+        delay = self.sc.pipeline.switch_s if self.setup.colocated else 0.0
+        rec["train_start"], rec["train_time"] = self.k.now + delay, dt
+        self.train_busy_gpu_s += dt * self.setup.train.gpus
+        self.tracer.train_span(s, self.k.now + delay, dt)
+        self.k.after(delay + dt, self._train_end, s)
+
+    def _train_end(self, s: int) -> None:
+        self.history[s]["train_end"] = self.k.now
+        self.train_done += 1
+        self.training = False
+        self.tracer.step_ended(s, self.k.now)
+        self.progress(self.system.name, self.train_done / self.steps)
+        self._replan()
+        self._try_train()
+        self._try_rollout()
+
+    def _replan(self) -> None:
+        new = self.system.between_steps(self.sc, self.hw, self.history, self.setup)
+        if new is not None and not self.rollout_running:
+            self.engine_busy_gpu_s += self._engine_busy()
+            self.setup, self.driver = new, self._build_driver(new)
+
+    # ---- metrics ------------------------------------------------------------------------------
+
+    def _engine_busy(self) -> float:
+        return sum(e.busy_s * e.tp for e in self.driver.engines.values())
+
+    def summary(self) -> dict:
+        h = self.history
+        wall = h[-1]["train_end"]
+        gen = sum(r["generated_tokens"] for r in h)
+        busy = self.engine_busy_gpu_s + self._engine_busy() + self.train_busy_gpu_s
+        engines = self.driver.engines.values()
+        rollout_tokens = sum(e.prefill_tokens + e.decode_tokens for e in engines)
+        return {
+            "throughput_tokens_per_s": gen / wall,
+            "mean_step_time_s": wall / len(h),
+            "mean_rollout_makespan_s": float(np.mean([r["rollout_end"] - r["rollout_start"] for r in h])),
+            "mean_train_time_s": float(np.mean([r["train_time"] for r in h])),
+            "gpu_utilization": busy / (self.total_gpus * wall),
+            "wall_time_s": wall,
+            "generated_tokens": gen,
+            "train_gpus": self.setup.train_gpus,
+            "rollout_gpus": self.setup.rollout_gpus,
+            "preemptions": sum(e.preemptions for e in engines),
+            **({"routing": self.driver.stats.as_dict(rollout_tokens)} if len(self.setup.buckets) > 1 else {}),
+        }
+
+    def per_step(self) -> list[dict]:
+        out, prev = [], 0.0
+        for r in self.history:
+            out.append({"step": r["step"], "step_time_s": r["train_end"] - prev,
+                        "throughput_tokens_per_s": r["generated_tokens"] / max(1e-9, r["train_end"] - prev),
+                        "rollout_makespan_s": r["rollout_end"] - r["rollout_start"], "train_time_s": r["train_time"],
+                        "mean_length": float(np.mean(r["lengths"])), "p90_length": float(np.percentile(r["lengths"], 90))})  # fmt: skip
+            prev = r["train_end"]
+        return out
+
+
+def _coster(costs: dict, n_buckets: int):
+    from libra.rollout.placement import CostModelCoster
+
+    if len(costs) != n_buckets:
+        return None
+    return CostModelCoster([costs[b] for b in range(n_buckets)])
+
+
+def run(scenario: dict, systems: list[str] | None, steps: int | None, seed: int, out_dir: Path | None,
+        progress: Progress, trace: str | None = None, profile: Profile | None = None) -> dict:  # fmt: skip
+    """Simulate each system on the scenario; return the summary (and write plots/trace to out_dir)."""
+    cat = load_catalog()
+    sc = parse_rl(scenario, cat)
+    trajs = read_trace(trace) if trace else None
+    names = systems or sc.systems or ["verl-colocated", "static-uniform"]
+    batches = Batches(sc, seed, trajs)
+    n = steps or (batches.trace_steps if trajs is not None else sc.steps)
+    if n < 1:
+        raise ConfigError("steps", n, "an integer >= 1")
+    trace_step = sc.trace_step if sc.trace_step is not None else min(2, n - 1)
+    results, per_step, sims = {}, {}, {}
+    for name in names:
+        sim = RLSim(sc, make_system(name), batches, n, seed, profile, trace_step)
+        sim.progress = progress
+        results[name] = sim.run()
+        per_step[name] = sim.per_step()
+        sims[name] = sim
+    out = {"scenario": sc.name, "seed": seed, "steps": n, "systems": results, "per_step": per_step}
+    if out_dir is not None:
+        from libra.sim.report import write_outputs
+
+        write_outputs(out, sims, Path(out_dir))
+    return out

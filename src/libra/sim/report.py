@@ -1,0 +1,71 @@
+"""What `libra simulate` writes: summary.json, steps.json, PNG plots, and a Perfetto trace.
+
+`summary.json` holds {"scenario", "seed", "steps", "systems": {NAME: metrics}} and nothing that
+depends on the wall clock, so the same seed gives a byte-identical file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def write_json(obj: object, path: Path) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def write_outputs(out: dict, sims: dict, out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = {k: out[k] for k in ("scenario", "seed", "steps", "systems")}
+    write_json(summary, out_dir / "summary.json")
+    write_json(out["per_step"], out_dir / "steps.json")
+    paths = [out_dir / "summary.json", out_dir / "steps.json"]
+    paths.append(plot_steps(out["per_step"], out_dir / "steps.png"))
+    last = list(sims.values())[-1]
+    paths.append(plot_lengths(last.history, last.system.name, out_dir / "lengths.png"))
+    trace = last.tracer.chrome_trace()
+    trace["metadata"] = {"system": last.system.name, "step": last.tracer.step}
+    write_json(trace, out_dir / "trace.json")
+    paths.append(out_dir / "trace.json")
+    for name, sim in sims.items():
+        extra = getattr(sim, "extra_plots", None)
+        if extra:
+            paths += extra(out_dir, name)
+    return paths
+
+
+def plot_steps(per_step: dict, path: Path) -> Path:
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, rows in per_step.items():
+        steps = [r["step"] for r in rows]
+        ax1.plot(steps, [r["step_time_s"] for r in rows], label=name, lw=1.2)
+        ax2.plot(steps, [r["throughput_tokens_per_s"] for r in rows], label=name, lw=1.2)
+    ax1.set(title="Step time", xlabel="RL step", ylabel="seconds")
+    ax2.set(title="Throughput", xlabel="RL step", ylabel="generated tokens / s")
+    ax2.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_lengths(history: list[dict], system: str, path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    steps = [r["step"] for r in history]
+    qs = np.array([np.percentile(r["lengths"], [10, 50, 90, 99]) for r in history])
+    ax.fill_between(steps, qs[:, 0], qs[:, 2], alpha=0.25, label="p10-p90")
+    ax.plot(steps, qs[:, 1], label="median")
+    ax.plot(steps, qs[:, 3], ls="--", label="p99")
+    ax.plot(steps, [np.mean(r["lengths"]) for r in history], label="mean")
+    ax.set(title=f"Trajectory length over steps ({system})", xlabel="RL step", ylabel="final context, tokens")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

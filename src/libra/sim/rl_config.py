@@ -1,0 +1,115 @@
+"""The typed RL scenario: what a `kind: rl` YAML file holds, validated when it is loaded.
+
+Shallow on purpose: one level of sections (cluster, split, train, rollout, pipeline), each a small
+model whose fields are documented here and in the README.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from libra.core.config import build
+from libra.core.errors import ConfigError
+from libra.costmodel.catalog import Catalog
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ClusterCfg(_Strict):
+    nodes: int = Field(ge=1)
+    hardware: str
+
+
+class SplitCfg(_Strict):
+    train_gpus: int = Field(ge=1)
+    rollout_gpus: int = Field(ge=1)
+
+
+class TrainCfg(_Strict):
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    cp: int = Field(1, ge=1)
+    micro_batch: int = Field(1, ge=1)
+    recompute: bool = True
+
+
+class BucketCfg(_Strict):
+    name: str
+    tp: int = Field(ge=1)
+    max_context: int = Field(ge=1)
+
+
+class RolloutCfg(_Strict):
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(8192, ge=64)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    kv_during_tool: Literal["resident", "offload", "drop"] = "resident"
+    homogeneous_tp: int = Field(4, ge=1, description="TP of every instance in homogeneous layouts")
+    layout_per_node: list[int] = Field(
+        default_factory=lambda: [1, 1, 2, 4], description="heterogeneous layout"
+    )
+    buckets: list[BucketCfg]
+    instance_cap: int = Field(256, ge=1, description="outstanding requests per instance before spill-over")
+    router_params: dict = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _sorted(self) -> RolloutCfg:
+        caps = [b.max_context for b in self.buckets]
+        if not caps or caps != sorted(caps):
+            raise ValueError("buckets must be a non-empty list ordered by max_context")
+        return self
+
+
+class PipelineCfg(_Strict):
+    staleness: int = Field(1, ge=0, description="rollout may run at most k steps ahead of training")
+    switch_s: float = Field(20.0, ge=0, description="colocated systems: switch cost per direction")
+    weight_sync_s: float | None = Field(None, ge=0, description="None: computed from model size and network")
+    tool_latency_default_s: float = Field(2.0, ge=0, description="for trace turns without tool_latency_s")
+
+
+class RLScenario(_Strict):
+    kind: Literal["rl"] = "rl"
+    name: str
+    description: str = ""
+    cluster: ClusterCfg
+    model: str
+    workload: dict
+    split: SplitCfg
+    train: TrainCfg = TrainCfg()
+    rollout: RolloutCfg
+    pipeline: PipelineCfg = PipelineCfg()
+    steps: int = Field(100, ge=1)
+    systems: list[str] | None = None
+    trace_step: int | None = Field(None, ge=0, description="the step drawn in trace.json")
+
+    def check(self, catalog: Catalog) -> None:
+        hw = catalog.hardware(self.cluster.hardware, "cluster.hardware")
+        model = catalog.model(self.model, "model")
+        total = self.cluster.nodes * hw.gpus_per_node
+        if self.split.train_gpus + self.split.rollout_gpus != total:
+            raise ConfigError("split", self.split.model_dump(), f"train_gpus + rollout_gpus == {total} GPUs")
+        if sum(self.rollout.layout_per_node) > hw.gpus_per_node:
+            raise ConfigError(
+                "rollout.layout_per_node",
+                self.rollout.layout_per_node,
+                f"TPs summing to <= {hw.gpus_per_node}",
+            )
+        for t in [
+            *self.rollout.layout_per_node,
+            self.rollout.homogeneous_tp,
+            *(b.tp for b in self.rollout.buckets),
+        ]:
+            if t > hw.gpus_per_node or model.heads % t:
+                raise ConfigError(
+                    "rollout tp", t, f"<= {hw.gpus_per_node} and a divisor of {model.heads} heads"
+                )
+
+
+def parse_rl(data: dict, catalog: Catalog) -> RLScenario:
+    sc = build(RLScenario, data, prefix="scenario")
+    sc.check(catalog)
+    return sc

@@ -1,0 +1,140 @@
+"""The simulated engine: closed-form segments, KV capacity, preemption, prefix reuse, KV policies."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from libra.costmodel.rollout import RolloutCostModel
+from libra.sim.engine import Engine, KVPolicy, Seq
+from libra.sim.kernel import Kernel
+
+
+@pytest.fixture(scope="module")
+def cost(catalog):
+    return RolloutCostModel(catalog.hardware("a800-80g"), catalog.model("qwen3-8b"), 1)
+
+
+@pytest.fixture(scope="module")
+def small_cost(catalog):
+    """A tiny KV cache (qwen3-8b on a 24 GB card) so that preemption happens."""
+    cm = RolloutCostModel(
+        catalog.hardware("rtx-4090"), catalog.model("qwen3-4b"), 1, max_num_batched_tokens=2048
+    )
+    assert 5_000 < cm.kv_capacity_tokens() < 100_000
+    return cm
+
+
+def _run(cost, reqs, max_seg=None, max_num_seqs=64, check=None, **kw):
+    k = Kernel(0)
+    eng = Engine(k, "e", cost, max_num_seqs, cost.max_num_batched_tokens, max_segment_steps=max_seg, **kw)
+    done = []
+    seqs = []
+    for i, (t, ctx, out) in enumerate(reqs):
+        s = Seq(i, ctx, out, on_done=done.append)
+        seqs.append(s)
+        k.at(t, eng.submit, s)
+    while k.peek() < float("inf"):
+        k.run(max_events=1)
+        if check:
+            check(eng)
+    return eng, seqs, done
+
+
+REQS = [
+    (0.0, 1000, 200),
+    (0.0, 3000, 50),
+    (0.05, 500, 400),
+    (0.5, 8000, 10),
+    (0.51, 100, 1000),
+    (2.0, 2000, 300),
+]
+
+
+def test_closed_form_matches_stepping(cost):
+    """Advancing a decode segment analytically gives the same times as one iteration per event."""
+    _, fast, _ = _run(cost, REQS)
+    _, slow, _ = _run(cost, REQS, max_seg=1)
+    for a, b in zip(fast, slow, strict=True):
+        assert a.t_first == pytest.approx(b.t_first, rel=1e-9)
+        assert a.t_done == pytest.approx(b.t_done, rel=1e-9)
+
+
+def test_fewer_events_than_iterations(cost):
+    k1, _, _ = _run(cost, REQS)
+    k2, _, _ = _run(cost, REQS, max_seg=1)
+    assert k1.step_no == k2.step_no
+    assert k1.k.events_run * 20 < k2.k.events_run
+
+
+def test_decode_time_matches_cost_model(cost):
+    eng, (s,), _ = _run(cost, [(0.0, 1000, 101)])
+    expect = cost.step_time(1000, 1000 * 1001 / 2, 0, 0)
+    expect += sum(cost.decode_time(1, 1001 + i) for i in range(100))
+    assert s.t_done == pytest.approx(expect, rel=1e-9)
+
+
+def test_max_num_seqs_limits_batch(cost):
+    reqs = [(0.0, 100, 500)] * 10
+    eng, seqs, _ = _run(cost, reqs, max_num_seqs=4)
+    firsts = sorted(s.t_first for s in seqs)
+    assert firsts[4] > firsts[3]  # the fifth waited for a slot
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 5), st.integers(1, 6000), st.integers(1, 800)), min_size=1, max_size=40),
+       st.sampled_from(list(KVPolicy)))  # fmt: skip
+def test_invariants_under_pressure(small_cost, reqs, policy):
+    """Every request finishes exactly once, KV never exceeds capacity, time never goes back."""
+    last = [0.0]
+
+    def check(eng):
+        assert eng.kv_used() <= eng.kv_cap
+        assert eng.k.now >= last[0]
+        last[0] = eng.k.now
+
+    eng, seqs, done = _run(small_cost, reqs, check=check, kv_policy=policy)
+    assert sorted(s.key for s in done) == list(range(len(reqs)))
+    assert all(s.t_first <= s.t_done for s in seqs)
+    assert eng.outstanding == 0 and eng.n_dec == 0 and eng.ctx_sum == 0 and eng.kv_pref == 0
+
+
+def test_preemption_recomputes(small_cost):
+    cap = small_cost.kv_capacity_tokens()
+    reqs = [(0.0, cap // 8, cap // 4)] * 6  # outputs grow past the cache
+    eng, seqs, done = _run(small_cost, reqs)
+    assert eng.preemptions > 0 and len(done) == 6
+    assert eng.prefill_tokens > sum(r[1] for r in reqs)  # recompute prefilled again
+
+
+def _two_turns(cost, policy, same_engine=True):
+    k = Kernel(0)
+    a = Engine(k, "a", cost, kv_policy=policy)
+    b = Engine(k, "b", cost, kv_policy=policy)
+    second = b if not same_engine else a
+    out = {}
+
+    def turn1_done(s):
+        k.after(1.0, second.submit, Seq("t", s.ctx + 500, 50, on_done=lambda s2: out.setdefault("s2", s2)))
+
+    a.submit(Seq("t", 4000, 100, on_done=turn1_done, keep_kv=True))
+    k.run()
+    return out["s2"]
+
+
+def test_prefix_reuse_same_instance_only(cost):
+    same = _two_turns(cost, KVPolicy.RESIDENT)
+    other = _two_turns(cost, KVPolicy.RESIDENT, same_engine=False)
+    assert same.prefilled == 500 and other.prefilled == 4600
+
+
+def test_kv_policies_during_tool(cost):
+    assert _two_turns(cost, KVPolicy.DROP).prefilled == 4600
+    off = _two_turns(cost, KVPolicy.OFFLOAD)
+    res = _two_turns(cost, KVPolicy.RESIDENT)
+    assert off.prefilled == 500
+    assert off.t_done > res.t_done  # reloading from host memory takes time
+
+
+def test_request_larger_than_cache_is_reported(small_cost):
+    with pytest.raises(RuntimeError, match="exceeds the KV cache"):
+        _run(small_cost, [(0.0, small_cost.kv_capacity_tokens() + 10, 5)])

@@ -1,0 +1,158 @@
+"""The RL pipeline simulation end to end: systems, traces, outputs, determinism, bad input."""
+
+import json
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from libra.sim.pipeline import RLSim, run
+from libra.sim.rl_config import parse_rl
+from libra.sim.scenarios import load_scenario
+from libra.sim.systems import make_system
+from tests.conftest import run_cli
+
+SMALL = {
+    "kind": "rl", "name": "small", "cluster": {"nodes": 2, "hardware": "a800-80g"}, "model": "qwen3-8b",
+    "workload": {"family": "r2e-gym", "prompts_per_step": 4, "samples_per_prompt": 4, "max_length": 40960},
+    "split": {"train_gpus": 8, "rollout_gpus": 8}, "train": {"tp": 4},
+    "rollout": {"homogeneous_tp": 2, "layout_per_node": [1, 1, 2, 4],
+                "buckets": [{"name": "s", "tp": 1, "max_context": 4096}, {"name": "m", "tp": 2, "max_context": 12288},
+                            {"name": "l", "tp": 4, "max_context": 40960}]},
+    "steps": 3,
+}  # fmt: skip
+
+
+@pytest.fixture
+def small_yaml(tmp_path):
+    p = tmp_path / "small.yaml"
+    p.write_text(yaml.safe_dump(SMALL))
+    return p
+
+
+def _quiet(label, frac):
+    pass
+
+
+def test_every_trajectory_finishes_once(catalog):
+    sc = parse_rl(SMALL, catalog)
+    from libra.sim.pipeline import Batches
+
+    sim = RLSim(sc, make_system("router:least-loaded"), Batches(sc, 0), 3, 0)
+    sim.run()
+    ids = [t.id for t, _ in sim.driver.finished]
+    assert len(ids) == len(set(ids)) == 3 * 16
+    assert [r["step"] for r in sim.history] == [0, 1, 2]
+    for r in sim.history:  # training of a step starts after its rollout ends
+        assert r["train_start"] >= r["rollout_end"]
+
+
+def test_staleness_bound(catalog):
+    sc = parse_rl({**SMALL, "steps": 5}, catalog)
+    from libra.sim.pipeline import Batches
+
+    sim = RLSim(sc, make_system("static-uniform"), Batches(sc, 0), 5, 0)
+    sim.run()
+    h = sim.history
+    for s in range(2, 5):  # batch s starts only after training step s-2 (k=1) has finished
+        assert h[s]["rollout_start"] >= h[s - 2]["train_end"] - 1e-9
+
+
+def test_colocated_is_sequential():
+    res = run(SMALL, ["verl-colocated"], 3, 0, None, _quiet)["systems"]["verl-colocated"]
+    assert res["train_gpus"] == res["rollout_gpus"] == 16
+    assert res["mean_step_time_s"] >= res["mean_rollout_makespan_s"] + res["mean_train_time_s"]
+
+
+@settings(max_examples=5, deadline=None)
+@given(st.integers(0, 10_000))
+def test_same_seed_same_summary(seed):
+    a = run(SMALL, ["static-uniform", "router:cmlfq"], 2, seed, None, _quiet)
+    b = run(SMALL, ["static-uniform", "router:cmlfq"], 2, seed, None, _quiet)
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def test_cli_outputs_and_determinism(small_yaml, tmp_path):
+    outs = []
+    for i in range(2):
+        out = tmp_path / f"o{i}"
+        r = run_cli("simulate", "--scenario", str(small_yaml), "--systems", "static-uniform,router:cmlfq",
+                    "--steps", "2", "--seed", "7", "--out", str(out))  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        outs.append(out)
+    assert (outs[0] / "summary.json").read_bytes() == (outs[1] / "summary.json").read_bytes()
+    s = json.loads((outs[0] / "summary.json").read_text())
+    assert set(s) == {"scenario", "seed", "steps", "systems"}
+    for m in s["systems"].values():
+        for key in (
+            "throughput_tokens_per_s",
+            "mean_step_time_s",
+            "mean_rollout_makespan_s",
+            "mean_train_time_s",
+            "gpu_utilization",
+        ):
+            assert m[key] > 0
+    assert set(s["systems"]["router:cmlfq"]["routing"]) == {
+        "accuracy",
+        "migrated_token_ratio",
+        "migrations",
+        "decisions",
+    }
+    trace = json.loads((outs[0] / "trace.json").read_text())
+    assert any(e["pid"] == "rollout" for e in trace["traceEvents"])
+    assert any(e["pid"] == "trainer" for e in trace["traceEvents"])
+    for png in ("steps.png", "lengths.png"):
+        assert (outs[0] / png).read_bytes()[:4] == b"\x89PNG"
+    assert "static-uniform" in r.stdout and "tok/s" in r.stdout
+
+
+def test_replays_a_real_trace(shared_data, tmp_path):
+    trace = shared_data / "trajectories" / "tau-bench-airline.jsonl"
+    res = run(SMALL, ["static-uniform"], None, 0, None, _quiet, trace=str(trace))
+    assert res["steps"] == 5  # the trace's RL steps
+    total = sum(len(json.loads(line)["turns"]) for line in trace.read_text().splitlines())
+    assert total > 0 and res["systems"]["static-uniform"]["generated_tokens"] > 0
+
+
+def test_llmservingsim_sessions_replay(tmp_path):
+    p = tmp_path / "s.jsonl"
+    p.write_text("\n".join(json.dumps({"session_id": f"s{i}", "arrival_time_ns": 0, "sub_requests": [
+        {"input_toks": 500, "output_toks": 50, "tool_duration_ns": 10**9}, {"input_toks": 700, "output_toks": 20}]})
+        for i in range(6)))  # fmt: skip
+    r = run_cli("simulate", "--scenario", "libra-r2e-48gpu", "--systems", "static-uniform", "--trace", str(p),
+                "--out", str(tmp_path / "o"), "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["systems"]["static-uniform"]["generated_tokens"] == 6 * 70
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--scenario", "nope"], "libra-r2e-48gpu"),
+        (["--systems", "warp-drive"], "static-uniform"),
+        (["--steps", "0"], "steps"),
+        (["--set", "split.train_gpus=7"], "split"),
+        (["--set", "rollout.kv_during_tool=swap"], "kv_during_tool"),
+        (["--set", "cluster.hardware=tpu"], "cluster.hardware"),
+        (["--set", "workload.family=chess"], "r2e-gym"),
+    ],
+)
+def test_bad_input_exit_2(args, needle, tmp_path):
+    r = run_cli("simulate", *args, "--out", str(tmp_path / "o"))
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_malformed_trace_names_line(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text(
+        '{"id": "a", "prompt_id": "p", "prompt_tokens": 5, "turns": [{"output_tokens": 3}]}\n{"id": "b"}\n'
+    )
+    r = run_cli("simulate", "--trace", str(p), "--systems", "static-uniform", "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and f"{p}:2:" in r.stderr and "turns" in r.stderr
+
+
+def test_shipped_scenarios_parse(catalog):
+    for name in ("libra-r2e-48gpu", "libra-searchr1-48gpu", "libra-dapo-48gpu", "scale-1024gpu"):
+        parse_rl(load_scenario(name), catalog)
