@@ -1,0 +1,304 @@
+"""The elastic action scheduler (ARL-Tangram): who starts now, and with how many units.
+
+It minimises the total action completion time (ACT: queueing plus execution) of the actions it
+knows about, by three steps on a snapshot:
+
+1. FCFS order. Admit the longest prefix that fits at every action's minimum. Pools are
+   independent: an action that does not fit blocks later actions only on the pools (key-resource
+   domain, named quotas) it shares with them, so one full node does not stall the others.
+2. For each key-resource pool, split the units exactly among the admitted actions (the topology
+   operator's DP), then evict admitted actions from the back one at a time, handing their units
+   to the rest, while the estimated total ACT improves.
+3. The estimate is that DP plus a completion heap that plays out the queued actions at their
+   minimum as units come free. `depth` bounds how many waves of the queue it plays out (a wave
+   is the set of actions started by releases of the previous wave); actions beyond it are charged
+   the time the next wave would begin. Two waves are where an eviction's effect is visible; past
+   that every candidate shifts the rest of the queue alike, so the bound saves time, not quality.
+
+Pure: the snapshot is an input, the decision an output; no clock, no I/O, no mutation of inputs.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from libra.actions.model import Action
+from libra.actions.topology import SplitItem, TopologyOperator
+
+
+@dataclass(slots=True)
+class Pool:
+    """One key-resource domain: the cores of a node, or a pool of GPUs.
+
+    `releases` holds (seconds from now until a running action ends, units it frees) and feeds the
+    playout. `cost(action, m)` is the action's duration on m units; a pool that adds terms which
+    do not scale with T1 (a GPU restore) sets `profile_groups=False` so the split does not assume
+    they do.
+    """
+
+    id: Hashable
+    operator: TopologyOperator
+    capacity: tuple[int, ...]
+    releases: list[tuple[float, int]] = field(default_factory=list)
+    cost: Callable[[Action, int], float] | None = None
+    profile_groups: bool = True
+
+
+class Ledger(Protocol):
+    """Non-key resources (quotas, memory): checked at admission, never split."""
+
+    def names(self, action: Action) -> tuple[Hashable, ...]: ...
+
+    def fits(self, action: Action) -> bool: ...
+
+    def take(self, action: Action) -> None: ...
+
+
+@dataclass(slots=True)
+class SchedulerView:
+    now: float
+    waiting: Sequence[Action]  # FCFS order
+    pools: Mapping[Hashable, Pool]
+    pool_of: Callable[[Action], Hashable | None]
+    ledger: Ledger | None = None  # a scratch copy: the scheduler takes from it while it admits
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    action: Action
+    pool: Hashable | None
+    units: int
+
+
+@dataclass(slots=True)
+class Decision:
+    grants: list[Grant]
+    estimated_act_s: float = 0.0  # estimated sum of ACT from now of the pools' actions
+    evicted: int = 0
+    admitted_at_min: int = 0
+
+
+@dataclass(slots=True)
+class _Job:
+    """An action prepared once per decision: its sizes, cost function and minimum duration."""
+
+    action: Action
+    item: SplitItem
+    need: int
+    dmin: float
+
+
+class ElasticScheduler:
+    name = "tangram"
+
+    def __init__(self, depth: int = 2):
+        if depth < 1:
+            raise ValueError("depth must be >= 1")
+        self.depth = depth
+
+    def decide(self, view: SchedulerView) -> Decision:
+        ctx = {pid: _PoolCtx(p) for pid, p in view.pools.items()}
+        free_grants = self._admit(view, ctx)
+        grants, total, evicted, n_adm = list(free_grants), 0.0, 0, len(free_grants)
+        for pid, c in ctx.items():
+            if not c.admitted and not c.queued:
+                continue
+            cost, alloc, n = self._evict(c)
+            total += cost
+            evicted += len(c.admitted) - n
+            n_adm += len(c.admitted)
+            grants.extend(Grant(j.action, pid, m) for j, m in zip(c.admitted[:n], alloc, strict=True))
+        grants.sort(key=lambda g: g.action.seq)
+        return Decision(grants, total, evicted, n_adm)
+
+    # ---- step 1: the FCFS prefix at minimum units --------------------------------------------
+
+    def _admit(self, view: SchedulerView, ctx: dict[Hashable, _PoolCtx]) -> list[Grant]:
+        blocked: set = set()
+        free_grants: list[Grant] = []
+        ledger = view.ledger
+        for a in view.waiting:
+            pid = view.pool_of(a)
+            c = ctx[pid] if pid is not None else None
+            names = {("pool", pid)} if pid is not None else set()
+            if ledger is not None:
+                names.update(ledger.names(a))
+            if names & blocked:
+                if c is not None:
+                    c.queued.append(a)
+                continue
+            need = c.quick(a)[0] if c is not None else 0
+            if (c is not None and not c.fits(need)) or (ledger is not None and not ledger.fits(a)):
+                blocked |= names
+                if c is not None:
+                    c.queued.append(a)
+                continue
+            if ledger is not None:
+                ledger.take(a)
+            if c is None:
+                free_grants.append(Grant(a, None, 0))
+            else:
+                c.take(c.job(a))
+        return free_grants
+
+    # ---- step 2: exact split, and eviction from the back -------------------------------------
+
+    def _evict(self, c: _PoolCtx) -> tuple[float, list[int], int]:
+        jobs = c.admitted
+        best, alloc = self._estimate(c, jobs, [])
+        n = len(jobs)
+        while n > 1:
+            cost, cand = self._estimate(c, jobs[: n - 1], jobs[n - 1 :])
+            if cost >= best - 1e-9:
+                break
+            best, alloc, n = cost, cand, n - 1
+        return best, alloc, n
+
+    def _estimate(self, c: _PoolCtx, jobs: list[_Job], evicted: list[_Job]) -> tuple[float, list[int]]:
+        pool = c.pool
+        if jobs:
+            exec_total, alloc = pool.operator.split([j.item for j in jobs], pool.capacity)
+        else:
+            exec_total, alloc = 0.0, []
+        if not evicted and not c.queued:
+            return exec_total, alloc
+        return exec_total + self._playout(c, jobs, alloc, evicted), alloc
+
+    def _playout(self, c: _PoolCtx, jobs: list[_Job], alloc: list[int], evicted: list[_Job]) -> float:
+        """Sum of (start + duration) of queued jobs, started FCFS as units free up.
+
+        A queued job starts at its minimum, widened by whatever is free beyond the minimums of
+        the jobs still behind it: the same rule the scheduler applies when that moment comes.
+        """
+        heap = [(t, u, 0) for t, u in c.pool.releases]
+        heap += [(j.item.cost(m), m, 0) for j, m in zip(jobs, alloc, strict=True)]
+        heapq.heapify(heap)
+        free = c.pool.capacity[0] - sum(alloc)
+        # gen: the wave of the last release popped; jobs that start on units free now are wave 0.
+        t, gen, total = 0.0, -1, 0.0
+        n_ev = len(evicted)
+        ev_behind = [sum(j.need for j in evicted[k + 1 :]) for k in range(n_ev)]
+        for k in range(n_ev + len(c.queued)):
+            a = evicted[k].action if k < n_ev else c.queued[k - n_ev]
+            need, dmin = (evicted[k].need, evicted[k].dmin) if k < n_ev else c.quick(a)
+            while free < need and heap:
+                if heap[0][2] >= self.depth:
+                    return total + self._beyond_depth(c, evicted, k, heap[0][0])
+                rt, units, gen = heapq.heappop(heap)
+                free += units
+                t = rt if rt > t else t
+            if free < need:  # can never fit this pool; charged as if it started now
+                total += t + dmin
+                continue
+            behind = (ev_behind[k] if k < n_ev else 0) + c.need_suffix(max(0, k + 1 - n_ev))
+            m, d = c.widen(a, need, dmin, free - behind)
+            total += t + d
+            free -= m
+            heapq.heappush(heap, (t + d, m, gen + 1))
+        return total
+
+    @staticmethod
+    def _beyond_depth(c: _PoolCtx, evicted: list[_Job], k: int, t_next: float) -> float:
+        """Queued actions past the played-out waves: from the next release on, the pool works
+        through them as a fluid at full capacity, in FCFS order. Every action stays counted,
+        and an eviction's extra work still delays those behind it."""
+        cap = max(1, c.total)
+        total, work = 0.0, 0.0
+        for j in evicted[k:]:
+            total += t_next + work / cap + j.dmin
+            work += j.need * j.dmin
+        q0 = max(0, k - len(evicted))
+        n_q = len(c.queued) - q0
+        dmin_sum, wait_work = c.suffix(q0)
+        return total + n_q * (t_next + work / cap) + dmin_sum + wait_work / cap
+
+
+class _PoolCtx:
+    """Per-decision state of one pool: its admitted jobs, its queue, usage, and caches."""
+
+    __slots__ = ("pool", "total", "usage", "admitted", "queued", "_sizes", "_quick", "_suffix", "_needs")
+
+    def __init__(self, pool: Pool):
+        self.pool = pool
+        self.total = pool_total(pool)
+        self.usage = pool.operator.zero()
+        self.admitted: list[_Job] = []
+        self.queued: list[Action] = []
+        self._sizes: dict[tuple[int, ...], tuple[int, ...]] = {}
+        self._quick: dict[str, tuple[int, float]] = {}
+        self._suffix: list[tuple[float, float]] | None = None
+        self._needs: list[int] | None = None
+
+    def sizes(self, a: Action) -> tuple[int, ...]:
+        opts = a.key_options()
+        sizes = self._sizes.get(opts)
+        if sizes is None:
+            sizes = self.pool.operator.sizes([m for m in opts if m <= self.total]) or (a.min_units,)
+            self._sizes[opts] = sizes
+        return sizes
+
+    def cost(self, a: Action, m: int) -> float:
+        return self.pool.cost(a, m) if self.pool.cost is not None else a.duration(m)
+
+    def quick(self, a: Action) -> tuple[int, float]:
+        """(units at minimum, duration at minimum): all the playout needs of a queued action."""
+        q = self._quick.get(a.id)
+        if q is None:
+            need = self.sizes(a)[0]
+            q = self._quick[a.id] = (need, self.cost(a, need))
+        return q
+
+    def suffix(self, i: int) -> tuple[float, float]:
+        """For the queued actions from position i on: the sum of their minimum durations, and
+        the sum over them of the work (units x seconds) queued ahead of each within the slice."""
+        if self._suffix is None:
+            n = len(self.queued)
+            dsum, xsum = [0.0] * (n + 1), [0.0] * (n + 1)
+            for j in range(n - 1, -1, -1):
+                need, dmin = self.quick(self.queued[j])
+                dsum[j] = dsum[j + 1] + dmin
+                # job j's work is ahead of the n - 1 - j jobs after it, whatever the slice start
+                xsum[j] = xsum[j + 1] + need * dmin * (n - 1 - j)
+            self._suffix = list(zip(dsum, xsum, strict=True))
+        return self._suffix[i]
+
+    def need_suffix(self, i: int) -> int:
+        """Minimum units of the queued actions from position i on."""
+        if self._needs is None:
+            acc, out = 0, [0]
+            for a in reversed(self.queued):
+                acc += self.quick(a)[0]
+                out.append(acc)
+            self._needs = out[::-1]
+        return self._needs[min(i, len(self.queued))]
+
+    def widen(self, a: Action, need: int, dmin: float, room: int) -> tuple[int, float]:
+        """The largest feasible size within `room` units (at least the minimum), and its duration."""
+        if room <= need or a.profile is None:
+            return need, dmin
+        sizes = self.sizes(a)
+        m = max((s for s in sizes if s <= room), default=need)
+        return (m, self.cost(a, m)) if m > need else (need, dmin)
+
+    def job(self, a: Action) -> _Job:
+        pool, sizes = self.pool, self.sizes(a)
+        cost = (lambda m, a=a: pool.cost(a, m)) if pool.cost is not None else a.duration
+        group = (id(a.profile), sizes) if pool.profile_groups and a.profile is not None else None
+        need, dmin = self.quick(a)
+        return _Job(a, SplitItem(sizes, cost, group, a.t1), need, dmin)
+
+    def fits(self, need: int) -> bool:
+        op = self.pool.operator
+        return op.fits(op.charge(self.usage, need), self.pool.capacity)
+
+    def take(self, job: _Job) -> None:
+        self.usage = self.pool.operator.charge(self.usage, job.need)
+        self.admitted.append(job)
+
+
+def pool_total(pool: Pool) -> int:
+    """Units the pool could ever grant one action (its free units now plus those running)."""
+    return pool.capacity[0] + sum(u for _, u in pool.releases)
