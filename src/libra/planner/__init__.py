@@ -1,0 +1,46 @@
+"""Libra's planning policies: the global resource planner, the elastic hybrid pool, EARL's selector.
+
+Why a package of its own: these are the decisions about *where GPUs go* (how many train, how many
+roll out, with which parallelism, in which buckets), as opposed to where a request goes
+(`libra.rollout`) or where an external action runs (`libra.actions`). They are pure policies: they
+read snapshots (`PlanningProblem`, `WorkloadStats`, measured stage times) and return typed
+decisions (`Plan`, `PlanDecision`, `ElasticDecision`, `ParallelismSwitch`). They import only
+`libra.core` and `libra.costmodel`, so the simulator and the live runtime carry out the same
+decisions, and the package never reads a clock (callers time the search).
+"""
+
+from libra.planner.config import ElasticConfig, PlannerConfig, SelectorConfig
+from libra.planner.elastic import (
+    ElasticController,
+    ElasticDecision,
+    ElasticSignals,
+    HybridReplica,
+    JoinReplica,
+    JoinState,
+    ReleaseReplica,
+    Role,
+    TransitionError,
+    phase_seconds,
+)
+from libra.planner.plan import BucketPlan, Plan, PlanDiff, check_plan, diff, pack, reconfig_cost_s
+from libra.planner.planner import (
+    PLANNERS,
+    GlobalPlanner,
+    GreedyShiftPlanner,
+    HomogeneousPlanner,
+    PlanDecision,
+    make_planner,
+)
+from libra.planner.problem import PlanningProblem
+from libra.planner.selector import ParallelismSelector, ParallelismSwitch
+from libra.planner.stats import WorkloadStats
+from libra.planner.triggers import ApplyVerdict, PipelineSignals, Trigger, check_triggers, should_apply
+
+__all__ = [
+    "PLANNERS", "ApplyVerdict", "BucketPlan", "ElasticConfig", "ElasticController", "ElasticDecision",
+    "ElasticSignals", "GlobalPlanner", "GreedyShiftPlanner", "HomogeneousPlanner", "HybridReplica",
+    "JoinReplica", "JoinState", "ParallelismSelector", "ParallelismSwitch", "PipelineSignals", "Plan",
+    "PlanDecision", "PlanDiff", "PlannerConfig", "PlanningProblem", "ReleaseReplica", "Role",
+    "SelectorConfig", "TransitionError", "Trigger", "WorkloadStats", "check_plan", "check_triggers",
+    "diff", "make_planner", "pack", "phase_seconds", "reconfig_cost_s", "should_apply",
+]  # fmt: skip

@@ -1,0 +1,185 @@
+"""The planner's decision types: a `Plan`, what it takes to switch to it, and its feasibility check.
+
+A `Plan` is everything a mechanism needs to lay the cluster out: the train/rollout split, the
+training parallelism (TP/PP/DP/CP and micro-batch) and the rollout buckets (TP, instance count and
+length range of each). It is immutable; a simulator or the live runtime carries it out step by step
+from a `PlanDiff` (which GPUs change role, whether training reshards, whether engines restart).
+
+`check_plan` re-derives every constraint from the cost models, independently of the search code,
+so tests (and a cautious mechanism) can verify that a plan is feasible rather than trust it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from libra.costmodel.training import TrainParallel
+from libra.planner.config import ElasticConfig
+from libra.planner.problem import PlanningProblem
+
+
+@dataclass(frozen=True, slots=True)
+class BucketPlan:
+    """`instances` engines of TP `tp` serving final lengths in (min_context, max_context]."""
+
+    tp: int
+    instances: int
+    max_context: int
+    min_context: int = 0
+    predicted_s: float = 0.0
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.instances
+
+    def to_dict(self) -> dict:
+        return {"tp": self.tp, "instances": self.instances, "max_context": self.max_context,
+                "min_context": self.min_context, "predicted_s": round(self.predicted_s, 3)}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    total_gpus: int
+    train_gpus: int
+    rollout_gpus: int
+    train: TrainParallel
+    buckets: tuple[BucketPlan, ...]
+    t_train_s: float
+    t_rollout_s: float
+    context_bound: int
+    hybrid_replicas: int = 0
+    planner: str = ""
+
+    @property
+    def step_time_s(self) -> float:
+        """The asynchronous pipeline overlaps the two stages, so a step takes the slower one."""
+        return max(self.t_train_s, self.t_rollout_s)
+
+    @property
+    def idle_gpus(self) -> int:
+        return self.total_gpus - self.train_gpus - self.rollout_gpus
+
+    @property
+    def replica_gpus(self) -> int:
+        """GPUs in one training DP replica: the unit the elastic pool moves."""
+        return self.train.tp * self.train.pp * self.train.cp
+
+    def layout_key(self) -> tuple:
+        return (self.train_gpus, self.train, tuple((b.tp, b.instances, b.max_context) for b in self.buckets))
+
+    def to_dict(self) -> dict:
+        t = self.train
+        return {
+            "split": {
+                "train_gpus": self.train_gpus,
+                "rollout_gpus": self.rollout_gpus,
+                "idle_gpus": self.idle_gpus,
+            },
+            "train": {"tp": t.tp, "pp": t.pp, "dp": t.dp, "cp": t.cp, "micro_batch": t.micro_batch},
+            "buckets": [b.to_dict() for b in self.buckets],
+            "t_train_s": round(self.t_train_s, 3),
+            "t_rollout_s": round(self.t_rollout_s, 3),
+            "step_time_s": round(self.step_time_s, 3),
+            "context_bound": self.context_bound,
+            "hybrid_replicas": self.hybrid_replicas,
+            "planner": self.planner,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class PlanDiff:
+    """What changes between two plans, in the terms a mechanism acts on."""
+
+    to_train_gpus: int
+    to_rollout_gpus: int
+    train_changed: bool
+    buckets_changed: bool
+
+    @property
+    def empty(self) -> bool:
+        return not (self.to_train_gpus or self.to_rollout_gpus or self.train_changed or self.buckets_changed)
+
+
+def diff(current: Plan, candidate: Plan) -> PlanDiff:
+    moved = candidate.train_gpus - current.train_gpus
+    cur_b = [(b.tp, b.instances, b.max_context) for b in current.buckets]
+    new_b = [(b.tp, b.instances, b.max_context) for b in candidate.buckets]
+    return PlanDiff(max(0, moved), max(0, -moved), current.train != candidate.train, cur_b != new_b)
+
+
+def reconfig_cost_s(d: PlanDiff, costs: ElasticConfig | None = None) -> float:
+    """Seconds of pipeline time a switch costs, from the published transition costs.
+
+    GPUs going to rollout and engines changing layout both pay an engine (re)start; GPUs going to
+    training and a training reshard both pay a snapshot fetch and restore. The two sides proceed
+    on disjoint GPUs at the same time, so the switch costs the longer of them, not their sum.
+    """
+    c = costs or ElasticConfig()
+    engine = c.train_to_rollout_s if (d.to_rollout_gpus or d.buckets_changed) else 0.0
+    trainer = c.rollout_to_train_s if (d.to_train_gpus or d.train_changed) else 0.0
+    return max(engine, trainer)
+
+
+def pack(sizes: Sequence[int], nodes: int, per_node: int) -> list[int] | None:
+    """Node index for each group (TP or TP*CP GPUs that must share a node), or None if they do not fit.
+
+    First-fit decreasing is exact here: every size is a power of two dividing `per_node`, so a node
+    never ends with a gap a later (smaller) group cannot fill.
+    """
+    free = [per_node] * nodes
+    where = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda k: -sizes[k]):
+        node = next((n for n in range(nodes) if free[n] >= sizes[i]), None)
+        if node is None:
+            return None
+        free[node] -= sizes[i]
+        where[i] = node
+    return where
+
+
+def placement_groups(plan: Plan) -> list[int]:
+    """The node-local groups of a plan: one TP x CP group per training (pp, dp) slot, one per engine."""
+    t = plan.train
+    return [t.tp * t.cp] * (t.pp * t.dp) + [b.tp for b in plan.buckets for _ in range(b.instances)]
+
+
+def check_plan(plan: Plan, problem: PlanningProblem, min_concurrent: int = 1) -> list[str]:
+    """Every constraint a plan must meet, re-derived from the cost models; [] when feasible."""
+    out = _check_train(plan, problem) + _check_rollout(plan, problem, min_concurrent)
+    if plan.train_gpus + plan.rollout_gpus > problem.gpus:
+        out.append(f"{plan.train_gpus} + {plan.rollout_gpus} GPUs exceed the cluster's {problem.gpus}")
+    if pack(placement_groups(plan), problem.nodes, problem.hw.gpus_per_node) is None:
+        out.append("the TP groups do not pack into the cluster's nodes")
+    return out
+
+
+def _check_train(plan: Plan, problem: PlanningProblem) -> list[str]:
+    t, m, out = plan.train, problem.model, []
+    if t.gpus != plan.train_gpus:
+        out.append(f"training parallelism uses {t.gpus} GPUs, the split gives it {plan.train_gpus}")
+    if t.tp * t.cp > problem.hw.gpus_per_node or m.heads % t.tp or m.layers % t.pp:
+        out.append(f"tp={t.tp} cp={t.cp} pp={t.pp} break node/head/layer divisibility")
+    if problem.prompts_per_step % t.dp:
+        out.append(f"{problem.prompts_per_step} GRPO groups do not divide over dp={t.dp}")
+    elif (problem.batch_size // t.dp) % t.micro_batch:
+        out.append(
+            f"{problem.batch_size // t.dp} samples per DP rank do not divide into micro_batch={t.micro_batch}"
+        )
+    if not problem.train_model().memory(t, plan.context_bound).fits:
+        out.append(f"training does not fit in memory at {plan.context_bound} tokens")
+    return out
+
+
+def _check_rollout(plan: Plan, problem: PlanningProblem, min_concurrent: int) -> list[str]:
+    out = []
+    if sum(b.gpus for b in plan.buckets) != plan.rollout_gpus:
+        out.append("bucket instances do not add up to the rollout GPUs")
+    if not plan.buckets or plan.buckets[-1].max_context < problem.max_length:
+        out.append(f"no bucket holds the maximum length {problem.max_length}")
+    for b in plan.buckets:
+        if b.instances < 1 or not problem.tp_allowed(b.tp):
+            out.append(f"bucket tp={b.tp} x {b.instances} is not an allowed layout")
+        elif problem.rollout_model(b.tp).kv_capacity_tokens() < min_concurrent * b.max_context:
+            out.append(f"a TP{b.tp} engine cannot hold {min_concurrent} x {b.max_context} tokens of KV")
+    return out

@@ -1,0 +1,240 @@
+"""The global resource planner: split, training parallelism and rollout buckets, jointly.
+
+Objective: the asynchronous pipeline overlaps rollout of step k+1 with training of step k, so a
+step takes max(T_train, T_rollout); the planner minimises that over
+- the split (training GPUs; the rest roll out),
+- training TP/PP/DP/CP and micro-batch (`train_search`, with the context bound from EARL's
+  selector so the configuration holds the longest context of the current range),
+- the rollout layout for the remaining GPUs (`layouts`: the bucket DP, or one homogeneous bucket).
+
+Only GPU counts on the training Pareto frontier are tried (a count that does not train faster
+than a smaller one only takes GPUs from rollout), and every one reads its rollout time from the
+same memoised DP table. The best few splits are then priced again trajectory by trajectory with
+their final buckets, and the best of those is the plan.
+
+Planners are registered by short name in `PLANNERS`:
+- `libra`: heterogeneous buckets, re-planned, with the apply rule;
+- `homogeneous`: the same search with one homogeneous bucket (AReaL-style static-optimal when it
+  is never re-planned, the `ablation:planner` rung when it is);
+- `greedy`: moves a fixed number of GPUs toward the slower stage after each step (baseline).
+
+Everything here is pure: no clocks, no I/O. The caller measures search time.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, replace
+
+from libra.core.errors import ConfigError, InfeasibleError
+from libra.planner.config import ElasticConfig, PlannerConfig, SelectorConfig
+from libra.planner.layouts import LAYOUTS, RolloutEvaluator, fill_leftover
+from libra.planner.plan import Plan, diff, reconfig_cost_s
+from libra.planner.problem import PlanningProblem
+from libra.planner.rollout_dp import EngineTables
+from libra.planner.selector import ParallelismSelector
+from libra.planner.stats import WorkloadStats
+from libra.planner.train_search import TrainChoice, TrainSearch, frontier
+from libra.planner.triggers import ApplyVerdict, should_apply
+
+FINALISTS = 3  # splits priced again with their final buckets; the DP's bin-level estimate ranks them
+
+
+@dataclass(frozen=True, slots=True)
+class PlanDecision:
+    """The planner's answer to "should we switch?": the candidate, the current plan priced on the
+    same statistics, and the verdict of the apply rule."""
+
+    candidate: Plan
+    current: Plan | None
+    verdict: ApplyVerdict
+
+    @property
+    def plan(self) -> Plan:
+        """The plan to run next: the candidate if it is applied, else the current one."""
+        return self.candidate if self.verdict.apply or self.current is None else self.current
+
+
+class GlobalPlanner:
+    name = "libra"
+    layout = "heterogeneous"
+
+    def __init__(
+        self,
+        problem: PlanningProblem,
+        config: PlannerConfig | None = None,
+        elastic: ElasticConfig | None = None,
+        selector: SelectorConfig | None = None,
+    ):
+        self.problem = problem
+        self.config = (config or PlannerConfig()).model_copy(update={"layout": self.layout})
+        self.elastic = elastic or ElasticConfig()
+        self.selector = ParallelismSelector(problem, selector, self.config)
+        self.train_search = TrainSearch(problem, self.config)
+        self.tables = EngineTables(problem, [1 << k for k in range(problem.hw.gpus_per_node.bit_length())])
+        self._layouts: dict[tuple, object] = {}
+
+    # ---- search ----------------------------------------------------------------------------
+
+    def plan(self, stats: WorkloadStats, current: Plan | None = None) -> Plan:
+        """The best plan for `stats`. Empty history: keep `current` (documented fallback), or fail."""
+        if stats.is_empty:
+            if current is not None:
+                return current
+            raise ConfigError("stats", "empty history", "at least one finished trajectory to plan from")
+        bound = self.selector.context_bound(stats.max_final)
+        lengths = stats.batch_lengths(self.problem.batch_size)
+        trains = self._train_frontier(lengths, bound)
+        layout = self._layout(stats)
+        ranked = sorted(trains.values(), key=lambda c: self._score(c, layout, stats))
+        finals = [self._build(c, layout, stats, bound) for c in ranked[:FINALISTS]]
+        finals = [p for p in finals if p is not None]
+        if not finals:
+            raise InfeasibleError(self._no_rollout_message(trains))
+        return min(finals, key=lambda p: (p.step_time_s, p.t_train_s + p.t_rollout_s, -p.rollout_gpus))
+
+    def _train_frontier(self, lengths: list[int], bound: int) -> dict[int, TrainChoice]:
+        min_engine = min(t for t in self.config.rollout_tp if self.problem.tp_allowed(t))
+        best = self.train_search.best_per_gpus(lengths, bound, self.problem.gpus - min_engine)
+        if not best:
+            p = self.problem
+            raise InfeasibleError(
+                f"no training configuration of {p.model.name} fits {bound}-token contexts in {p.gpus} x "
+                f"{p.hw.name} with {p.prompts_per_step} GRPO groups ({self.train_search.counts.describe()})"
+            )
+        return frontier(best)
+
+    def _layout(self, stats: WorkloadStats):
+        key = (self.config.layout, stats.final_tokens, stats.generated_tokens, stats.tool_latency_s)
+        if not self.config.memoise or key not in self._layouts:
+            self._layouts = {key: LAYOUTS[self.config.layout](self.tables, self.problem, stats, self.config)}
+        return self._layouts[key]
+
+    def _score(self, c: TrainChoice, layout, stats: WorkloadStats) -> tuple[float, float]:
+        rollout_gpus = self.problem.gpus - c.par.gpus
+        if not self.config.memoise:  # the no-memo baseline: solve each split's rollout side afresh
+            layout = LAYOUTS[self.config.layout](self.tables, self.problem, stats, self.config)
+        t_roll = layout.best(rollout_gpus)
+        return (max(c.time_s, t_roll), c.time_s + t_roll)
+
+    def _build(self, c: TrainChoice, layout, stats: WorkloadStats, bound: int) -> Plan | None:
+        gpus = self.problem.gpus - c.par.gpus
+        try:
+            buckets = layout.buckets(gpus)
+        except InfeasibleError:
+            return None
+        ev = RolloutEvaluator(self.tables, self.problem, stats)
+        buckets = ev.with_times(fill_leftover(buckets, gpus, ev))
+        used = sum(b.gpus for b in buckets)
+        replica_gpus = c.par.gpus // c.par.dp
+        return Plan(
+            total_gpus=self.problem.gpus, train_gpus=c.par.gpus, rollout_gpus=used, train=c.par,
+            buckets=buckets, t_train_s=c.time_s, t_rollout_s=max(b.predicted_s for b in buckets),
+            context_bound=bound, hybrid_replicas=int(self.config.hybrid_fraction * used // replica_gpus),
+            planner=self.name,
+        )  # fmt: skip
+
+    def _no_rollout_message(self, trains: dict[int, TrainChoice]) -> str:
+        p = self.problem
+        left = p.gpus - min(trains)
+        return (
+            f"no rollout layout of {p.model.name} holds {self.config.min_concurrent} sequences of "
+            f"{p.max_length} tokens on the {left} GPUs left after training ({p.hw.name}, TP in {self.config.rollout_tp})"
+        )
+
+    # ---- pricing and switching ------------------------------------------------------------------
+
+    def evaluate(self, plan: Plan, stats: WorkloadStats) -> Plan:
+        """`plan` with its times predicted on `stats` (infinite training time if it no longer fits)."""
+        if stats.is_empty:
+            return plan
+        bound = max(plan.context_bound, self.selector.context_bound(stats.max_final))
+        cm = self.train_search.cm
+        if cm.memory(plan.train, bound).fits:
+            t_train = cm.step(plan.train, stats.batch_lengths(self.problem.batch_size)).step_time_s
+        else:
+            t_train = float("inf")
+        ev = RolloutEvaluator(self.tables, self.problem, stats)
+        buckets = ev.with_times(plan.buckets)
+        return replace(
+            plan, t_train_s=t_train, t_rollout_s=max(b.predicted_s for b in buckets), buckets=buckets
+        )
+
+    def decide(self, stats: WorkloadStats, current: Plan | None) -> PlanDecision:
+        """Search, then apply the candidate only under the apply rule."""
+        candidate = self.plan(stats, current)
+        if current is None:
+            return PlanDecision(candidate, None, ApplyVerdict(True, 0.0, 0.0, 0.0, "initial plan"))
+        now = self.evaluate(current, stats)
+        cost = reconfig_cost_s(diff(now, candidate), self.elastic)
+        verdict = should_apply(now, candidate, cost, self.config.interval_steps, self.config.min_gain)
+        return PlanDecision(candidate, now, verdict)
+
+
+class HomogeneousPlanner(GlobalPlanner):
+    """The same search with a single bucket of one TP (AReaL-style static / ablation:planner)."""
+
+    name = "homogeneous"
+    layout = "homogeneous"
+
+
+class GreedyShiftPlanner(GlobalPlanner):
+    """Baseline: after each step move `shift_gpus` toward whichever stage was slower.
+
+    It needs measured times (`stats.train_time_s`, `stats.rollout_time_s`); without them it keeps
+    the current plan. Its first plan is the homogeneous planner's. The rollout side stays one
+    homogeneous bucket; training takes the fastest configuration that fits its new GPU budget.
+    """
+
+    name = "greedy"
+    layout = "homogeneous"
+    shift_gpus: int | None = None
+
+    def plan(self, stats: WorkloadStats, current: Plan | None = None) -> Plan:
+        if current is None or stats.is_empty:
+            return super().plan(stats, current)
+        t_train, t_roll = stats.train_time_s, stats.rollout_time_s
+        if t_train is None or t_roll is None or t_train == t_roll:
+            return current
+        shift = self.shift_gpus or self.problem.hw.gpus_per_node
+        budget = current.train_gpus + (shift if t_train > t_roll else -shift)
+        return self._within(stats, budget) or current
+
+    def _within(self, stats: WorkloadStats, budget: int) -> Plan | None:
+        bound = self.selector.context_bound(stats.max_final)
+        lengths = stats.batch_lengths(self.problem.batch_size)
+        try:
+            trains = self._train_frontier(lengths, bound)
+        except InfeasibleError:
+            return None
+        fit = [c for g, c in trains.items() if g <= budget]
+        if not fit:
+            return None
+        return self._build(max(fit, key=lambda c: c.par.gpus), self._layout(stats), stats, bound)
+
+    def decide(self, stats: WorkloadStats, current: Plan | None) -> PlanDecision:
+        candidate = self.plan(stats, current)
+        changed = current is None or candidate.layout_key() != current.layout_key()
+        return PlanDecision(candidate, current, ApplyVerdict(changed, 0.0, 0.0, 0.0, "greedy shift"))
+
+
+PLANNERS: dict[str, type[GlobalPlanner]] = {
+    cls.name: cls for cls in (GlobalPlanner, HomogeneousPlanner, GreedyShiftPlanner)
+}
+
+
+def make_planner(
+    name: str, problem: PlanningProblem, config: PlannerConfig | None = None, **kw
+) -> GlobalPlanner:
+    """A registered planner by short name, or outside code as 'package.module:Class'."""
+    if name in PLANNERS:
+        return PLANNERS[name](problem, config, **kw)
+    module, sep, attr = name.partition(":")
+    allowed = [*PLANNERS, "package.module:Class"]
+    if not sep:
+        raise ConfigError("planner", name, allowed)
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError):
+        raise ConfigError("planner", name, allowed) from None
+    return cls(problem, config, **kw)

@@ -1,0 +1,298 @@
+"""Rollout side of the planner: the makespan of a length range, and the bucket-layout DP.
+
+**Range estimate.** A contiguous range of the length-sorted batch, served by `n` engines of TP
+`t`, finishes after the larger of two bounds (Graham's two lower bounds on a makespan):
+- the *work bound*: the range's decode tokens at the throughput of one engine at the batch its
+  KV cache admits (min of max_num_seqs, the range's trajectories per engine, and KV capacity over
+  the mean decode context), plus its prefill tokens (prompts and tool returns) at the chunked
+  prefill cost per token, shared over n engines;
+- the *latency floor*: the slowest trajectory's serial time, its own decode iterations at that
+  batch's iteration time x plus its tool latencies, D * x + S. Iterations are faster at larger TP,
+  which is why long trajectories want large TP even where small TP has more throughput per GPU.
+  Which trajectory is slowest depends on x, so each range keeps three champion lines (most decode,
+  most tool time, most D * 30 ms + S; see `stats.champions`) and takes the largest.
+Iteration times come from `RolloutCostModel.step_time` itself: a decode step is exactly
+A(batch) + K * (summed context), so A is tabulated per batch size and K read off once, which lets
+numpy evaluate thousands of ranges at once without a second copy of the model.
+
+**DP.** Requests sorted by recent final length are cut into B quantile bins (`PlannerConfig.bins`,
+32 by default). dp[g][i] is the least makespan of the first i bins on at most g GPUs; a transition
+adds a group of n engines of one TP t serving bins (j, i]:
+
+    dp[g][i] = min(dp[g-1][i], min over t, j, n of max(dp[g - n*t][j], cost(t, n, j, i)))
+
+With n = 1 this is the paper's recurrence; letting a transition add n identical engines lets one
+bucket hold many engines without needing as many bins as engines. dp[g - n*t][j] grows with n and
+cost(t, n, j, i) shrinks, so the best n is where they cross, found by a galloping search for
+all (t, j, i) at once. The table carries a third index so TP never falls as length grows (see
+`LayoutDP`). Rows are memoised per GPU budget: asking for a larger budget extends the table, and
+every split the planner tries reads its rollout time from the same table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from libra.core.errors import InfeasibleError
+from libra.planner.problem import PlanningProblem
+from libra.planner.stats import LINES, X_REF_S, LengthBins
+
+INF = float("inf")
+
+
+class EngineTables:
+    """Per allowed TP: KV capacity, decode-step coefficients and prefill cost per token."""
+
+    __slots__ = ("tps", "kvcap", "A", "K", "_pf_grid", "_pf", "max_num_seqs")
+
+    def __init__(self, problem: PlanningProblem, tps: list[int]):
+        self.tps = np.asarray([t for t in tps if problem.tp_allowed(t)], dtype=np.int64)
+        self.max_num_seqs = problem.max_num_seqs
+        models = [problem.rollout_model(int(t)) for t in self.tps]
+        self.kvcap = np.asarray([m.kv_capacity_tokens() for m in models], dtype=np.float64)
+        batches = range(problem.max_num_seqs + 1)
+        self.A = np.asarray([[m.step_time(0, 0.0, b, 0.0) for b in batches] for m in models])
+        probe = 1e6
+        self.K = (
+            np.asarray([m.step_time(0, 0.0, 1, probe) - m.step_time(0, 0.0, 1, 0.0) for m in models]) / probe
+        )
+        self._pf_grid = np.linspace(0, max(problem.max_length, 1), 17)
+        self._pf = np.asarray([[_prefill_per_token(m, c) for c in self._pf_grid] for m in models])
+
+    def __len__(self) -> int:
+        return len(self.tps)
+
+    def prefill_per_token(self, ti: int, ctx: np.ndarray) -> np.ndarray:
+        return np.interp(ctx, self._pf_grid, self._pf[ti])
+
+    def batch_cap(self, ti: np.ndarray, ctx: np.ndarray) -> np.ndarray:
+        """Sequences an engine runs at once: max_num_seqs, capped by KV capacity at the mean context."""
+        return np.clip(np.floor(self.kvcap[ti] / np.maximum(ctx, 1.0)), 1, self.max_num_seqs)
+
+    def range_cost(self, ti, n, r: RangeArrays, pf, bcap) -> np.ndarray:
+        """Makespan of ranges `r` on n engines of TP index ti (all arrays broadcast together)."""
+        n_eff = np.minimum(n, np.maximum(1.0, np.ceil(r.count)))  # an engine with no work adds nothing
+        b = np.clip(np.ceil(r.count / n_eff), 1, bcap).astype(np.int64)
+        x = self.A[ti, b] + self.K[ti] * b * r.ctx
+        work = (r.gen * x / b + r.prefill * pf) / n_eff
+        floor = (r.line_gen * x[..., None] + r.line_tool).max(axis=-1)
+        return np.maximum(work, floor)
+
+
+def _prefill_per_token(model, ctx: float) -> float:
+    """Marginal prefill seconds per token for a full chunk attending to `ctx` earlier tokens."""
+    c = model.max_num_batched_tokens
+    return model.step_time(c, c * ctx + c * (c + 1) / 2, 0, 0.0) / c
+
+
+@dataclass(frozen=True, slots=True)
+class RangeArrays:
+    """Aggregates of ranges of the sorted batch (one row per range)."""
+
+    count: np.ndarray
+    gen: np.ndarray
+    prefill: np.ndarray
+    ctx: np.ndarray
+    line_gen: np.ndarray  # (ranges, LINES): champion trajectories' generated tokens ...
+    line_tool: np.ndarray  # ... and their tool seconds (stats.champions)
+    max_context: np.ndarray
+
+    def take(self, idx: np.ndarray) -> RangeArrays:
+        return RangeArrays(*(getattr(self, f)[idx] for f in self.__slots__))
+
+
+def all_ranges(bins: LengthBins, max_length: int) -> tuple[np.ndarray, np.ndarray, RangeArrays]:
+    """Every range (j, i] of bins, 0 <= j < i <= B, with its aggregates (prefix sums and champions)."""
+    B = len(bins)
+    jj, ii = np.triu_indices(B + 1, k=1)
+    cs = {
+        k: np.concatenate([[0.0], np.cumsum(getattr(bins, k))])
+        for k in ("count", "gen", "prefill", "gen_ctx")
+    }
+    seg = {k: cs[k][ii] - cs[k][jj] for k in cs}
+    # Each line's champion over the range is the bin whose champion scores highest on that line.
+    score = [bins.line_gen[:, 0], bins.line_tool[:, 1], bins.line_gen[:, 2] * X_REF_S + bins.line_tool[:, 2]]
+    win = np.stack([_range_argmax(v, jj, ii) for v in score], axis=1)
+    k = np.arange(LINES)
+    line_gen, line_tool = bins.line_gen[win, k], bins.line_tool[win, k]
+    # The last range is the catch-all bucket: it must hold anything up to the length limit.
+    maxctx = np.where(ii == B, float(max_length), bins.final_max[ii - 1])
+    ctx = seg["gen_ctx"] / np.maximum(seg["gen"], 1e-9)
+    return jj, ii, RangeArrays(seg["count"], seg["gen"], seg["prefill"], ctx, line_gen, line_tool, maxctx)
+
+
+def _range_argmax(values: np.ndarray, jj: np.ndarray, ii: np.ndarray) -> np.ndarray:
+    """For each range (j, i], the index of its largest value (the first on ties)."""
+    B = len(values)
+    table = np.zeros((B + 1, B + 1), dtype=np.int64)
+    for j in range(B):
+        best = j
+        for i in range(j + 1, B + 1):
+            if values[i - 1] > values[best]:
+                best = i - 1
+            table[j, i] = best
+    return table[jj, ii]
+
+
+LOWER, CARRY = -2, -1  # choices that are not a range: "all TPs are smaller", "one GPU fewer"
+
+
+class LayoutDP:
+    """dp[g][i][t] over quantile bins, extended lazily per GPU budget (the memo).
+
+    The third index keeps TP non-decreasing with length: dp[g][i][t] is the least makespan of the
+    first i bins on at most g GPUs with every range at TP <= tps[t]. Routers order buckets by
+    max_context and only ever migrate a request to a larger bucket, so a layout whose TP fell as
+    length grew would send long requests to small engines.
+    """
+
+    __slots__ = ("tables", "B", "T", "jj", "ii", "tpv", "ti", "r", "pf", "bcap", "dp", "ch_e", "ch_n",
+                 "seg_start", "seg_of", "seg_i", "seg_t", "cross")  # fmt: skip
+
+    def __init__(
+        self, tables: EngineTables, bins: LengthBins, max_length: int, min_concurrent: int, tps: list[int]
+    ):
+        self.tables, self.B, self.T = tables, len(bins), len(tables)
+        jj, ii, r = all_ranges(bins, max_length)
+        E = len(jj)
+        ti = np.repeat(np.arange(self.T), E)
+        jj, ii, r = np.tile(jj, self.T), np.tile(ii, self.T), r.take(np.tile(np.arange(E), self.T))
+        # Only the TPs the configuration allows, and never one whose KV cannot hold the range.
+        ok = np.isin(tables.tps[ti], tps) & (tables.kvcap[ti] >= min_concurrent * r.max_context)
+        order = np.flatnonzero(ok)
+        order = order[np.lexsort((jj[order], ti[order], ii[order]))]  # grouped by (i, t) for reduceat
+        self.ti, self.jj, self.ii, self.r = ti[order], jj[order], ii[order], r.take(order)
+        self.tpv = tables.tps[self.ti]
+        self.pf = np.zeros(len(self.ti))
+        for t in range(self.T):
+            sel = self.ti == t
+            self.pf[sel] = tables.prefill_per_token(t, self.r.ctx[sel])
+        self.bcap = tables.batch_cap(self.ti, self.r.ctx)
+        self.cross = np.ones(len(self.ti), dtype=np.int64)  # per element: the last row's crossing n
+        key = self.ii * self.T + self.ti
+        self.seg_start = np.flatnonzero(np.r_[True, key[1:] != key[:-1]]) if len(key) else np.zeros(0, int)
+        self.seg_of = np.cumsum(np.r_[False, key[1:] != key[:-1]]) if len(key) else key
+        self.seg_i, self.seg_t = self.ii[self.seg_start], self.ti[self.seg_start]
+        self.dp = np.full((1, self.B + 1, self.T), INF)
+        self.dp[0, 0, :] = 0.0
+        self.ch_e = np.full((1, self.B + 1, self.T), CARRY, dtype=np.int64)
+        self.ch_n = np.zeros((1, self.B + 1, self.T), dtype=np.int64)
+
+    @property
+    def budget(self) -> int:
+        return len(self.dp) - 1
+
+    def best(self, g: int) -> float:
+        self.extend(g)
+        return float(self.dp[g, self.B, self.T - 1])
+
+    def extend(self, g: int) -> None:
+        """Compute rows budget+1 .. g; rows already there are reused untouched."""
+        start = len(self.dp)
+        if g < start:
+            return
+        shape = (g + 1 - start, self.B + 1, self.T)
+        self.dp = np.concatenate([self.dp, np.full(shape, INF)])
+        self.ch_e = np.concatenate([self.ch_e, np.full(shape, CARRY, dtype=np.int64)])
+        self.ch_n = np.concatenate([self.ch_n, np.zeros(shape, dtype=np.int64)])
+        for row in range(start, g + 1):
+            self._row(row)
+
+    def _cost(self, n: np.ndarray) -> np.ndarray:
+        return self.tables.range_cost(self.ti, n, self.r, self.pf, self.bcap)
+
+    def _value(self, g: int, n: np.ndarray) -> np.ndarray:
+        prev = self.dp[np.maximum(g - n * self.tpv, 0), self.jj, self.ti]
+        return np.maximum(prev, self._cost(n))
+
+    def _crossed(self, g: int, n: np.ndarray) -> np.ndarray:
+        """cost(n) <= dp[g - n t][j][t]: from here on, more engines stop paying for themselves."""
+        return self._cost(n) <= self.dp[np.maximum(g - n * self.tpv, 0), self.jj, self.ti]
+
+    def _row(self, g: int) -> None:
+        self.dp[g] = self.dp[g - 1]  # "carry": the best on g-1 GPUs, leaving one unused
+        self.dp[g, 0, :] = 0.0
+        if not len(self.tpv):
+            return
+        n, val = self._best_n(g)
+        self._commit(g, val, n)
+
+    def _best_n(self, g: int) -> tuple[np.ndarray, np.ndarray]:
+        """For each (t, j, i): the n where max(dp[g - n t][j][t], cost(n)) is least.
+
+        The crossing (first n with cost(n) <= dp[g - n t][j]) never moves down as g grows, since
+        dp only falls with more GPUs; so the search gallops up from last row's crossing and then
+        bisects, a few vectorised steps per row instead of log2(g).
+        """
+        nmax = g // self.tpv
+        lo = np.minimum(self.cross, nmax + 1)
+        hi = np.where(lo > nmax, nmax + 1, -1)
+        step, open_ = np.ones_like(lo), lo <= nmax
+        while open_.any():
+            probe = np.maximum(np.minimum(lo + step - 1, nmax), 1)
+            ok = self._crossed(g, probe)
+            hit, end = open_ & ok, open_ & ~ok & (probe >= nmax)
+            hi = np.where(hit, probe, np.where(end, nmax + 1, hi))
+            lo = np.where(open_ & ~ok, probe + 1, lo)
+            step, open_ = step * 2, open_ & ~hit & ~end
+        while True:
+            open_ = lo < hi
+            if not open_.any():
+                break
+            mid = np.maximum(np.where(open_, (lo + hi) // 2, np.minimum(lo, nmax)), 1)
+            ok = self._crossed(g, mid)
+            hi, lo = np.where(open_ & ok, mid, hi), np.where(open_ & ~ok, mid + 1, lo)
+        self.cross = lo
+        n1 = np.maximum(np.minimum(lo, nmax), 1)
+        n0 = np.maximum(lo - 1, 1)
+        v1 = self._value(g, n1)
+        v0 = np.where(lo - 1 >= 1, self._value(g, n0), INF)
+        use0 = v0 < v1
+        val = np.where(nmax >= 1, np.minimum(v0, v1), INF)
+        return np.where(use0, n0, n1), val
+
+    def _commit(self, g: int, val: np.ndarray, n: np.ndarray) -> None:
+        """Per (i, t): the best range ending at i with TP t, against carry and all-smaller-TP."""
+        if not len(val):
+            return
+        seg_min = np.minimum.reduceat(val, self.seg_start)
+        first = np.flatnonzero(val == seg_min[self.seg_of])
+        _, at = np.unique(self.seg_of[first], return_index=True)
+        winner = first[at]  # first element reaching its segment's minimum
+        new = np.full((self.B + 1, self.T), INF)
+        new_e = np.full((self.B + 1, self.T), CARRY, dtype=np.int64)
+        new[self.seg_i, self.seg_t] = seg_min
+        new_e[self.seg_i, self.seg_t] = winner
+        row, ch_e, ch_n = self.dp[g], self.ch_e[g], self.ch_n[g]
+        ch_e[:], ch_n[:] = CARRY, 0
+        for t in range(self.T):
+            if t and np.any(row[:, t - 1] < row[:, t]):
+                lower = row[:, t - 1] < row[:, t]
+                row[:, t] = np.where(lower, row[:, t - 1], row[:, t])
+                ch_e[:, t] = np.where(lower, LOWER, ch_e[:, t])
+            better = new[:, t] < row[:, t]
+            better[0] = False
+            row[:, t] = np.where(better, new[:, t], row[:, t])
+            ch_e[:, t] = np.where(better, new_e[:, t], ch_e[:, t])
+            ch_n[:, t] = np.where(better, n[np.maximum(new_e[:, t], 0)], ch_n[:, t])
+
+    def ranges(self, g: int) -> list[tuple[int, int, int, int]]:
+        """(tp, instances, j, i) of the best layout on at most g GPUs, shortest range first."""
+        self.extend(g)
+        t = self.T - 1
+        if not np.isfinite(self.dp[g, self.B, t]):
+            raise InfeasibleError(f"no rollout layout on {g} GPUs holds the batch (KV capacity too small)")
+        out, i = [], self.B
+        while i > 0:
+            e = int(self.ch_e[g, i, t])
+            if e == LOWER:
+                t -= 1
+            elif e == CARRY:
+                g -= 1
+            else:
+                n = int(self.ch_n[g, i, t])
+                out.append((int(self.tpv[e]), n, int(self.jj[e]), i))
+                g, i = g - n * int(self.tpv[e]), int(self.jj[e])
+        return out[::-1]

@@ -1,0 +1,209 @@
+"""What the planner knows about the workload: statistics of recent steps, never future lengths.
+
+A `WorkloadStats` is a snapshot the mechanism builds from trajectories that have *finished* (the
+last step or a window of steps), plus the train and rollout times it measured. It keeps one small
+record per trajectory (final length, generated tokens, prefilled tokens, mean decode context,
+summed tool latency, turns), which is a histogram at its finest grain; `from_histogram` builds the
+same thing from a coarse length histogram when that is all a live system kept.
+
+The rollout DP needs the batch in quantile bins, and training needs a list of sequence lengths of
+the batch's size; both are derived here, deterministically, so two planners given the same stats
+agree exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from libra.core.errors import ConfigError
+from libra.core.trajectory import Trajectory
+
+
+@dataclass(frozen=True, slots=True)
+class LengthBins:
+    """The batch cut into quantile bins of final length, scaled to one step's trajectory count.
+
+    Per bin: trajectories per step, summed generated / prefilled tokens, the generated-token
+    weighted sum of decode context, the largest final length, and the (generated tokens, tool
+    seconds) of the bin's `LINES` champion trajectories (see `champions`).
+    """
+
+    count: np.ndarray
+    gen: np.ndarray
+    prefill: np.ndarray
+    gen_ctx: np.ndarray
+    final_max: np.ndarray
+    line_gen: np.ndarray  # (bins, LINES)
+    line_tool: np.ndarray  # (bins, LINES)
+
+    def __len__(self) -> int:
+        return len(self.count)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadStats:
+    final_tokens: tuple[int, ...] = ()
+    generated_tokens: tuple[int, ...] = ()
+    prefill_tokens: tuple[int, ...] = ()
+    decode_context: tuple[float, ...] = ()
+    tool_latency_s: tuple[float, ...] = ()
+    turns: tuple[int, ...] = ()
+    train_time_s: float | None = None
+    rollout_time_s: float | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.final_tokens)
+        for name in ("generated_tokens", "prefill_tokens", "decode_context", "tool_latency_s", "turns"):
+            if len(getattr(self, name)) != n:
+                raise ConfigError(
+                    f"stats.{name}", len(getattr(self, name)), f"{n} entries, one per trajectory"
+                )
+        if n and min(self.final_tokens) < 1:
+            raise ConfigError("stats.final_tokens", min(self.final_tokens), "lengths >= 1")
+        for name in ("train_time_s", "rollout_time_s"):
+            v = getattr(self, name)
+            if v is not None and not v >= 0:
+                raise ConfigError(f"stats.{name}", v, "a time >= 0 s, or None when not measured")
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_trajectories(
+        cls,
+        trajs: Sequence[Trajectory],
+        train_time_s: float | None = None,
+        rollout_time_s: float | None = None,
+        default_tool_latency_s: float = 0.0,
+    ) -> WorkloadStats:
+        """Records of finished trajectories. A tool call without a recorded latency counts as
+        `default_tool_latency_s` (the trace format leaves the latency optional)."""
+        recs = [_record(t, default_tool_latency_s) for t in trajs]
+        cols = list(zip(*recs, strict=True)) if recs else [()] * 6
+        return cls(*(tuple(c) for c in cols), train_time_s=train_time_s, rollout_time_s=rollout_time_s)
+
+    @classmethod
+    def from_histogram(
+        cls,
+        edges: Sequence[int],
+        counts: Sequence[int],
+        generated_fraction: float = 0.3,
+        tool_latency_s: float = 0.0,
+        turns: int = 1,
+        **measured: float | None,
+    ) -> WorkloadStats:
+        """A coarse length histogram: `counts[k]` trajectories ended in (edges[k], edges[k+1]].
+
+        Each is taken at its bin's upper edge (so the plan is never too small for the bin), with
+        `generated_fraction` of it generated and the rest prefilled (prompt and tool returns).
+        """
+        if len(edges) != len(counts) + 1 or any(b <= a for a, b in zip(edges, edges[1:], strict=False)):
+            raise ConfigError("histogram.edges", list(edges), "len(counts)+1 increasing edges")
+        if not 0 < generated_fraction <= 1 or any(c < 0 for c in counts):
+            raise ConfigError(
+                "histogram", (generated_fraction, list(counts)), "0 < fraction <= 1, counts >= 0"
+            )
+        finals = [int(edges[k + 1]) for k, c in enumerate(counts) for _ in range(int(c))]
+        gens = [max(1, int(f * generated_fraction)) for f in finals]
+        pre = [f - g for f, g in zip(finals, gens, strict=True)]
+        ctx = [p + g / 2 for p, g in zip(pre, gens, strict=True)]
+        n = len(finals)
+        return cls(
+            tuple(finals),
+            tuple(gens),
+            tuple(pre),
+            tuple(ctx),
+            (tool_latency_s,) * n,
+            (turns,) * n,
+            **measured,
+        )
+
+    # ---- derived views -----------------------------------------------------------------------
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.final_tokens
+
+    @property
+    def size(self) -> int:
+        return len(self.final_tokens)
+
+    @property
+    def max_final(self) -> int:
+        return max(self.final_tokens) if self.final_tokens else 0
+
+    def with_times(self, train_time_s: float | None, rollout_time_s: float | None) -> WorkloadStats:
+        return WorkloadStats(
+            self.final_tokens, self.generated_tokens, self.prefill_tokens, self.decode_context,
+            self.tool_latency_s, self.turns, train_time_s, rollout_time_s,
+        )  # fmt: skip
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Per-trajectory columns sorted by final length (ties keep their order: a stable sort)."""
+        order = np.argsort(np.asarray(self.final_tokens), kind="stable")
+        cols = {
+            "final": self.final_tokens, "gen": self.generated_tokens, "prefill": self.prefill_tokens,
+            "ctx": self.decode_context, "tool": self.tool_latency_s,
+        }  # fmt: skip
+        return {k: np.asarray(v, dtype=np.float64)[order] for k, v in cols.items()}
+
+    def bins(self, n_bins: int, batch_size: int) -> LengthBins:
+        """Equal-count quantile bins; with fewer trajectories than bins, one bin per trajectory."""
+        if self.is_empty:
+            raise ConfigError("stats", "empty history", "at least one finished trajectory to plan from")
+        a = self.arrays()
+        groups = np.array_split(np.arange(self.size), min(n_bins, self.size))
+        scale = batch_size / self.size
+        agg = {k: [] for k in ("count", "gen", "prefill", "gen_ctx", "final_max", "line_gen", "line_tool")}
+        for g in groups:
+            agg["count"].append(len(g) * scale)
+            agg["gen"].append(a["gen"][g].sum() * scale)
+            agg["prefill"].append(a["prefill"][g].sum() * scale)
+            agg["gen_ctx"].append((a["gen"][g] * a["ctx"][g]).sum() * scale)
+            agg["final_max"].append(a["final"][g].max())
+            champ = champions(a["gen"][g], a["tool"][g])
+            agg["line_gen"].append(a["gen"][g][champ])
+            agg["line_tool"].append(a["tool"][g][champ])
+        return LengthBins(**{k: np.asarray(v, dtype=np.float64) for k, v in agg.items()})
+
+    def batch_lengths(self, batch_size: int) -> list[int]:
+        """`batch_size` sequence lengths at evenly spaced quantiles of the recent lengths.
+
+        Training is planned for one step's batch whatever the size of the history window.
+        """
+        if self.is_empty:
+            raise ConfigError("stats", "empty history", "at least one finished trajectory to plan from")
+        srt = sorted(self.final_tokens)
+        n = len(srt)
+        return [srt[min(n - 1, int((k + 0.5) * n / batch_size))] for k in range(batch_size)]
+
+
+# A trajectory's serial time is D * x + S: D decode iterations of x seconds each, plus S seconds of
+# tools. The slowest trajectory of a group depends on x (which depends on TP and batch), so a group
+# keeps the trajectories that win at three points of the line family: the most decode (x large),
+# the most tool time (x small), and the largest D * X_REF + S at a typical decode iteration. The
+# range's latency floor is the largest of their lines: exact at both ends and at X_REF, and never
+# more than the slowest real trajectory (unlike max(D) * x + max(S), which may pair two of them).
+X_REF_S = 0.03
+LINES = 3
+
+
+def champions(gen: np.ndarray, tool: np.ndarray) -> np.ndarray:
+    """Indices of the LINES champion trajectories of a group (see X_REF_S)."""
+    return np.asarray([np.argmax(gen), np.argmax(tool), np.argmax(gen * X_REF_S + tool)])
+
+
+def _record(t: Trajectory, default_latency: float) -> tuple[int, int, int, float, float, int]:
+    """(final, generated, prefilled, generated-weighted mean decode context, tool seconds, turns)."""
+    ctx, gen_ctx, tool = t.prompt_tokens, 0.0, 0.0
+    for turn in t.turns:
+        # While a turn generates o tokens its context grows from c to c + o: mean c + o/2.
+        gen_ctx += turn.output_tokens * (ctx + turn.output_tokens / 2)
+        ctx += turn.output_tokens + turn.tool_return_tokens
+        if turn.has_tool:
+            tool += default_latency if turn.tool_latency_s is None else turn.tool_latency_s
+    gen = t.generated_tokens
+    mean_ctx = gen_ctx / gen if gen else float(t.prompt_tokens)
+    return t.total_tokens, gen, t.total_tokens - gen, mean_ctx, tool, len(t.turns)
