@@ -1,0 +1,186 @@
+"""The transformer of the built-in engine: a small pre-norm decoder (RMSNorm, RoPE, SwiGLU).
+
+It is a real model, only small: every generated token goes through embedding, attention over the
+paged KV cache and the output projection. One forward pass serves a whole continuous-batching
+step: the linear layers run once over every token of the step (decodes and prefill chunks
+flattened together), and attention is split into one batched call for all single-token decodes
+plus one call per prefill chunk, so short decodes never pay for a long prompt's padding.
+
+Weights are random (seeded) or loaded from a local `state_dict` file; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from libra.core.errors import ConfigError
+from libra.runtime.engine.config import ModelPreset
+from libra.runtime.engine.kv_cache import KVCache
+
+NORM_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """A run of `n` prompt tokens of one sequence, starting at token row `row0` of the step."""
+
+    row0: int
+    n: int
+    pos0: int
+    gather: Tensor | None  # flat cache slots of positions 0..pos0+n-1; None when pos0 == 0
+    mask: Tensor | None  # [n, pos0+n] causal mask offset by pos0; None when pos0 == 0
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """Where each token of one step sits and where it reads and writes the KV cache."""
+
+    tokens: Tensor  # [T] long
+    positions: Tensor  # [T] long
+    slots: Tensor  # [T] long: the cache slot each token's key and value are written to
+    n_decode: int  # rows [0, n_decode) are single-token decodes, attended in one batched call
+    decode_gather: Tensor | None  # [B, L] cache slots of each decode's context (null-padded)
+    decode_mask: Tensor | None  # [B, 1, 1, L] True where a key is inside the context
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    sample_rows: Tensor | None = None  # [S] rows whose next-token logits are wanted
+
+
+class Block(nn.Module):
+    def __init__(self, p: ModelPreset):
+        super().__init__()
+        self.p = p
+        self.attn_norm = nn.Parameter(torch.ones(p.d_model))
+        self.qkv = nn.Linear(p.d_model, 3 * p.d_model, bias=False)
+        self.out = nn.Linear(p.d_model, p.d_model, bias=False)
+        self.mlp_norm = nn.Parameter(torch.ones(p.d_model))
+        self.gate_up = nn.Linear(p.d_model, 2 * p.d_ff, bias=False)
+        self.down = nn.Linear(p.d_ff, p.d_model, bias=False)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], b: StepBatch, kc: Tensor, vc: Tensor) -> Tensor:
+        p, t = self.p, x.shape[0]
+        h = F.rms_norm(x, (p.d_model,), self.attn_norm, NORM_EPS)
+        q, k, v = self.qkv(h).view(t, 3, p.n_heads, p.head_dim).unbind(1)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        kc.index_copy_(0, b.slots, k)
+        vc.index_copy_(0, b.slots, v)
+        x = x + self.out(attention(q, k, v, b, kc, vc).reshape(t, p.d_model))
+        h = F.rms_norm(x, (p.d_model,), self.mlp_norm, NORM_EPS)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, b: StepBatch, kc: Tensor, vc: Tensor) -> Tensor:
+    """q, k, v: [T, H, D] for this step's tokens; kc, vc: the layer's cache [slots, H, D]."""
+    out = torch.empty_like(q)
+    nd = b.n_decode
+    if nd:
+        keys, vals = _gather(kc, b.decode_gather), _gather(vc, b.decode_gather)  # [B, H, L, D]
+        o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys, vals, attn_mask=b.decode_mask)
+        out[:nd] = o.squeeze(2)
+    for c in b.prefills:
+        rows = slice(c.row0, c.row0 + c.n)
+        qs = q[rows].transpose(0, 1).unsqueeze(0)
+        if c.gather is None:  # a fresh prompt: its own keys are the whole context
+            ks, vs = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+        else:
+            ks, vs = _gather(kc, c.gather[None]), _gather(vc, c.gather[None])
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=c.mask)
+        out[rows] = o[0].transpose(0, 1)
+    return out
+
+
+def _gather(cache: Tensor, slots: Tensor) -> Tensor:
+    """cache[slots] as [B, H, L, D]; index_select is several times faster than fancy indexing."""
+    b, length = slots.shape
+    return cache.index_select(0, slots.reshape(-1)).view(b, length, *cache.shape[1:]).transpose(1, 2)
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, preset: ModelPreset, seed: int = 0):
+        super().__init__()
+        self.preset = p = preset
+        self.embed = nn.Embedding(p.vocab_size, p.d_model)
+        self.layers = nn.ModuleList(Block(p) for _ in range(p.n_layers))
+        self.final_norm = nn.Parameter(torch.ones(p.d_model))
+        self.lm_head = nn.Linear(p.d_model, p.vocab_size, bias=False)
+        inv_freq = 1.0 / (p.rope_theta ** (torch.arange(0, p.head_dim, 2).float() / p.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.init_weights(seed)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Seeded GPT-2 style init, so `--seed` alone fixes every weight on every machine."""
+        g = torch.Generator().manual_seed(seed)
+        residual_std = 0.02 / (2 * self.preset.n_layers) ** 0.5
+        for name, param in self.named_parameters():
+            if name.endswith("norm"):
+                param.fill_(1.0)
+            else:
+                std = residual_std if name.endswith(("out.weight", "down.weight")) else 0.02
+                param.copy_(torch.randn(param.shape, generator=g) * std)
+        # A unit-scale embedding makes the random model's next-token distribution depend visibly
+        # on its input, which is what batching and cache tests need to catch mistakes.
+        self.embed.weight.copy_(torch.randn(self.embed.weight.shape, generator=g))
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        return angles.cos()[:, None, :], angles.sin()[:, None, :]
+
+    def forward(self, b: StepBatch, cache: KVCache) -> Tensor:
+        """Logits [S, vocab] for `b.sample_rows`, after writing every token's keys and values."""
+        x = self.embed(b.tokens)
+        rope = self.rope(b.positions)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, b, cache.k[i], cache.v[i])
+        x = x if b.sample_rows is None else x[b.sample_rows]
+        return self.lm_head(F.rms_norm(x, (self.preset.d_model,), self.final_norm, NORM_EPS))
+
+
+def build_model(preset: ModelPreset, seed: int = 0, checkpoint: str | Path | None = None) -> TinyTransformer:
+    model = TinyTransformer(preset, seed)
+    if checkpoint is not None:
+        load_checkpoint(model, checkpoint)
+    return model.eval().requires_grad_(False)
+
+
+def save_checkpoint(model: TinyTransformer, path: str | Path) -> Path:
+    """Write the model's `state_dict` (plain tensors, loadable with weights_only=True)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), path)
+    return path
+
+
+def load_checkpoint(model: TinyTransformer, path: str | Path) -> None:
+    try:
+        state = torch.load(Path(path), map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ConfigError("checkpoint", str(path), "an existing file") from None
+    except Exception as e:  # torch raises many types for a file that is not a checkpoint
+        raise ConfigError("checkpoint", str(path), f"a torch state_dict file ({type(e).__name__})") from None
+    if not isinstance(state, dict):
+        raise ConfigError("checkpoint", str(path), "a torch state_dict (a mapping of tensors)")
+    _check_shapes(model, state, path)
+    model.load_state_dict(state, strict=True)
+
+
+def _check_shapes(model: TinyTransformer, state: dict, path: str | Path) -> None:
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, Tensor)}
+    missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
+    bad = sorted(k for k in want.keys() & got.keys() if want[k] != got[k])
+    if missing or extra or bad:
+        detail = f"missing {missing[:3]}, unexpected {extra[:3]}, wrong shape {bad[:3]}"
+        raise ConfigError("checkpoint", str(path), f"a state_dict for model {model.preset.name!r} ({detail})")

@@ -1,0 +1,168 @@
+"""Tensors in, tokens out: turns a `StepPlan` into one model forward pass and samples from it.
+
+The runner keeps a block table tensor, one row per running sequence, mirrored incrementally from
+each sequence's block list (only new blocks are copied), so building a step's cache addresses is
+a handful of vectorised ops instead of Python loops over every cached token.
+
+Sampling is batched but per-sequence reproducible: greedy rows take the masked argmax, and random
+rows draw their uniform number from the sequence's own seeded generator, so a sequence's output
+does not depend on what else shared its batch.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+
+import torch
+from torch import Tensor
+
+from libra.runtime.engine.kv_cache import NULL_BLOCK, KVCache
+from libra.runtime.engine.model import PrefillChunk, StepBatch, TinyTransformer
+from libra.runtime.engine.scheduler import Chunk, StepPlan
+from libra.runtime.engine.sequence import Sequence, TokenLogprob
+
+
+class MaskTable:
+    """Boolean vocabulary masks for the allowed sets constraints return, cached by set."""
+
+    def __init__(self, vocab_size: int, capacity: int = 4096):
+        self.vocab_size, self.capacity = vocab_size, capacity
+        self._ids: OrderedDict[frozenset[int], int] = OrderedDict()
+        self._rows = torch.zeros(64, vocab_size, dtype=torch.bool)
+
+    def rows(self, sets: Seq[frozenset[int]]) -> Tensor:
+        if len(self._ids) + len(sets) > self.capacity:  # tool names vary by request: bound growth
+            self._ids.clear()
+        ids = [self._id(s) for s in sets]
+        return self._rows[torch.tensor(ids, dtype=torch.long)]
+
+    def _id(self, s: frozenset[int]) -> int:
+        i = self._ids.get(s)
+        if i is None:
+            i = self._ids[s] = len(self._ids)
+            if i >= self._rows.shape[0]:
+                grown = torch.zeros(2 * self._rows.shape[0], self.vocab_size, dtype=torch.bool)
+                grown[: self._rows.shape[0]] = self._rows
+                self._rows = grown
+            self._rows[i].zero_()
+            self._rows[i, list(s)] = True
+        return i
+
+
+def sample(
+    logits: Tensor, seqs: Seq[Sequence], masks: MaskTable
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """One token per row of `logits` [S, V], under each sequence's constraint and parameters."""
+    allowed = masks.rows([s.allowed() for s in seqs])
+    masked = logits.masked_fill(~allowed, float("-inf"))
+    picked = masked.argmax(dim=-1)
+    random_rows = [i for i, s in enumerate(seqs) if s.params.temperature > 0]
+    if random_rows:
+        picked[random_rows] = _sample_random(masked[random_rows], [seqs[i] for i in random_rows])
+    tokens = picked.tolist()
+    return tokens, _logprobs(logits, tokens, seqs)
+
+
+def _sample_random(masked: Tensor, seqs: Seq[Sequence]) -> Tensor:
+    temps = torch.tensor([s.params.temperature for s in seqs])
+    top_p = torch.tensor([s.params.top_p for s in seqs])
+    probs = torch.softmax(masked / temps[:, None], dim=-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    cum = sorted_p.cumsum(dim=-1)
+    sorted_p = sorted_p * ((cum - sorted_p) < top_p[:, None])  # nucleus; the top token always stays
+    cdf = sorted_p.cumsum(dim=-1)
+    u = torch.tensor([[s.rng.random()] for s in seqs], dtype=cdf.dtype) * cdf[:, -1:]
+    last_kept = (sorted_p > 0).sum(dim=-1, keepdim=True) - 1
+    pick = torch.searchsorted(cdf, u, right=True).clamp(max=last_kept)
+    return order.gather(1, pick).squeeze(1)
+
+
+def _logprobs(logits: Tensor, tokens: list[int], seqs: Seq[Sequence]) -> list[TokenLogprob | None]:
+    """Log-probabilities under the model's raw distribution, for sequences that asked for them."""
+    want = [i for i, s in enumerate(seqs) if s.params.logprobs]
+    out: list[TokenLogprob | None] = [None] * len(seqs)
+    if not want:
+        return out
+    logp = torch.log_softmax(logits[want].float(), dim=-1)
+    chosen = logp.gather(1, torch.tensor([[tokens[i]] for i in want])).squeeze(1).tolist()
+    for j, i in enumerate(want):
+        k = seqs[i].params.top_logprobs
+        top = ()
+        if k:
+            vals, idx = logp[j].topk(k)
+            top = tuple(zip(idx.tolist(), vals.tolist(), strict=True))
+        out[i] = TokenLogprob(tokens[i], chosen[j], top)
+    return out
+
+
+class ModelRunner:
+    def __init__(self, model: TinyTransformer, cache: KVCache, max_rows: int, blocks_per_seq: int):
+        self.model, self.cache, self.bs = model, cache, cache.block_size
+        self.table = torch.full((max_rows, blocks_per_seq), NULL_BLOCK, dtype=torch.long)
+        self.masks = MaskTable(model.preset.vocab_size)
+        self._ar = torch.arange(max(blocks_per_seq * self.bs, 1))
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> tuple[list[Chunk], list[int], list[TokenLogprob | None]]:
+        """Run one step; returns the chunks that sampled, their tokens and their log-probs."""
+        batch, sampling = self.build(plan)
+        logits = self.model(batch, self.cache)
+        tokens, logprobs = sample(logits, [c.seq for c in sampling], self.masks)
+        return sampling, tokens, logprobs
+
+    def build(self, plan: StepPlan) -> tuple[StepBatch, list[Chunk]]:
+        chunks = plan.chunks
+        self._sync_block_tables(chunks)
+        tokens, positions, rows, sample_rows, sampling = [], [], [], [], []
+        for c in chunks:
+            tokens += c.seq.tokens[c.start : c.start + c.n]
+            positions += range(c.start, c.start + c.n)
+            rows += [c.seq.row] * c.n
+            if c.samples:
+                sample_rows.append(len(tokens) - 1)
+                sampling.append(c)
+        pos, row = torch.tensor(positions), torch.tensor(rows)
+        slots = self.table[row, pos // self.bs] * self.bs + pos % self.bs
+        nd = len(plan.decodes)
+        gather, mask = self._decode_context(row[:nd], pos[:nd]) if nd else (None, None)
+        batch = StepBatch(torch.tensor(tokens), pos, slots, nd, gather, mask)
+        batch.prefills = self._prefill_chunks(plan.prefills, nd)
+        batch.sample_rows = torch.tensor(sample_rows, dtype=torch.long)
+        return batch, sampling
+
+    def _sync_block_tables(self, chunks: list[Chunk]) -> None:
+        for c in chunks:
+            s = c.seq
+            if s.synced < len(s.blocks):
+                self.table[s.row, s.synced : len(s.blocks)] = torch.tensor(s.blocks[s.synced :])
+                s.synced = len(s.blocks)
+
+    def _slots(self, rows: Tensor, length: int) -> Tensor:
+        """Cache slots of positions 0..length-1 for each row: [len(rows), length]."""
+        nb = -(-length // self.bs)
+        blocks = self.table[rows, :nb]
+        return (blocks[:, :, None] * self.bs + self._ar[None, None, : self.bs]).reshape(len(rows), -1)[
+            :, :length
+        ]
+
+    def _decode_context(self, rows: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        lens = pos + 1
+        length = int(lens.max())
+        valid = self._ar[None, :length] < lens[:, None]
+        # Padding points at the zeroed null block, never at memory nobody wrote.
+        gather = torch.where(valid, self._slots(rows, length), NULL_BLOCK * self.bs)
+        return gather, valid[:, None, None, :]
+
+    def _prefill_chunks(self, prefills: list[Chunk], row0: int) -> list[PrefillChunk]:
+        out = []
+        for c in prefills:
+            if c.start == 0:
+                out.append(PrefillChunk(row0, c.n, 0, None, None))
+            else:
+                length = c.start + c.n
+                gather = self._slots(torch.tensor([c.seq.row]), length)[0]
+                mask = self._ar[None, :length] <= (c.start + self._ar[: c.n])[:, None]
+                out.append(PrefillChunk(row0, c.n, c.start, gather, mask))
+            row0 += c.n
+        return out

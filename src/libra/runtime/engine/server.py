@@ -1,0 +1,404 @@
+"""The engine's HTTP front: the OpenAI API over aiohttp, `/health` and Prometheus `/metrics`.
+
+Each request becomes one or more `Sequence`s handed to the engine thread, plus an asyncio queue
+(its sink) that the engine's per-step `publish` fills through `call_soon_threadsafe`. A handler
+only waits on its queue, so thousands of open requests cost no threads. Streaming handlers drain
+everything queued before writing, so a slow client gets fewer, larger chunks instead of falling
+behind. A client that disconnects cancels its handler (aiohttp's handler cancellation), and the
+handler's `finally` aborts its sequences, which frees their KV blocks at the next step.
+
+Every error is JSON in OpenAI's shape: 400 for bad fields, 404 for an unknown model or route,
+413 for an oversize body, 500 only for a bug (logged with its traceback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import secrets
+import signal
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from libra.core.config import build
+from libra.core.errors import ConfigError, LibraError
+from libra.runtime.engine import protocol as p
+from libra.runtime.engine.config import EngineConfig
+from libra.runtime.engine.core import EngineCore
+from libra.runtime.engine.metrics import EngineMetrics
+from libra.runtime.engine.model import TinyTransformer, build_model
+from libra.runtime.engine.sequence import SamplingParams, SeqEvent, Sequence, TextOutput, ToolOutput
+from libra.runtime.engine.tokenizer import render_chat, render_prompt
+
+log = logging.getLogger("libra.engine")
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# The shortest tool call plus this many tokens is the budget of a tool turn with no max_tokens.
+TOOL_HEADROOM = 16
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def json_error(status: int, message: str, param: str | None = None, code: str | None = None) -> web.Response:
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return web.Response(
+        status=status, body=p.error_body(message, param, code, kind), content_type="application/json"
+    )
+
+
+@dataclass(slots=True)
+class Job:
+    """One HTTP request in flight: its sequences report to `sink`."""
+
+    rid: str
+    sink: asyncio.Queue
+    n: int
+    prompt_tokens: int
+    done: bool = False
+
+
+class ChatFormat:
+    """Chunks and bodies of /v1/chat/completions."""
+
+    object_chunk = "chat.completion.chunk"
+
+    def __init__(self, rid: str, model: str, logprobs: bool):
+        self.rid, self.model, self.logprobs, self.created = rid, model, logprobs, int(time.time())
+
+    def head(self, index: int) -> dict | None:
+        return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})  # fmt: skip
+
+    def chunk(self, ev: SeqEvent) -> dict | None:
+        delta: dict = {}
+        if ev.text:
+            delta["content"] = ev.text
+        if ev.tool_call:
+            delta["tool_calls"] = [p.tool_call(ev.tool_call, ev.tool_args, index=0)]
+        elif ev.tool_args:
+            delta["tool_calls"] = [{"index": 0, "function": {"arguments": ev.tool_args}}]
+        if not delta and not ev.finish:
+            return None
+        lps = (
+            {"content": [p.chat_logprob(lp) for lp in ev.logprobs]} if self.logprobs and ev.logprobs else None
+        )
+        return self._chunk({"index": ev.index, "delta": delta, "logprobs": lps, "finish_reason": ev.finish})
+
+    def body(self, states: list[p.ChoiceState], prompt_tokens: int) -> dict:
+        return p.chat_body(self.rid, self.created, self.model, states, prompt_tokens, self.logprobs)
+
+    def _chunk(self, choice: dict) -> dict:
+        return {"id": self.rid, "object": self.object_chunk, "created": self.created, "model": self.model, "choices": [choice]}  # fmt: skip
+
+
+class CompletionFormat(ChatFormat):
+    """Chunks and bodies of /v1/completions."""
+
+    object_chunk = "text_completion"
+
+    def head(self, index: int) -> dict | None:
+        return None
+
+    def chunk(self, ev: SeqEvent) -> dict | None:
+        if not ev.text and not ev.finish:
+            return None
+        lps = p.completion_logprobs(ev.logprobs) if self.logprobs and ev.logprobs else None
+        return self._chunk({"index": ev.index, "text": ev.text, "logprobs": lps, "finish_reason": ev.finish})
+
+    def body(self, states: list[p.ChoiceState], prompt_tokens: int) -> dict:
+        return p.completion_body(self.rid, self.created, self.model, states, prompt_tokens, self.logprobs)
+
+
+def merge(events: list[SeqEvent]) -> list[SeqEvent]:
+    """Fold queued events into one per choice, in order (a slow reader gets bigger chunks)."""
+    out: dict[int, SeqEvent] = {}
+    for ev in events:
+        m = out.get(ev.index)
+        if m is None:
+            out[ev.index] = SeqEvent(ev.index, ev.text, ev.tool_call, ev.tool_args, list(ev.logprobs),
+                                     ev.finish, ev.prompt_tokens, ev.completion_tokens, ev.error)  # fmt: skip
+            continue
+        m.text += ev.text
+        m.tool_call = m.tool_call or ev.tool_call
+        m.tool_args += ev.tool_args
+        m.logprobs += ev.logprobs
+        m.finish, m.error = ev.finish or m.finish, ev.error or m.error
+        m.prompt_tokens, m.completion_tokens = ev.prompt_tokens or m.prompt_tokens, ev.completion_tokens or m.completion_tokens  # fmt: skip
+    return list(out.values())
+
+
+def sse(obj: dict | str) -> bytes:
+    return b"data: " + (obj if isinstance(obj, str) else json.dumps(obj)).encode() + b"\n\n"
+
+
+class EngineServer:
+    def __init__(self, cfg: EngineConfig, model: TinyTransformer):
+        self.cfg, self.metrics = cfg, EngineMetrics()
+        self.core = EngineCore(cfg, model, self._publish, self.metrics)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._seeds = random.Random(cfg.seed)
+        self.started = int(time.time())
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=int(self.cfg.max_body_mb * 2**20), middlewares=[self._errors])
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_startup(self, app: web.Application) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.core.start()
+
+    async def _on_cleanup(self, app: web.Application) -> None:
+        await asyncio.to_thread(self.core.stop)
+
+    def _publish(self, events: list[tuple[object, SeqEvent]]) -> None:
+        """Called by the engine thread once per step."""
+        self._loop.call_soon_threadsafe(_deliver, events)
+
+    # ---- endpoints ------------------------------------------------------------------------------
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        req = await self._parse(request, p.ChatRequest)
+        tools = p.tool_mode(req, self.cfg.tool_rounds)
+        schemas = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        prompt = render_chat([m.to_template() for m in req.messages], schemas)
+        self._check_prompt(len(prompt), "messages")
+        max_tokens = self._max_tokens(req.token_limit(), tools)
+        top = req.top_logprobs or 0
+        specs = [(prompt, self._params(req, max_tokens, i, req.logprobs, top)) for i in range(req.n)]
+        make = (lambda: ToolOutput(tools)) if tools else (lambda: TextOutput(req.stops()))
+        job = self._start("chatcmpl-", [(ids, prm, make()) for ids, prm in specs], len(prompt))
+        fmt = ChatFormat(job.rid, req.model, req.logprobs)
+        return await self._respond(request, job, fmt, req)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = await self._parse(request, p.CompletionRequest)
+        prompts = [render_prompt(text) for text in req.prompts()]
+        for ids in prompts:
+            self._check_prompt(len(ids), "prompt")
+        max_tokens = self._max_tokens(req.max_tokens, None)
+        lp = req.logprobs is not None
+        specs, k = [], 0
+        for ids in prompts:
+            for _ in range(req.n):
+                specs.append(
+                    (ids, self._params(req, max_tokens, k, lp, req.logprobs or 0), TextOutput(req.stops()))
+                )
+                k += 1
+        job = self._start("cmpl-", specs, sum(len(ids) for ids in prompts))
+        return await self._respond(request, job, CompletionFormat(job.rid, req.model, lp), req)
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {
+            "id": self.cfg.served_name,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "libra",
+            "root": self.cfg.model,
+            "max_model_len": self.cfg.preset.max_model_len,
+            "tp_label": self.cfg.tp_label,
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "status": "ok",
+                "name": self.cfg.served_name,
+                "model": self.cfg.model,
+                "tp_label": self.cfg.tp_label,
+                "running": self.core.num_running,
+                "waiting": self.core.num_waiting,
+                "max_num_seqs": self.cfg.max_num_seqs,
+                "max_model_len": self.cfg.preset.max_model_len,
+                "kv_cache_usage": round(self.core.alloc.used_count / (self.core.alloc.num_blocks - 1), 4),
+                "steps": self.core.steps,
+            }
+        )
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        resp = web.Response(body=self.metrics.render())
+        resp.headers["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
+        return resp
+
+    # ---- request plumbing -----------------------------------------------------------------------
+
+    async def _parse(self, request: web.Request, model: type[p._Sampling]) -> p._Sampling:
+        raw = await request.read()
+        try:
+            data = json.loads(raw)
+        except ValueError as e:
+            raise ApiError(400, f"request body is not valid JSON ({e})", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+        req = build(model, data)
+        if req.model != self.cfg.served_name:
+            msg = f"model {req.model!r} does not exist here; this engine serves {self.cfg.served_name!r}"
+            raise ApiError(404, msg, param="model", code="model_not_found")
+        return req
+
+    def _check_prompt(self, n_tokens: int, param: str) -> None:
+        limit = self.cfg.preset.max_model_len
+        if n_tokens >= limit:
+            msg = f"the prompt is {n_tokens} tokens; this engine's context is {limit} tokens (prompt must be shorter)"  # fmt: skip
+            raise ApiError(400, msg, param=param, code="context_length_exceeded")
+
+    def _max_tokens(self, asked: int | None, tools: dict | None) -> int:
+        if asked is not None:
+            return asked
+        if tools is None:
+            return self.cfg.max_tokens_default
+        return max(self.cfg.max_tokens_default, ToolOutput(tools).constraint.min_left() + TOOL_HEADROOM)
+
+    def _params(self, req: p._Sampling, max_tokens: int, i: int, logprobs: bool, top: int) -> SamplingParams:
+        seed = req.seed + i if req.seed is not None else self._seeds.getrandbits(63)
+        return SamplingParams(max_tokens, req.temperature, req.top_p, req.stops(), seed, logprobs, top)
+
+    def _start(self, prefix: str, specs: list, prompt_tokens: int) -> Job:
+        job = Job(prefix + secrets.token_hex(12), asyncio.Queue(), len(specs), prompt_tokens)
+        now, max_len = time.monotonic(), self.cfg.preset.max_model_len
+        seqs = [Sequence(job.rid, i, ids, prm, out, job.sink, max_len, now) for i, (ids, prm, out) in enumerate(specs)]  # fmt: skip
+        self.core.submit(seqs)
+        return job
+
+    async def _respond(self, request: web.Request, job: Job, fmt: ChatFormat, req: p._Sampling) -> web.StreamResponse:  # fmt: skip
+        try:
+            if req.stream:
+                usage = bool(req.stream_options and req.stream_options.include_usage)
+                return await self._stream(request, job, fmt, usage)
+            states = await self._collect(job)
+            return web.json_response(fmt.body(states, job.prompt_tokens))
+        finally:
+            if not job.done:
+                self.core.abort(job.rid)
+
+    async def _collect(self, job: Job) -> list[p.ChoiceState]:
+        states = [p.ChoiceState(i) for i in range(job.n)]
+        left = job.n
+        while left:
+            ev = await job.sink.get()
+            if ev.error:
+                job.done = True
+                raise ApiError(500, ev.error, code="engine_error")
+            states[ev.index].add(ev)
+            left -= ev.finish is not None
+        job.done = True
+        return states
+
+    async def _stream(self, request: web.Request, job: Job, fmt: ChatFormat, usage: bool) -> web.StreamResponse:  # fmt: skip
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        states = [p.ChoiceState(i) for i in range(job.n)]
+        try:
+            heads = [fmt.head(i) for i in range(job.n)]
+            await resp.write(b"".join(sse(h) for h in heads if h))
+            left = job.n
+            while left:
+                events = merge(await _drain(job.sink))
+                if any(ev.error for ev in events):
+                    job.done = True
+                    await resp.write(sse({"error": {"message": events[0].error or "engine error", "type": "server_error"}}))  # fmt: skip
+                    break
+                for ev in events:
+                    states[ev.index].add(ev)
+                    left -= ev.finish is not None
+                await resp.write(b"".join(sse(c) for c in map(fmt.chunk, events) if c))
+            job.done = True
+            if usage:
+                await resp.write(
+                    sse({**fmt._chunk({}), "choices": [], "usage": p.usage(states, job.prompt_tokens)})
+                )
+            await resp.write(sse("[DONE]"))
+            await resp.write_eof()
+        except ConnectionResetError:  # the client left; `_respond` aborts the sequences
+            pass
+        return resp
+
+    # ---- errors ---------------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        try:
+            resp = await handler(request)
+        except ApiError as e:
+            resp = json_error(e.status, e.message, e.param, e.code)
+        except ConfigError as e:
+            resp = json_error(400, str(e), e.field, "invalid_value")
+        except LibraError as e:
+            resp = json_error(400, str(e))
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            resp = json_error(e.status, _http_message(e, request, self.cfg.max_body_mb), code=e.reason.lower().replace(" ", "_"))  # fmt: skip
+        except Exception:
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            resp = json_error(500, "internal server error; see the engine log")
+        route = request.match_info.route.resource
+        endpoint = route.canonical if route is not None else "unmatched"
+        self.metrics.http_requests.labels(endpoint, str(resp.status)).inc()
+        return resp
+
+
+def _http_message(e: web.HTTPException, request: web.Request, max_body_mb: float) -> str:
+    if e.status == 413:
+        return f"request body too large; the limit is {max_body_mb:g} MiB (--max-body-mb)"
+    if e.status == 404:
+        return f"no such endpoint: {request.method} {request.path}"
+    if e.status == 405:
+        return f"method {request.method} not allowed on {request.path}"
+    return e.text or e.reason
+
+
+def _deliver(events: list[tuple[asyncio.Queue, SeqEvent]]) -> None:
+    for sink, ev in events:
+        sink.put_nowait(ev)
+
+
+async def _drain(q: asyncio.Queue) -> list[SeqEvent]:
+    items = [await q.get()]
+    while not q.empty():
+        items.append(q.get_nowait())
+    return items
+
+
+# ---- running it -------------------------------------------------------------------------------------
+
+
+def serve(cfg: EngineConfig, host: str, port: int, access_log: bool = False) -> None:
+    """Build the model, start the engine thread and serve until SIGINT or SIGTERM."""
+    model = build_model(cfg.preset, cfg.seed, cfg.checkpoint)
+    asyncio.run(_serve(EngineServer(cfg, model), host, port, access_log))
+
+
+async def _serve(server: EngineServer, host: str, port: int, access_log: bool) -> None:
+    kwargs = {} if access_log else {"access_log": None}
+    runner = web.AppRunner(server.app(), handler_cancellation=True, **kwargs)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=4096)
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        raise ConfigError("--port", port, f"a free port on {host} ({e.strerror})") from None
+    bound = runner.addresses[0][1]
+    cfg = server.cfg
+    print(f"libra engine {cfg.served_name!r} (model {cfg.model}, {cfg.tp_label}) listening on http://{host}:{bound}", flush=True)  # fmt: skip
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
