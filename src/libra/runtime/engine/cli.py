@@ -7,6 +7,8 @@ anything starts, so a bad value is one line naming the option and exit code 2.
 
 from __future__ import annotations
 
+import socket
+
 import click
 
 from libra.core.config import build
@@ -24,7 +26,7 @@ def _presets() -> list[str]:
 @click.option(
     "--model", default="tiny", show_default=True, type=click.Choice(_presets()), help="Model preset."
 )
-@click.option("--checkpoint", type=click.Path(dir_okay=False), default=None, help="Load weights from a local state_dict file.")  # fmt: skip
+@click.option("--checkpoint", type=click.Path(exists=True, dir_okay=False), default=None, help="Load weights from a local state_dict file.")  # fmt: skip
 @click.option("--save-checkpoint", type=click.Path(dir_okay=False), default=None, help="Write the weights (random from --seed, or --checkpoint) to this file and exit.")  # fmt: skip
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8100, show_default=True, type=click.IntRange(0, 65535), help="0 picks a free port (printed at start).")  # fmt: skip
@@ -56,12 +58,20 @@ def engine(save_checkpoint: str | None, host: str, port: int, access_log: bool, 
     if save_checkpoint:
         _save(cfg, save_checkpoint)
         return
+    sock = _bind(host, port)  # before torch loads, so a busy port fails in a fraction of a second
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from libra.runtime.engine.server import serve
 
-    serve(cfg, host, port, access_log)
+    serve(cfg, sock, access_log)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        return socket.create_server((host, port), backlog=4096, dualstack_ipv6=False)
+    except OSError as e:
+        raise ConfigError("--port", port, f"a free port on {host} ({e.strerror})") from None
 
 
 def _save(cfg, path: str) -> None:

@@ -64,6 +64,12 @@ class EngineCore:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def run_sync(self, seqs: list[Sequence]) -> None:
+        """Run `seqs` to completion on the calling thread (tests, benchmarks); never with start()."""
+        self._apply("add", seqs)
+        while self.sched.has_work:
+            self.step()
+
     @property
     def num_running(self) -> int:
         return len(self.sched.running)
@@ -95,8 +101,8 @@ class EngineCore:
 
     def _apply(self, kind: str, arg) -> bool:
         if kind == "add":
-            self._live[arg[0].rid] = arg
             for seq in arg:
+                self._live.setdefault(seq.rid, []).append(seq)
                 self.sched.add(seq)
                 self.metrics.prompt_tokens.inc(seq.n_prompt)
         elif kind == "abort":

@@ -19,6 +19,7 @@ import logging
 import random
 import secrets
 import signal
+import socket
 import time
 from dataclasses import dataclass
 
@@ -377,25 +378,20 @@ async def _drain(q: asyncio.Queue) -> list[SeqEvent]:
 # ---- running it -------------------------------------------------------------------------------------
 
 
-def serve(cfg: EngineConfig, host: str, port: int, access_log: bool = False) -> None:
-    """Build the model, start the engine thread and serve until SIGINT or SIGTERM."""
+def serve(cfg: EngineConfig, sock: socket.socket, access_log: bool = False) -> None:
+    """Build the model, start the engine thread and serve on `sock` until SIGINT or SIGTERM."""
     model = build_model(cfg.preset, cfg.seed, cfg.checkpoint)
-    asyncio.run(_serve(EngineServer(cfg, model), host, port, access_log))
+    asyncio.run(_serve(EngineServer(cfg, model), sock, access_log))
 
 
-async def _serve(server: EngineServer, host: str, port: int, access_log: bool) -> None:
+async def _serve(server: EngineServer, sock: socket.socket, access_log: bool) -> None:
     kwargs = {} if access_log else {"access_log": None}
     runner = web.AppRunner(server.app(), handler_cancellation=True, **kwargs)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=4096)
-    try:
-        await site.start()
-    except OSError as e:
-        await runner.cleanup()
-        raise ConfigError("--port", port, f"a free port on {host} ({e.strerror})") from None
-    bound = runner.addresses[0][1]
+    await web.SockSite(runner, sock).start()
+    host, port = sock.getsockname()[:2]
     cfg = server.cfg
-    print(f"libra engine {cfg.served_name!r} (model {cfg.model}, {cfg.tp_label}) listening on http://{host}:{bound}", flush=True)  # fmt: skip
+    print(f"libra engine {cfg.served_name!r} (model {cfg.model}, {cfg.tp_label}) listening on http://{host}:{port}", flush=True)  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,0 +1,384 @@
+"""The built-in engine as users see it: `libra serve engine` as a real subprocess on loopback,
+driven by the official `openai` client (chat, streaming, tools, multi-turn, completions), plus
+raw HTTP for bad requests, health, metrics and client disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from tests.conftest import run_cli
+from tests.engine_fixtures import engine, engine_factory  # noqa: F401
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "days": {"type": "integer"},
+                "unit": {"type": "string", "enum": ["c", "f"]},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+SEARCH = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}},
+    },
+}
+USER = {"role": "user", "content": "What is the weather in Oslo?"}
+
+
+@pytest.fixture(scope="module")
+def client(engine):  # noqa: F811
+    with openai.OpenAI(base_url=engine.base_url, api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def post(engine, path: str, body: bytes | dict, timeout: float = 30) -> tuple[int, dict]:  # noqa: F811
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(engine.url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def metric(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+# ---- discovery -------------------------------------------------------------------------------------
+
+
+def test_models_and_health(engine, client):  # noqa: F811
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    health = engine.get("/health")
+    assert health["status"] == "ok" and health["tp_label"] == "tp1" and health["max_model_len"] == 8192
+
+
+# ---- chat ------------------------------------------------------------------------------------------
+
+
+def test_chat_completion_shape_and_usage(client):
+    r = client.chat.completions.create(model="tiny", messages=[USER], max_tokens=24, temperature=0)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == "tiny"
+    (choice,) = r.choices
+    assert choice.index == 0 and choice.message.role == "assistant" and choice.message.tool_calls is None
+    assert choice.finish_reason in ("stop", "length")
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert 1 <= r.usage.completion_tokens <= 24
+    if choice.finish_reason == "length":
+        assert r.usage.completion_tokens == 24
+    again = client.chat.completions.create(model="tiny", messages=[USER], max_tokens=24, temperature=0)
+    assert again.choices[0].message.content == choice.message.content  # greedy is deterministic
+
+
+def test_seeded_sampling_and_n_choices(client):
+    kw = dict(model="tiny", messages=[USER], max_tokens=16, temperature=1.0, seed=42, n=3)
+    a, b = client.chat.completions.create(**kw), client.chat.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    assert len({c.message.content for c in a.choices}) > 1
+
+
+def test_streaming_matches_non_streaming(client):
+    kw = dict(model="tiny", messages=[USER], max_tokens=40, temperature=0)
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == whole.choices[0].message.content
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+
+
+def test_logprobs_cover_every_generated_token(client):
+    r = client.chat.completions.create(
+        model="tiny", messages=[USER], max_tokens=12, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert all(lp.logprob <= 0 and len(lp.top_logprobs) == 3 for lp in content)
+    # Greedy picks the most likely allowed token, so no allowed token beats it.
+    assert all(lp.logprob >= lp.top_logprobs[-1].logprob for lp in content)
+
+
+# ---- tool calls ------------------------------------------------------------------------------------
+
+
+def tool_call_of(r):
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    return call
+
+
+def test_tool_call_then_answer_multi_turn(client):
+    r = client.chat.completions.create(model="tiny", messages=[USER], tools=[WEATHER, SEARCH], temperature=0)
+    call = tool_call_of(r)
+    args = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        assert set(args) == {"city", "unit"} and args["unit"] in ("c", "f") and isinstance(args["city"], str)
+    else:
+        assert call.function.name == "search" and set(args) == {"query"}
+    history = [
+        USER,
+        r.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "Rain, 11 degrees."},
+    ]
+    final = client.chat.completions.create(
+        model="tiny", messages=history, tools=[WEATHER, SEARCH], max_tokens=20
+    )
+    assert (
+        final.choices[0].finish_reason in ("stop", "length") and final.choices[0].message.tool_calls is None
+    )
+    assert final.usage.prompt_tokens > r.usage.prompt_tokens
+    # Asking for two rounds makes the second turn call again; a new user message starts over.
+    again = client.chat.completions.create(
+        model="tiny", messages=history, tools=[WEATHER], extra_body={"libra_tool_rounds": 2}
+    )
+    assert tool_call_of(again).function.name == "get_weather"
+
+
+def test_tool_choice_none_named_and_streamed(client):
+    plain = client.chat.completions.create(model="tiny", messages=[USER], tools=[WEATHER], tool_choice="none")
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason != "tool_calls"
+    named = {"type": "function", "function": {"name": "search"}}
+    kw = dict(model="tiny", messages=[USER], tools=[WEATHER, SEARCH], tool_choice=named, temperature=0)
+    whole = tool_call_of(client.chat.completions.create(**kw))
+    assert whole.function.name == "search"
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id == whole.id or deltas[0].id.startswith("call_")
+    assert deltas[0].function.name == "search"
+    assert "".join(d.function.arguments or "" for d in deltas) == whole.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_call_cut_by_max_tokens_says_length(client):
+    r = client.chat.completions.create(model="tiny", messages=[USER], tools=[WEATHER], max_tokens=5)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+
+
+# ---- completions -----------------------------------------------------------------------------------
+
+
+def test_completions_and_stop_strings(client):
+    r = client.completions.create(model="tiny", prompt="The answer is", max_tokens=30, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].finish_reason in ("stop", "length")
+    text = r.choices[0].text
+    stop = text[10:13] if len(text) >= 13 else None
+    if stop:  # greedy repeats itself, so the cut is at the stop string's first occurrence
+        cut = client.completions.create(model="tiny", prompt="The answer is", max_tokens=30, temperature=0, stop=[stop])  # fmt: skip
+        assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    many = client.completions.create(model="tiny", prompt=["a", "bb"], max_tokens=4, n=2)
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert many.usage.prompt_tokens == 2 + 3
+
+
+def test_streamed_completion(client):
+    whole = client.completions.create(model="tiny", prompt="x", max_tokens=20, temperature=0)
+    parts = list(
+        client.completions.create(model="tiny", prompt="x", max_tokens=20, temperature=0, stream=True)
+    )
+    assert "".join(p.choices[0].text for p in parts) == whole.choices[0].text
+
+
+# ---- bad input ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        (b'{"model": "tiny", "messages": [', 400, None),
+        (b"[1, 2]", 400, None),
+        ({"model": "tiny"}, 400, "messages"),
+        ({"model": "tiny", "messages": []}, 400, "messages"),
+        ({"model": "gpt-9", "messages": [USER]}, 404, "model"),
+        ({"model": "tiny", "messages": [USER], "max_tokens": -3}, 400, "max_tokens"),
+        ({"model": "tiny", "messages": [USER], "temperature": 7}, 400, "temperature"),
+        ({"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
+        ({"model": "tiny", "messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None),
+        (
+            {
+                "model": "tiny",
+                "messages": [USER],
+                "tools": [{"type": "function", "function": {"name": "a b"}}],
+            },
+            400,
+            None,
+        ),  # fmt: skip
+        (
+            {
+                "model": "tiny",
+                "messages": [USER],
+                "tools": [WEATHER],
+                "tool_choice": {"type": "function", "function": {"name": "nope"}},
+            },
+            400,
+            "tool_choice.function.name",
+        ),  # fmt: skip
+        ({"model": "tiny", "messages": [USER], "presence_penalty": 1.0}, 400, None),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x" * 9000}]}, 400, "messages"),
+    ],
+)
+def test_bad_requests_get_4xx_json(engine, body, status, param):  # noqa: F811
+    code, err = post(engine, "/v1/chat/completions", body)
+    assert code == status
+    assert set(err["error"]) >= {"message", "type", "param", "code"} and err["error"]["message"]
+    if param:
+        assert err["error"]["param"] == param
+
+
+def test_oversize_body_unknown_route_and_wrong_method(engine):  # noqa: F811
+    big = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x" * (9 * 2**20)}]}).encode()
+    code, err = post(engine, "/v1/chat/completions", big)
+    assert code == 413 and "--max-body-mb" in err["error"]["message"]
+    code, err = post(engine, "/v1/nothing", {})
+    assert code == 404 and err["error"]["message"]
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(engine.url + "/v1/chat/completions", timeout=10)
+    assert e.value.code == 405 and json.loads(e.value.read())["error"]["message"]
+    assert engine.get("/health")["status"] == "ok"
+
+
+def test_openai_client_sees_typed_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[USER])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[USER], max_tokens=0)
+    assert "max_tokens" in str(e.value)
+
+
+# ---- load, batching and cancellation -----------------------------------------------------------
+
+
+def test_64_concurrent_requests_all_complete_and_batch(engine):  # noqa: F811
+    """A quarter each: plain, long prompt, tool call (default budget), streamed."""
+
+    async def one(c: openai.AsyncOpenAI, i: int):
+        msgs = [{"role": "user", "content": f"request {i} " + ("long " * 60 if i % 4 == 1 else "")}]
+        if i % 4 == 2:
+            return await c.chat.completions.create(model="tiny", messages=msgs, tools=[WEATHER])
+        if i % 4 == 3:
+            stream = await c.chat.completions.create(model="tiny", messages=msgs, max_tokens=32, stream=True)
+            return [chunk async for chunk in stream]
+        return await c.chat.completions.create(model="tiny", messages=msgs, max_tokens=32)
+
+    async def main():
+        async with openai.AsyncOpenAI(
+            base_url=engine.base_url, api_key="unused", max_retries=0, timeout=120
+        ) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(64)))
+
+    before = metric(engine.metrics(), "libra_engine_generation_tokens_total")
+    results = asyncio.run(main())
+    generated = 0
+    for i, r in enumerate(results):
+        if i % 4 == 3:
+            assert r[0].choices[0].delta.role == "assistant"
+            assert r[-1].choices[0].finish_reason in ("stop", "length")
+            continue
+        if i % 4 == 2:
+            assert json.loads(tool_call_of(r).function.arguments)["unit"] in ("c", "f")
+        else:
+            assert (
+                r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.content is not None
+            )
+        generated += r.usage.completion_tokens
+    text = engine.metrics()
+    assert metric(text, "libra_engine_peak_running_seqs") > 1, "continuous batching never batched"
+    single = metric(text, 'libra_engine_step_batch_size_bucket{le="1.0"}')
+    assert single < metric(text, "libra_engine_step_batch_size_count"), (
+        "no step ever ran more than one sequence"
+    )
+    assert metric(text, "libra_engine_generation_tokens_total") - before >= generated
+    assert engine.get("/health")["running"] == 0
+
+
+def test_client_disconnect_aborts_the_sequence(engine):  # noqa: F811
+    body = json.dumps({"model": "tiny", "messages": [USER], "max_tokens": 7000, "stream": True}).encode()
+    req = urllib.request.Request(engine.url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})  # fmt: skip
+    aborted = metric(engine.metrics(), 'libra_engine_sequences_finished_total{reason="abort"}')
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.readline().startswith(b"data: ")
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and engine.get("/health")["running"]:
+        time.sleep(0.1)
+    assert engine.get("/health")["running"] == 0
+    assert metric(engine.metrics(), 'libra_engine_sequences_finished_total{reason="abort"}') == aborted + 1
+
+
+def test_metrics_are_prometheus_text(engine):  # noqa: F811
+    text = engine.metrics()
+    for name in (
+        "libra_engine_http_requests_total",
+        "libra_engine_generation_tokens_total",
+        "libra_engine_running_seqs",
+        "libra_engine_waiting_seqs",
+        "libra_engine_step_seconds_bucket",
+        "libra_engine_time_to_first_token_seconds_count",
+    ):
+        assert re.search(rf"^{name}(\{{.*\}})? [0-9.e+-]+$", text, re.M), name
+
+
+# ---- the command line ------------------------------------------------------------------------------
+
+
+def test_checkpoint_save_and_load_through_the_cli(engine_factory, engine, tmp_path):  # noqa: F811
+    """Seed-0 weights saved, then served by an engine told --seed 5: it must answer like seed 0.
+    (That different seeds give different answers is checked in test_engine_model.)"""
+    ckpt = tmp_path / "tiny-seed0.pt"
+    r = run_cli("serve", "engine", "--seed", "0", "--save-checkpoint", str(ckpt))
+    assert r.returncode == 0 and ckpt.exists(), r.stderr
+    loaded = engine_factory("--checkpoint", str(ckpt), "--seed", "5")
+    ask = {"model": "tiny", "messages": [USER], "max_tokens": 24, "temperature": 0}
+    out = [
+        post(e, "/v1/chat/completions", ask)[1]["choices"][0]["message"]["content"] for e in (loaded, engine)
+    ]
+    assert out[0] == out[1], "a checkpoint must reproduce the weights it was saved from"
+    assert loaded.stop() == 0, "SIGTERM should shut the engine down cleanly"
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--checkpoint", "/nonexistent/x.pt"], "--checkpoint"),
+        (["--kv-cache-mb", "1"], "--kv-cache-mb"),
+        (["--model", "huge"], "--model"),
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
+    ],
+)
+def test_bad_options_are_one_line_and_exit_2(args, words):
+    r = run_cli("serve", "engine", "--port", "0", *args, timeout=60)
+    assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_busy_port_is_a_clear_error(engine):  # noqa: F811
+    r = run_cli("serve", "engine", "--port", str(engine.port), timeout=60)
+    assert r.returncode == 2 and "--port" in r.stderr and "Traceback" not in r.stderr, r.stderr
