@@ -30,6 +30,10 @@ class PlannerConfig(BaseModel):
     bins: int = Field(32, ge=1, le=512, description="Quantile bins of recent lengths for the rollout DP")
     rollout_tp: list[int] = Field([1, 2, 4, 8], min_length=1, description="TP degrees a bucket may use")
     layout: str = Field("heterogeneous", pattern="^(heterogeneous|homogeneous)$")
+    # A bucket is a routing target chosen by *predicted* length. Predictions (C-MLFQ's tree) are good
+    # to a P90 over many trajectories, not to single ones, so a bucket narrower than ~10% of the batch
+    # could not be routed to reliably; it would only fit the estimate to this sample's outliers.
+    min_bucket_fraction: float = Field(0.1, ge=0, lt=1, description="Least share of the batch per bucket")
     # A bucket must hold this many sequences at its max context at once; fewer would serialise the
     # tail and make the bucket's latency floor meaningless.
     min_concurrent: int = Field(4, ge=1, description="Sequences at max context a bucket's KV must hold")

@@ -23,18 +23,19 @@ from libra.planner.config import PlannerConfig
 from libra.planner.plan import BucketPlan
 from libra.planner.problem import PlanningProblem
 from libra.planner.rollout_dp import EngineTables, LayoutDP, RangeArrays
-from libra.planner.stats import LINES, WorkloadStats, champions
+from libra.planner.stats import LINES, WorkloadStats, champion_lines
 
 
 class RolloutEvaluator:
     """Predicted makespan of bucket lists on one workload snapshot."""
 
-    __slots__ = ("tables", "problem", "a", "scale")
+    __slots__ = ("tables", "problem", "a", "scale", "n_steps")
 
     def __init__(self, tables: EngineTables, problem: PlanningProblem, stats: WorkloadStats):
         self.tables, self.problem = tables, problem
-        self.a = stats.arrays()
+        self.a = stats.arrays(problem.batch_size)
         self.scale = problem.batch_size / stats.size
+        self.n_steps = int(self.a["step"].max()) + 1
 
     def groups(self, max_contexts: Sequence[int]) -> RangeArrays:
         edges = np.asarray(max_contexts, dtype=np.float64)
@@ -42,14 +43,16 @@ class RolloutEvaluator:
         m, a, s = len(edges), self.a, self.scale
         gen = np.bincount(k, a["gen"], m) * s
         ctx = np.bincount(k, a["gen"] * a["ctx"], m) * s / np.maximum(gen, 1e-9)
-        lines_g, lines_t = np.zeros((m, LINES)), np.zeros((m, LINES))
+        shape = (m, self.n_steps, LINES)
+        lines_g, lines_t, present = np.zeros(shape), np.zeros(shape), np.zeros((m, self.n_steps))
         for b in range(m):
-            members = np.flatnonzero(k == b)
-            if len(members):
-                champ = members[champions(a["gen"][members], a["tool"][members])]
-                lines_g[b], lines_t[b] = a["gen"][champ], a["tool"][champ]
+            members = k == b
+            lines_g[b], lines_t[b], present[b] = champion_lines(
+                a["gen"][members], a["tool"][members], a["step"][members], self.n_steps
+            )
         count = np.bincount(k, None, m) * s
-        return RangeArrays(count, gen, np.bincount(k, a["prefill"], m) * s, ctx, lines_g, lines_t, edges)
+        prefill = np.bincount(k, a["prefill"], m) * s
+        return RangeArrays(count, gen, prefill, ctx, lines_g, lines_t, present, edges)
 
     def bucket_times(self, buckets: Sequence[BucketPlan]) -> np.ndarray:
         r = self.groups([b.max_context for b in buckets])
@@ -95,7 +98,8 @@ class HeterogeneousLayout:
         bins = stats.bins(cfg.bins, problem.batch_size)
         self.final_max = bins.final_max
         self.max_length = problem.max_length
-        self.dp = LayoutDP(tables, bins, problem.max_length, cfg.min_concurrent, cfg.rollout_tp)
+        min_bins = max(1, int(cfg.min_bucket_fraction * len(bins)))
+        self.dp = LayoutDP(tables, bins, problem.max_length, cfg.min_concurrent, cfg.rollout_tp, min_bins)
 
     def best(self, gpus: int) -> float:
         return self.dp.best(gpus)
@@ -104,10 +108,7 @@ class HeterogeneousLayout:
         out: list[BucketPlan] = []
         for tp, n, _j, i in self.dp.ranges(gpus):
             top = self.max_length if i == len(self.final_max) else int(self.final_max[i - 1])
-            if out and out[-1].tp == tp:  # adjacent ranges of one TP are one bucket, one router pool
-                out[-1] = BucketPlan(tp, out[-1].instances + n, top, out[-1].min_context)
-            else:
-                out.append(BucketPlan(tp, n, top, out[-1].max_context if out else 0))
+            out.append(BucketPlan(tp, n, top, out[-1].max_context if out else 0))
         return out
 
 

@@ -66,7 +66,15 @@ class Plan:
         return self.train.tp * self.train.pp * self.train.cp
 
     def layout_key(self) -> tuple:
-        return (self.train_gpus, self.train, tuple((b.tp, b.instances, b.max_context) for b in self.buckets))
+        """What costs a reconfiguration to change: the split, training parallelism, engines per TP.
+
+        Bucket boundaries are left out on purpose: they are router thresholds, free to move.
+        """
+        return (self.train_gpus, self.train, tuple((b.tp, b.instances) for b in self.buckets))
+
+    @property
+    def boundaries(self) -> tuple[int, ...]:
+        return tuple(b.max_context for b in self.buckets)
 
     def to_dict(self) -> dict:
         t = self.train
@@ -94,18 +102,25 @@ class PlanDiff:
     to_train_gpus: int
     to_rollout_gpus: int
     train_changed: bool
-    buckets_changed: bool
+    buckets_changed: bool  # engines start or stop (TP or instance counts differ)
+    boundaries_changed: bool = False  # only the routers' length thresholds move: free
 
     @property
     def empty(self) -> bool:
-        return not (self.to_train_gpus or self.to_rollout_gpus or self.train_changed or self.buckets_changed)
+        return not (
+            self.to_train_gpus or self.to_rollout_gpus or self.train_changed or self.buckets_changed
+            or self.boundaries_changed
+        )  # fmt: skip
 
 
 def diff(current: Plan, candidate: Plan) -> PlanDiff:
     moved = candidate.train_gpus - current.train_gpus
-    cur_b = [(b.tp, b.instances, b.max_context) for b in current.buckets]
-    new_b = [(b.tp, b.instances, b.max_context) for b in candidate.buckets]
-    return PlanDiff(max(0, moved), max(0, -moved), current.train != candidate.train, cur_b != new_b)
+    cur_b = [(b.tp, b.instances) for b in current.buckets]
+    new_b = [(b.tp, b.instances) for b in candidate.buckets]
+    return PlanDiff(
+        max(0, moved), max(0, -moved), current.train != candidate.train, cur_b != new_b,
+        current.boundaries != candidate.boundaries,
+    )  # fmt: skip
 
 
 def reconfig_cost_s(d: PlanDiff, costs: ElasticConfig | None = None) -> float:
@@ -114,6 +129,7 @@ def reconfig_cost_s(d: PlanDiff, costs: ElasticConfig | None = None) -> float:
     GPUs going to rollout and engines changing layout both pay an engine (re)start; GPUs going to
     training and a training reshard both pay a snapshot fetch and restore. The two sides proceed
     on disjoint GPUs at the same time, so the switch costs the longer of them, not their sum.
+    Moving only bucket boundaries is free: it changes router thresholds, no engine restarts.
     """
     c = costs or ElasticConfig()
     engine = c.train_to_rollout_s if (d.to_rollout_gpus or d.buckets_changed) else 0.0

@@ -29,9 +29,9 @@ from dataclasses import dataclass, replace
 from libra.core.errors import ConfigError, InfeasibleError
 from libra.planner.config import ElasticConfig, PlannerConfig, SelectorConfig
 from libra.planner.layouts import LAYOUTS, RolloutEvaluator, fill_leftover
-from libra.planner.plan import Plan, diff, reconfig_cost_s
+from libra.planner.plan import BucketPlan, Plan, check_plan, diff, reconfig_cost_s
 from libra.planner.problem import PlanningProblem
-from libra.planner.rollout_dp import EngineTables
+from libra.planner.rollout_dp import EngineTables, fit_boundaries
 from libra.planner.selector import ParallelismSelector
 from libra.planner.stats import WorkloadStats
 from libra.planner.train_search import TrainChoice, TrainSearch, frontier
@@ -88,16 +88,24 @@ class GlobalPlanner:
         layout = self._layout(stats)
         ranked = sorted(trains.values(), key=lambda c: self._score(c, layout, stats))
         finals = [self._build(c, layout, stats, bound) for c in ranked[:FINALISTS]]
-        finals = [p for p in finals if p is not None]
+        # Belt and braces: every constraint is re-derived from the cost models before a plan leaves.
+        finals = [
+            p for p in finals if p is not None and not check_plan(p, self.problem, self.config.min_concurrent)
+        ]
         if not finals:
             raise InfeasibleError(self._no_rollout_message(trains))
         return min(finals, key=lambda p: (p.step_time_s, p.t_train_s + p.t_rollout_s, -p.rollout_gpus))
 
     def _train_frontier(self, lengths: list[int], bound: int) -> dict[int, TrainChoice]:
-        min_engine = min(t for t in self.config.rollout_tp if self.problem.tp_allowed(t))
-        best = self.train_search.best_per_gpus(lengths, bound, self.problem.gpus - min_engine)
+        p = self.problem
+        engines = [t for t in self.config.rollout_tp if p.tp_allowed(t)]
+        if not engines:
+            raise InfeasibleError(
+                f"no rollout TP in {self.config.rollout_tp} is a power of two dividing both the "
+                f"{p.hw.gpus_per_node} GPUs of a {p.hw.name} node and {p.model.name}'s {p.model.heads} heads"
+            )
+        best = self.train_search.best_per_gpus(lengths, bound, p.gpus - min(engines))
         if not best:
-            p = self.problem
             raise InfeasibleError(
                 f"no training configuration of {p.model.name} fits {bound}-token contexts in {p.gpus} x "
                 f"{p.hw.name} with {p.prompts_per_step} GRPO groups ({self.train_search.counts.describe()})"
@@ -160,15 +168,65 @@ class GlobalPlanner:
             plan, t_train_s=t_train, t_rollout_s=max(b.predicted_s for b in buckets), buckets=buckets
         )
 
+    def retune(self, plan: Plan, stats: WorkloadStats) -> Plan:
+        """`plan` with the bucket boundaries that suit `stats` best; engines and split unchanged."""
+        if len(plan.buckets) < 2 or stats.is_empty:
+            return plan
+        bins = stats.bins(self.config.bins, self.problem.batch_size)
+        min_bins = max(1, int(self.config.min_bucket_fraction * len(bins)))
+        engines = [(b.tp, b.instances) for b in plan.buckets]
+        ends = fit_boundaries(
+            self.tables, bins, self.problem.max_length, engines, self.config.min_concurrent, min_bins
+        )
+        if ends is None:
+            return plan
+        tops = [int(bins.final_max[i - 1]) for i in ends[:-1]] + [plan.buckets[-1].max_context]
+        lows = [0, *tops[:-1]]
+        buckets = tuple(
+            BucketPlan(b.tp, b.instances, top, low)
+            for b, top, low in zip(plan.buckets, tops, lows, strict=True)
+        )
+        return replace(plan, buckets=buckets)
+
     def decide(self, stats: WorkloadStats, current: Plan | None) -> PlanDecision:
-        """Search, then apply the candidate only under the apply rule."""
+        """Search, then apply the candidate only under the apply rule.
+
+        The current plan is first given the bucket boundaries that suit the new statistics (free:
+        they are router thresholds), so a candidate must win by what costs a restart. Sampling
+        noise moves quantile boundaries every step; without this the 5% rule alone lets a
+        stationary workload thrash.
+        """
         candidate = self.plan(stats, current)
         if current is None:
             return PlanDecision(candidate, None, ApplyVerdict(True, 0.0, 0.0, 0.0, "initial plan"))
-        now = self.evaluate(current, stats)
+        now = min(
+            (self.evaluate(current, stats), self.evaluate(self.retune(current, stats), stats)),
+            key=lambda p: p.step_time_s,
+        )
         cost = reconfig_cost_s(diff(now, candidate), self.elastic)
-        verdict = should_apply(now, candidate, cost, self.config.interval_steps, self.config.min_gain)
+        verdict = self._verdict(now, candidate, cost)
+        if verdict.apply:
+            verdict = self._robust(now, candidate, cost, stats, verdict)
         return PlanDecision(candidate, now, verdict)
+
+    def _verdict(self, now: Plan, candidate: Plan, cost: float) -> ApplyVerdict:
+        return should_apply(now, candidate, cost, self.config.interval_steps, self.config.min_gain)
+
+    def _robust(
+        self, now: Plan, candidate: Plan, cost: float, stats: WorkloadStats, verdict: ApplyVerdict
+    ) -> ApplyVerdict:
+        """Keep a switch only if it also wins on each step of the history on its own.
+
+        The candidate was fitted to the whole window, so on that window it looks better than it
+        is. A real drift shows on every recent step; a near-tie between two layouts that sampling
+        noise tips one way does not.
+        """
+        for part in stats.by_step():
+            v = self._verdict(self.evaluate(now, part), self.evaluate(candidate, part), cost)
+            if not v.apply:
+                reason = f"not better on step {part.steps[0]} alone ({v.reason})"
+                return ApplyVerdict(False, verdict.gain_s, verdict.gain_fraction, cost, reason)
+        return verdict
 
 
 class HomogeneousPlanner(GlobalPlanner):

@@ -77,7 +77,8 @@ class EngineTables:
         b = np.clip(np.ceil(r.count / n_eff), 1, bcap).astype(np.int64)
         x = self.A[ti, b] + self.K[ti] * b * r.ctx
         work = (r.gen * x / b + r.prefill * pf) / n_eff
-        floor = (r.line_gen * x[..., None] + r.line_tool).max(axis=-1)
+        per_step = (r.line_gen * x[..., None, None] + r.line_tool).max(axis=-1)  # slowest per step
+        floor = (per_step * r.present).sum(axis=-1) / np.maximum(r.present.sum(axis=-1), 1.0)
         return np.maximum(work, floor)
 
 
@@ -95,8 +96,9 @@ class RangeArrays:
     gen: np.ndarray
     prefill: np.ndarray
     ctx: np.ndarray
-    line_gen: np.ndarray  # (ranges, LINES): champion trajectories' generated tokens ...
-    line_tool: np.ndarray  # ... and their tool seconds (stats.champions)
+    line_gen: np.ndarray  # (ranges, steps, LINES): champion trajectories' generated tokens ...
+    line_tool: np.ndarray  # ... and their tool seconds (stats.champion_lines)
+    present: np.ndarray  # (ranges, steps): 1 where the step has a trajectory in the range
     max_context: np.ndarray
 
     def take(self, idx: np.ndarray) -> RangeArrays:
@@ -112,15 +114,26 @@ def all_ranges(bins: LengthBins, max_length: int) -> tuple[np.ndarray, np.ndarra
         for k in ("count", "gen", "prefill", "gen_ctx")
     }
     seg = {k: cs[k][ii] - cs[k][jj] for k in cs}
-    # Each line's champion over the range is the bin whose champion scores highest on that line.
-    score = [bins.line_gen[:, 0], bins.line_tool[:, 1], bins.line_gen[:, 2] * X_REF_S + bins.line_tool[:, 2]]
-    win = np.stack([_range_argmax(v, jj, ii) for v in score], axis=1)
-    k = np.arange(LINES)
-    line_gen, line_tool = bins.line_gen[win, k], bins.line_tool[win, k]
+    # Per step, each line's champion over the range is the bin whose champion scores highest on it.
+    g, t = bins.line_gen, bins.line_tool
+    score = np.stack([g[:, :, 0], t[:, :, 1], g[:, :, 2] * X_REF_S + t[:, :, 2]], axis=2)  # (B, S, L)
+    S = score.shape[1]
+    win = np.stack(
+        [np.stack([_range_argmax(score[:, s, k], jj, ii) for k in range(LINES)], axis=1) for s in range(S)],
+        axis=1,
+    )  # (E, S, L): the winning bin
+    s_idx, k_idx = np.arange(S)[None, :, None], np.arange(LINES)[None, None, :]
+    line_gen, line_tool = g[win, s_idx, k_idx], t[win, s_idx, k_idx]
+    cp = np.concatenate([np.zeros((1, S)), np.cumsum(bins.present, axis=0)])
+    present = (cp[ii] - cp[jj] > 0).astype(np.float64)
     # The last range is the catch-all bucket: it must hold anything up to the length limit.
     maxctx = np.where(ii == B, float(max_length), bins.final_max[ii - 1])
     ctx = seg["gen_ctx"] / np.maximum(seg["gen"], 1e-9)
-    return jj, ii, RangeArrays(seg["count"], seg["gen"], seg["prefill"], ctx, line_gen, line_tool, maxctx)
+    return (
+        jj,
+        ii,
+        RangeArrays(seg["count"], seg["gen"], seg["prefill"], ctx, line_gen, line_tool, present, maxctx),
+    )
 
 
 def _range_argmax(values: np.ndarray, jj: np.ndarray, ii: np.ndarray) -> np.ndarray:
@@ -140,19 +153,27 @@ LOWER, CARRY = -2, -1  # choices that are not a range: "all TPs are smaller", "o
 
 
 class LayoutDP:
-    """dp[g][i][t] over quantile bins, extended lazily per GPU budget (the memo).
+    """dp[g][i][c] over quantile bins, extended lazily per GPU budget (the memo).
 
-    The third index keeps TP non-decreasing with length: dp[g][i][t] is the least makespan of the
-    first i bins on at most g GPUs with every range at TP <= tps[t]. Routers order buckets by
-    max_context and only ever migrate a request to a larger bucket, so a layout whose TP fell as
-    length grew would send long requests to small engines.
+    The third index makes TP strictly increase with length, one bucket per TP: dp[g][i][c] is the
+    least makespan of the first i bins on at most g GPUs using only TPs before column c (column 0
+    allows none, column t + 1 allows tps[0..t]). A range of TP tps[t] therefore extends a layout
+    from column t. Routers order buckets by max_context and only ever migrate a request to a larger
+    bucket, so a layout whose TP fell as length grew would send long requests to small engines;
+    and a bucket is one pool of one TP, so two ranges of one TP would be one bucket anyway.
     """
 
     __slots__ = ("tables", "B", "T", "jj", "ii", "tpv", "ti", "r", "pf", "bcap", "dp", "ch_e", "ch_n",
                  "seg_start", "seg_of", "seg_i", "seg_t", "cross")  # fmt: skip
 
     def __init__(
-        self, tables: EngineTables, bins: LengthBins, max_length: int, min_concurrent: int, tps: list[int]
+        self,
+        tables: EngineTables,
+        bins: LengthBins,
+        max_length: int,
+        min_concurrent: int,
+        tps: list[int],
+        min_bins: int = 1,
     ):
         self.tables, self.B, self.T = tables, len(bins), len(tables)
         jj, ii, r = all_ranges(bins, max_length)
@@ -161,6 +182,7 @@ class LayoutDP:
         jj, ii, r = np.tile(jj, self.T), np.tile(ii, self.T), r.take(np.tile(np.arange(E), self.T))
         # Only the TPs the configuration allows, and never one whose KV cannot hold the range.
         ok = np.isin(tables.tps[ti], tps) & (tables.kvcap[ti] >= min_concurrent * r.max_context)
+        ok &= ii - jj >= min(min_bins, self.B)  # every bucket covers a routable share of the batch
         order = np.flatnonzero(ok)
         order = order[np.lexsort((jj[order], ti[order], ii[order]))]  # grouped by (i, t) for reduceat
         self.ti, self.jj, self.ii, self.r = ti[order], jj[order], ii[order], r.take(order)
@@ -175,10 +197,10 @@ class LayoutDP:
         self.seg_start = np.flatnonzero(np.r_[True, key[1:] != key[:-1]]) if len(key) else np.zeros(0, int)
         self.seg_of = np.cumsum(np.r_[False, key[1:] != key[:-1]]) if len(key) else key
         self.seg_i, self.seg_t = self.ii[self.seg_start], self.ti[self.seg_start]
-        self.dp = np.full((1, self.B + 1, self.T), INF)
+        self.dp = np.full((1, self.B + 1, self.T + 1), INF)
         self.dp[0, 0, :] = 0.0
-        self.ch_e = np.full((1, self.B + 1, self.T), CARRY, dtype=np.int64)
-        self.ch_n = np.zeros((1, self.B + 1, self.T), dtype=np.int64)
+        self.ch_e = np.full((1, self.B + 1, self.T + 1), CARRY, dtype=np.int64)
+        self.ch_n = np.zeros((1, self.B + 1, self.T + 1), dtype=np.int64)
 
     @property
     def budget(self) -> int:
@@ -186,14 +208,14 @@ class LayoutDP:
 
     def best(self, g: int) -> float:
         self.extend(g)
-        return float(self.dp[g, self.B, self.T - 1])
+        return float(self.dp[g, self.B, self.T])
 
     def extend(self, g: int) -> None:
         """Compute rows budget+1 .. g; rows already there are reused untouched."""
         start = len(self.dp)
         if g < start:
             return
-        shape = (g + 1 - start, self.B + 1, self.T)
+        shape = (g + 1 - start, self.B + 1, self.T + 1)
         self.dp = np.concatenate([self.dp, np.full(shape, INF)])
         self.ch_e = np.concatenate([self.ch_e, np.full(shape, CARRY, dtype=np.int64)])
         self.ch_n = np.concatenate([self.ch_n, np.zeros(shape, dtype=np.int64)])
@@ -261,38 +283,88 @@ class LayoutDP:
         first = np.flatnonzero(val == seg_min[self.seg_of])
         _, at = np.unique(self.seg_of[first], return_index=True)
         winner = first[at]  # first element reaching its segment's minimum
-        new = np.full((self.B + 1, self.T), INF)
-        new_e = np.full((self.B + 1, self.T), CARRY, dtype=np.int64)
-        new[self.seg_i, self.seg_t] = seg_min
-        new_e[self.seg_i, self.seg_t] = winner
+        new = np.full((self.B + 1, self.T + 1), INF)
+        new_e = np.full((self.B + 1, self.T + 1), CARRY, dtype=np.int64)
+        new[self.seg_i, self.seg_t + 1] = seg_min
+        new_e[self.seg_i, self.seg_t + 1] = winner
         row, ch_e, ch_n = self.dp[g], self.ch_e[g], self.ch_n[g]
         ch_e[:], ch_n[:] = CARRY, 0
-        for t in range(self.T):
-            if t and np.any(row[:, t - 1] < row[:, t]):
-                lower = row[:, t - 1] < row[:, t]
-                row[:, t] = np.where(lower, row[:, t - 1], row[:, t])
-                ch_e[:, t] = np.where(lower, LOWER, ch_e[:, t])
-            better = new[:, t] < row[:, t]
+        for c in range(1, self.T + 1):
+            lower = row[:, c - 1] < row[:, c]  # ties keep the carry: fewer GPUs
+            row[:, c] = np.where(lower, row[:, c - 1], row[:, c])
+            ch_e[:, c] = np.where(lower, LOWER, ch_e[:, c])
+            better = new[:, c] < row[:, c]  # ties keep smaller TPs
             better[0] = False
-            row[:, t] = np.where(better, new[:, t], row[:, t])
-            ch_e[:, t] = np.where(better, new_e[:, t], ch_e[:, t])
-            ch_n[:, t] = np.where(better, n[np.maximum(new_e[:, t], 0)], ch_n[:, t])
+            row[:, c] = np.where(better, new[:, c], row[:, c])
+            ch_e[:, c] = np.where(better, new_e[:, c], ch_e[:, c])
+            ch_n[:, c] = np.where(better, n[np.maximum(new_e[:, c], 0)], ch_n[:, c])
 
     def ranges(self, g: int) -> list[tuple[int, int, int, int]]:
         """(tp, instances, j, i) of the best layout on at most g GPUs, shortest range first."""
         self.extend(g)
-        t = self.T - 1
-        if not np.isfinite(self.dp[g, self.B, t]):
+        c = self.T
+        if not np.isfinite(self.dp[g, self.B, c]):
             raise InfeasibleError(f"no rollout layout on {g} GPUs holds the batch (KV capacity too small)")
         out, i = [], self.B
         while i > 0:
-            e = int(self.ch_e[g, i, t])
+            e = int(self.ch_e[g, i, c])
             if e == LOWER:
-                t -= 1
+                c -= 1
             elif e == CARRY:
                 g -= 1
             else:
-                n = int(self.ch_n[g, i, t])
+                n = int(self.ch_n[g, i, c])
                 out.append((int(self.tpv[e]), n, int(self.jj[e]), i))
-                g, i = g - n * int(self.tpv[e]), int(self.jj[e])
+                g, i, c = g - n * int(self.tpv[e]), int(self.jj[e]), int(self.ti[e])
         return out[::-1]
+
+
+def fit_boundaries(
+    tables: EngineTables,
+    bins: LengthBins,
+    max_length: int,
+    engines: list[tuple[int, int]],
+    min_concurrent: int,
+    min_bins: int = 1,
+) -> list[int] | None:
+    """Bin cut points for fixed buckets ((tp, instances), shortest first) that minimise the makespan.
+
+    Moving a boundary costs nothing (it is a router threshold), so before a new layout is compared
+    with the current one, the current one gets its best boundaries for the new statistics; a
+    candidate then wins only by changing what costs a restart. Returns the i of each range end
+    (the last is B), or None when no cut fits every bucket's KV capacity.
+    """
+    B, K = len(bins), len(engines)
+    if K > B:
+        return None
+    jj, ii, r = all_ranges(bins, max_length)
+    f = np.full((K + 1, B + 1), INF)
+    arg = np.zeros((K + 1, B + 1), dtype=np.int64)
+    f[0, 0] = 0.0
+    for k, (tp, n) in enumerate(engines, 1):
+        hits = np.flatnonzero(tables.tps == tp)
+        if not len(hits):
+            return None
+        ti = np.full(len(jj), hits[0])
+        cost = tables.range_cost(
+            ti, np.full(len(jj), n), r, _pf(tables, ti, r.ctx), tables.batch_cap(ti, r.ctx)
+        )
+        last = ii == B
+        ok = tables.kvcap[ti] >= min_concurrent * r.max_context
+        ok &= (ii - jj >= min(min_bins, B)) & (last == (k == K))  # only the last bucket ends at B
+        val = np.where(ok, np.maximum(f[k - 1, jj], cost), INF)
+        for i in range(1, B + 1):
+            sel = np.flatnonzero(ii == i)
+            best = sel[np.argmin(val[sel])]
+            f[k, i], arg[k, i] = val[best], jj[best]
+    if not np.isfinite(f[K, B]):
+        return None
+    ends, i = [], B
+    for k in range(K, 0, -1):
+        ends.append(i)
+        i = int(arg[k, i])
+    return ends[::-1]
+
+
+def _pf(tables: EngineTables, ti: np.ndarray, ctx: np.ndarray) -> np.ndarray:
+    return tables.prefill_per_token(int(ti[0]), ctx) if len(ti) else np.zeros(0)

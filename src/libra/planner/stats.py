@@ -14,7 +14,7 @@ agree exactly.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -27,8 +27,9 @@ class LengthBins:
     """The batch cut into quantile bins of final length, scaled to one step's trajectory count.
 
     Per bin: trajectories per step, summed generated / prefilled tokens, the generated-token
-    weighted sum of decode context, the largest final length, and the (generated tokens, tool
-    seconds) of the bin's `LINES` champion trajectories (see `champions`).
+    weighted sum of decode context, the largest final length, and, separately for each step of
+    the history, the (generated tokens, tool seconds) of the bin's `LINES` champion trajectories
+    (see `champion_lines`) and whether the step has any trajectory in the bin.
     """
 
     count: np.ndarray
@@ -36,8 +37,9 @@ class LengthBins:
     prefill: np.ndarray
     gen_ctx: np.ndarray
     final_max: np.ndarray
-    line_gen: np.ndarray  # (bins, LINES)
-    line_tool: np.ndarray  # (bins, LINES)
+    line_gen: np.ndarray  # (bins, steps, LINES)
+    line_tool: np.ndarray  # (bins, steps, LINES)
+    present: np.ndarray  # (bins, steps): 1.0 where the step has a trajectory in the bin
 
     def __len__(self) -> int:
         return len(self.count)
@@ -53,9 +55,12 @@ class WorkloadStats:
     turns: tuple[int, ...] = ()
     train_time_s: float | None = None
     rollout_time_s: float | None = None
+    steps: tuple[int, ...] = ()  # the RL step of each trajectory, when known
 
     def __post_init__(self) -> None:
         n = len(self.final_tokens)
+        if self.steps and len(self.steps) != n:
+            raise ConfigError("stats.steps", len(self.steps), f"{n} entries, one per trajectory, or none")
         for name in ("generated_tokens", "prefill_tokens", "decode_context", "tool_latency_s", "turns"):
             if len(getattr(self, name)) != n:
                 raise ConfigError(
@@ -82,7 +87,10 @@ class WorkloadStats:
         `default_tool_latency_s` (the trace format leaves the latency optional)."""
         recs = [_record(t, default_tool_latency_s) for t in trajs]
         cols = list(zip(*recs, strict=True)) if recs else [()] * 6
-        return cls(*(tuple(c) for c in cols), train_time_s=train_time_s, rollout_time_s=rollout_time_s)
+        return cls(
+            *(tuple(c) for c in cols), train_time_s=train_time_s, rollout_time_s=rollout_time_s,
+            steps=tuple(t.step for t in trajs),
+        )  # fmt: skip
 
     @classmethod
     def from_histogram(
@@ -135,38 +143,76 @@ class WorkloadStats:
         return max(self.final_tokens) if self.final_tokens else 0
 
     def with_times(self, train_time_s: float | None, rollout_time_s: float | None) -> WorkloadStats:
-        return WorkloadStats(
-            self.final_tokens, self.generated_tokens, self.prefill_tokens, self.decode_context,
-            self.tool_latency_s, self.turns, train_time_s, rollout_time_s,
-        )  # fmt: skip
+        return replace(self, train_time_s=train_time_s, rollout_time_s=rollout_time_s)
 
-    def arrays(self) -> dict[str, np.ndarray]:
+    def by_step(self) -> list[WorkloadStats]:
+        """One snapshot per RL step in the history; [] unless it spans two steps or more."""
+        if len(set(self.steps)) < 2:
+            return []
+        cols = (
+            "final_tokens",
+            "generated_tokens",
+            "prefill_tokens",
+            "decode_context",
+            "tool_latency_s",
+            "turns",
+        )
+        out = []
+        for step in sorted(set(self.steps)):
+            keep = [k for k, s in enumerate(self.steps) if s == step]
+            sub = {c: tuple(getattr(self, c)[k] for k in keep) for c in cols}
+            out.append(WorkloadStats(**sub, steps=(step,) * len(keep)))
+        return out
+
+    def step_groups(self, batch_size: int) -> np.ndarray:
+        """Each trajectory's step in the history as 0..S-1, S <= MAX_STEP_GROUPS.
+
+        Without step labels, a history of k batches is dealt round-robin into k pseudo-steps.
+        Histories longer than MAX_STEP_GROUPS steps have neighbouring steps merged.
+        """
+        if len(set(self.steps)) >= 2:
+            index = {s: k for k, s in enumerate(sorted(set(self.steps)))}
+            g, n = np.asarray([index[s] for s in self.steps]), len(index)
+        else:
+            n = self.steps_covered(batch_size)
+            g = np.arange(self.size) % n
+        return g * MAX_STEP_GROUPS // n if n > MAX_STEP_GROUPS else g
+
+    def arrays(self, batch_size: int = 0) -> dict[str, np.ndarray]:
         """Per-trajectory columns sorted by final length (ties keep their order: a stable sort)."""
         order = np.argsort(np.asarray(self.final_tokens), kind="stable")
         cols = {
             "final": self.final_tokens, "gen": self.generated_tokens, "prefill": self.prefill_tokens,
             "ctx": self.decode_context, "tool": self.tool_latency_s,
         }  # fmt: skip
-        return {k: np.asarray(v, dtype=np.float64)[order] for k, v in cols.items()}
+        out = {k: np.asarray(v, dtype=np.float64)[order] for k, v in cols.items()}
+        out["step"] = self.step_groups(batch_size or self.size)[order]
+        return out
 
     def bins(self, n_bins: int, batch_size: int) -> LengthBins:
         """Equal-count quantile bins; with fewer trajectories than bins, one bin per trajectory."""
         if self.is_empty:
             raise ConfigError("stats", "empty history", "at least one finished trajectory to plan from")
-        a = self.arrays()
+        a = self.arrays(batch_size)
         groups = np.array_split(np.arange(self.size), min(n_bins, self.size))
-        scale = batch_size / self.size
-        agg = {k: [] for k in ("count", "gen", "prefill", "gen_ctx", "final_max", "line_gen", "line_tool")}
+        scale, n_steps = batch_size / self.size, int(a["step"].max()) + 1
+        keys = ("count", "gen", "prefill", "gen_ctx", "final_max", "line_gen", "line_tool", "present")
+        agg = {k: [] for k in keys}
         for g in groups:
             agg["count"].append(len(g) * scale)
             agg["gen"].append(a["gen"][g].sum() * scale)
             agg["prefill"].append(a["prefill"][g].sum() * scale)
             agg["gen_ctx"].append((a["gen"][g] * a["ctx"][g]).sum() * scale)
             agg["final_max"].append(a["final"][g].max())
-            champ = champions(a["gen"][g], a["tool"][g])
-            agg["line_gen"].append(a["gen"][g][champ])
-            agg["line_tool"].append(a["tool"][g][champ])
+            lg, lt, present = champion_lines(a["gen"][g], a["tool"][g], a["step"][g], n_steps)
+            agg["line_gen"].append(lg)
+            agg["line_tool"].append(lt)
+            agg["present"].append(present)
         return LengthBins(**{k: np.asarray(v, dtype=np.float64) for k, v in agg.items()})
+
+    def steps_covered(self, batch_size: int) -> int:
+        """How many steps of `batch_size` trajectories the history holds (at least 1)."""
+        return max(1, round(self.size / max(1, batch_size)))
 
     def batch_lengths(self, batch_size: int) -> list[int]:
         """`batch_size` sequence lengths at evenly spaced quantiles of the recent lengths.
@@ -186,13 +232,32 @@ class WorkloadStats:
 # the most tool time (x small), and the largest D * X_REF + S at a typical decode iteration. The
 # range's latency floor is the largest of their lines: exact at both ends and at X_REF, and never
 # more than the slowest real trajectory (unlike max(D) * x + max(S), which may pair two of them).
+#
+# The lines are kept per step of the history and the floor is their mean over steps: a step's
+# makespan waits for the slowest trajectory of *that step*, so the expected floor is the mean of
+# per-step maxima. The maximum over the whole window would grow with the window and let one
+# outlier set the prediction for every step.
 X_REF_S = 0.03
 LINES = 3
+MAX_STEP_GROUPS = 8
 
 
 def champions(gen: np.ndarray, tool: np.ndarray) -> np.ndarray:
     """Indices of the LINES champion trajectories of a group (see X_REF_S)."""
     return np.asarray([np.argmax(gen), np.argmax(tool), np.argmax(gen * X_REF_S + tool)])
+
+
+def champion_lines(
+    gen: np.ndarray, tool: np.ndarray, step: np.ndarray, n_steps: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per step: the champions' (generated, tool seconds), shape (n_steps, LINES), and presence."""
+    lg, lt, present = np.zeros((n_steps, LINES)), np.zeros((n_steps, LINES)), np.zeros(n_steps)
+    for s in range(n_steps):
+        members = np.flatnonzero(step == s)
+        if len(members):
+            champ = members[champions(gen[members], tool[members])]
+            lg[s], lt[s], present[s] = gen[champ], tool[champ], 1.0
+    return lg, lt, present
 
 
 def _record(t: Trajectory, default_latency: float) -> tuple[int, int, int, float, float, int]:

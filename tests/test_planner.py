@@ -1,0 +1,458 @@
+"""The global planner: DP optimality, feasibility of every plan, the apply rule, triggers, bad input.
+
+Workloads here are synthetic multi-turn trajectories drawn from a fixed lognormal process
+(`synthetic`), so these tests depend on the planner and the cost model only. The CLI tests at the
+end run `libra plan` as a real subprocess on the shipped scenarios.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from libra.core.config import build
+from libra.core.errors import ConfigError, InfeasibleError, LibraError
+from libra.core.trace import write_trace
+from libra.core.trajectory import ToolStatus, Trajectory, Turn
+from libra.costmodel.rollout import RolloutCostModel
+from libra.costmodel.training import TrainCostModel, TrainParallel
+from libra.planner import (
+    BucketPlan,
+    GlobalPlanner,
+    GreedyShiftPlanner,
+    HomogeneousPlanner,
+    PipelineSignals,
+    Plan,
+    PlannerConfig,
+    PlanningProblem,
+    Trigger,
+    WorkloadStats,
+    check_plan,
+    check_triggers,
+    diff,
+    make_planner,
+    pack,
+    reconfig_cost_s,
+    should_apply,
+)
+from libra.planner.rollout_dp import EngineTables, LayoutDP, all_ranges
+from tests.conftest import run_cli
+
+
+def synthetic(
+    n: int,
+    seed: int,
+    out_median: float = 400,
+    turns: tuple[int, int] = (1, 10),
+    latency_median_s: float = 3.0,
+    prompt_tokens: int = 600,
+    max_length: int = 40960,
+    step: int = 0,
+) -> list[Trajectory]:
+    """Multi-turn trajectories: lognormal turn outputs, tool returns and tool latencies."""
+    rng = random.Random(seed)
+    out = []
+    for k in range(n):
+        n_turns = rng.randint(*turns)
+        total, ts = prompt_tokens, []
+        for j in range(n_turns):
+            o = max(1, int(rng.lognormvariate(math.log(out_median), 0.8)))
+            last = j == n_turns - 1
+            ret = 0 if last else int(rng.lognormvariate(math.log(300), 1.0))
+            if total + o + ret > max_length:
+                ts.append(Turn(max(1, max_length - total)))
+                break
+            total += o + ret
+            if last:
+                ts.append(Turn(o))
+            else:
+                lat = rng.lognormvariate(math.log(latency_median_s), 0.7)
+                ts.append(Turn(o, "bash", ret, ToolStatus.SUCCESS, lat))
+        out.append(Trajectory(f"s{step}t{k}", f"s{step}p{k // 8}", step, prompt_tokens, ts))
+    return out
+
+
+@pytest.fixture(scope="module")
+def problem(catalog) -> PlanningProblem:
+    return PlanningProblem(catalog.hardware("a800-80g"), 6, catalog.model("qwen3-14b"), 32, 16, 40960)
+
+
+@pytest.fixture(scope="module")
+def stats() -> WorkloadStats:
+    return WorkloadStats.from_trajectories(synthetic(512, 1))
+
+
+@pytest.fixture(scope="module")
+def libra_plan(problem, stats) -> Plan:
+    return GlobalPlanner(problem).plan(stats)
+
+
+def assert_feasible(plan: Plan, p: PlanningProblem, min_concurrent: int = 4) -> None:
+    """Every constraint, re-derived here from the cost models without the planner's code."""
+    t = plan.train
+    assert t.gpus == plan.train_gpus and plan.train_gpus + plan.rollout_gpus <= p.gpus
+    assert t.tp * t.cp <= p.hw.gpus_per_node and p.model.heads % t.tp == 0 and p.model.layers % t.pp == 0
+    assert p.prompts_per_step % t.dp == 0 and (p.batch_size // t.dp) % t.micro_batch == 0
+    assert TrainCostModel(p.hw, p.model, p.profile.train).memory(t, plan.context_bound).fits
+    assert sum(b.tp * b.instances for b in plan.buckets) == plan.rollout_gpus
+    assert plan.buckets[-1].max_context >= p.max_length
+    assert [b.max_context for b in plan.buckets] == sorted(b.max_context for b in plan.buckets)
+    assert [b.tp for b in plan.buckets] == sorted({b.tp for b in plan.buckets})  # one bucket per TP, rising
+    for b in plan.buckets:
+        assert b.instances >= 1 and p.hw.gpus_per_node % b.tp == 0 and p.model.heads % b.tp == 0
+        cm = RolloutCostModel(p.hw, p.model, b.tp, p.profile.rollout, p.gpu_memory_utilization)
+        assert cm.kv_capacity_tokens() >= min_concurrent * b.max_context
+    assert check_plan(plan, p, min_concurrent) == []
+
+
+# ---- the range estimate and the DP ---------------------------------------------------------------
+
+
+def test_decode_tables_reproduce_the_cost_model(problem):
+    tables = EngineTables(problem, [1, 2, 4, 8])
+    rng = random.Random(0)
+    for ti, tp in enumerate(tables.tps):
+        cm = problem.rollout_model(int(tp))
+        for _ in range(20):
+            b, c = rng.randint(1, problem.max_num_seqs), rng.uniform(100, 40000)
+            assert tables.A[ti, b] + tables.K[ti] * b * c == pytest.approx(cm.decode_time(b, c), rel=1e-9)
+
+
+def _brute_force(
+    dp: LayoutDP, tables: EngineTables, bins, g: int, tps: list[int], min_concurrent: int
+) -> float:
+    """Least makespan over every layout: contiguous ranges, TP rising, n >= 1 engines each."""
+    B = len(bins)
+    jj, ii, r = all_ranges(bins, dp_max_length := int(bins.final_max[-1]) * 2)
+    assert dp_max_length
+    index = {(int(j), int(i)): k for k, (j, i) in enumerate(zip(jj, ii, strict=True))}
+    tidx = {int(t): k for k, t in enumerate(tables.tps)}
+
+    def cost(tp: int, n: int, j: int, i: int) -> float:
+        k = np.asarray([index[(j, i)]])
+        rr = r.take(k)
+        if tables.kvcap[tidx[tp]] < min_concurrent * rr.max_context[0]:
+            return math.inf
+        ti = np.asarray([tidx[tp]])
+        pf = tables.prefill_per_token(tidx[tp], rr.ctx)
+        return float(tables.range_cost(ti, np.asarray([n]), rr, pf, tables.batch_cap(ti, rr.ctx))[0])
+
+    best = math.inf
+    for cuts_n in range(0, min(len(tps), B)):
+        for cuts in itertools.combinations(range(1, B), cuts_n):
+            edges = [0, *cuts, B]
+            for chosen in itertools.combinations(tps, len(edges) - 1):
+                best = min(best, _best_counts(edges, chosen, g, cost))
+    return best
+
+
+def _best_counts(edges, chosen, g, cost) -> float:
+    best = math.inf
+    ranges = list(zip(edges, edges[1:], strict=False))
+    for ns in itertools.product(range(1, g + 1), repeat=len(ranges)):
+        if sum(n * t for n, t in zip(ns, chosen, strict=True)) <= g:
+            best = min(best, max(cost(t, n, j, i) for (j, i), t, n in zip(ranges, chosen, ns, strict=True)))
+    return best
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), turns=st.sampled_from([(1, 3), (2, 12)]))
+def test_dp_is_optimal_against_brute_force(problem, seed, turns):
+    s = WorkloadStats.from_trajectories(synthetic(64, seed, turns=turns, max_length=20000))
+    bins = s.bins(5, problem.batch_size)
+    tps = [1, 2, 4]
+    tables = EngineTables(problem, tps)
+    max_length = int(bins.final_max[-1]) * 2
+    dp = LayoutDP(tables, bins, max_length, 4, tps)
+    for g in (1, 3, 6, 9):
+        assert dp.best(g) == pytest.approx(_brute_force(dp, tables, bins, g, tps, 4), rel=1e-12)
+
+
+def test_dp_memo_extends_and_reuses_rows(problem, stats):
+    tables = EngineTables(problem, [1, 2, 4, 8])
+    bins = stats.bins(32, problem.batch_size)
+    grown = LayoutDP(tables, bins, 40960, 4, [1, 2, 4, 8])
+    grown.best(40)
+    rows = grown.dp.copy()
+    assert grown.best(24) == LayoutDP(tables, bins, 40960, 4, [1, 2, 4, 8]).best(24)
+    assert grown.budget == 40 and np.array_equal(rows, grown.dp)  # asking for less recomputed nothing
+
+
+def test_memoised_and_fresh_searches_agree(problem, stats, libra_plan):
+    fresh = GlobalPlanner(problem, PlannerConfig(memoise=False)).plan(stats)
+    assert fresh.layout_key() == libra_plan.layout_key()
+
+
+def test_rollout_time_falls_with_gpus(problem, stats):
+    planner = GlobalPlanner(problem)
+    layout = planner._layout(stats)
+    times = [layout.best(g) for g in range(1, 49)]
+    assert all(b <= a for a, b in zip(times, times[1:], strict=False))
+
+
+# ---- plans ---------------------------------------------------------------------------------------
+
+
+def test_plan_is_feasible_and_priced_consistently(problem, stats, libra_plan):
+    assert_feasible(libra_plan, problem)
+    again = GlobalPlanner(problem).evaluate(libra_plan, stats)
+    assert again.step_time_s == pytest.approx(libra_plan.step_time_s, rel=1e-9)
+    assert libra_plan.step_time_s == max(libra_plan.t_train_s, libra_plan.t_rollout_s)
+
+
+@pytest.mark.parametrize("seed,out_median", [(2, 200), (3, 800), (4, 2500)])
+def test_heterogeneous_buckets_never_lose_to_one_homogeneous_bucket(problem, seed, out_median):
+    s = WorkloadStats.from_trajectories(synthetic(512, seed, out_median=out_median))
+    het = GlobalPlanner(problem).plan(s)
+    hom = HomogeneousPlanner(problem).plan(s)
+    assert len(hom.buckets) == 1 and hom.buckets[0].max_context == problem.max_length
+    assert het.step_time_s <= hom.step_time_s * (1 + 1e-9)
+
+
+def test_long_tail_gets_larger_tp_than_short_requests(problem):
+    s = WorkloadStats.from_trajectories(synthetic(512, 5, out_median=1500))
+    plan = GlobalPlanner(problem).plan(s)
+    assert len(plan.buckets) >= 2
+    assert plan.buckets[0].tp < plan.buckets[-1].tp
+
+
+HARDWARE = ["a800-80g", "h100-80g", "h200-141g", "rtx-4090", "rtx-pro-6000"]
+MODELS = ["qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-30b-a3b", "qwen2.5-7b", "llama-3.1-8b"]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    hw=st.sampled_from(HARDWARE),
+    model=st.sampled_from(MODELS),
+    nodes=st.integers(1, 6),
+    prompts=st.sampled_from([3, 4, 8, 12, 32]),
+    samples=st.sampled_from([2, 4, 16]),
+    max_length=st.sampled_from([8192, 16384, 40960]),
+    median=st.floats(50, 3000),
+    turns=st.integers(1, 12),
+    seed=st.integers(0, 1000),
+)
+def test_planner_never_emits_an_infeasible_plan(
+    catalog, hw, model, nodes, prompts, samples, max_length, median, turns, seed
+):
+    p = PlanningProblem(catalog.hardware(hw), nodes, catalog.model(model), prompts, samples, max_length)
+    s = WorkloadStats.from_trajectories(synthetic(96, seed, median, (1, turns), max_length=max_length))
+    try:
+        plan = GlobalPlanner(p).plan(s)
+    except InfeasibleError as e:
+        assert str(e)  # a clear reason, never a crash
+        return
+    assert_feasible(plan, p)
+
+
+def test_histogram_input_plans(problem):
+    s = WorkloadStats.from_histogram([0, 2048, 8192, 32768], [300, 180, 32], tool_latency_s=5.0, turns=4)
+    assert s.size == 512 and s.max_final == 32768
+    assert_feasible(GlobalPlanner(problem).plan(s), problem)
+
+
+def test_pack_fills_nodes_exactly():
+    rng = random.Random(0)
+    for _ in range(200):
+        sizes = [rng.choice([1, 2, 4, 8]) for _ in range(rng.randint(1, 30))]
+        nodes = -(-sum(sizes) // 8)
+        where = pack(sizes, nodes, 8)
+        assert where is not None
+        assert all(sum(s for s, w in zip(sizes, where, strict=True) if w == n) <= 8 for n in range(nodes))
+    assert pack([8, 8, 1], 2, 8) is None
+
+
+# ---- switching -----------------------------------------------------------------------------------
+
+
+def _plan(train_gpus: int, t_train: float, t_roll: float, buckets=((4, 6, 40960),), dp: int = 1) -> Plan:
+    par = TrainParallel(tp=train_gpus // dp, dp=dp)
+    bs = tuple(BucketPlan(tp, n, mx) for tp, n, mx in buckets)
+    return Plan(48, train_gpus, sum(b.gpus for b in bs), par, bs, t_train, t_roll, 32768)
+
+
+def test_apply_rule():
+    cur = _plan(8, 100.0, 100.0)
+    small = _plan(8, 96.0, 96.0, ((2, 12, 40960),))  # 4% better
+    big = _plan(8, 80.0, 80.0, ((2, 12, 40960),))  # 20% better
+    assert not should_apply(cur, small, 0.0).apply
+    assert should_apply(cur, big, 10.8, horizon_steps=10).apply
+    assert not should_apply(cur, big, 250.0, horizon_steps=10).apply  # 20 s x 10 steps < 250 s
+    assert not should_apply(cur, cur, 0.0).apply
+    broken = _plan(8, math.inf, 100.0)
+    assert should_apply(broken, big, 10.8).apply
+
+
+def test_reconfiguration_costs_are_the_published_ones():
+    a = _plan(8, 1, 1)
+    assert reconfig_cost_s(diff(a, a)) == 0.0
+    assert reconfig_cost_s(diff(a, _plan(8, 1, 1, ((2, 12, 40960),)))) == pytest.approx(10.8)
+    assert reconfig_cost_s(diff(a, _plan(16, 1, 1, ((4, 6, 40960),), dp=2))) == pytest.approx(8.0)
+    both = _plan(16, 1, 1, ((2, 8, 40960),), dp=2)
+    assert reconfig_cost_s(diff(a, both)) == pytest.approx(10.8)
+
+
+def _window(steps: list[list[Trajectory]], k: int) -> WorkloadStats:
+    return WorkloadStats.from_trajectories([t for s in steps[-k:] for t in s])
+
+
+def test_no_thrashing_on_a_stationary_workload(problem):
+    """Plan every step from the last 3 steps of an unchanging workload: no switch ever pays."""
+    planner = GlobalPlanner(problem)
+    history = [synthetic(512, 100 + step, step=step) for step in range(2)]
+    current, switches, layouts = None, 0, set()
+    for step in range(2, 22):
+        history.append(synthetic(512, 100 + step, step=step))
+        decision = planner.decide(_window(history, 3), current)
+        switches += current is not None and decision.verdict.apply
+        layouts.add(decision.candidate.layout_key())
+        current = decision.plan
+        assert_feasible(current, problem)
+    assert len(layouts) > 1  # the searches did disagree: noise was there to resist
+    assert switches == 0
+
+
+def test_drift_is_followed(problem):
+    planner = GlobalPlanner(problem)
+    first = planner.decide(WorkloadStats.from_trajectories(synthetic(512, 7, out_median=150)), None).plan
+    drifted = WorkloadStats.from_trajectories(synthetic(512, 8, out_median=2500))
+    decision = planner.decide(drifted, first)
+    assert decision.verdict.apply and decision.verdict.gain_fraction >= 0.05
+    assert decision.plan.step_time_s < decision.current.step_time_s
+
+
+def test_triggers():
+    cfg = PlannerConfig(interval_steps=10, trigger_cooldown_steps=2)
+    base = dict(step=13, last_plan_step=10, batch_size=512)
+    assert check_triggers(PipelineSignals(step=0), cfg) == Trigger.INTERVAL
+    assert check_triggers(PipelineSignals(step=20, last_plan_step=10), cfg) == Trigger.INTERVAL
+    assert check_triggers(PipelineSignals(**base, t_train_s=100, t_rollout_s=110), cfg) == Trigger.NONE
+    assert check_triggers(PipelineSignals(**base, queue_fill=0.95), cfg) == Trigger.QUEUE_PRESSURE
+    assert check_triggers(PipelineSignals(**base, stale_samples=300), cfg) == Trigger.STALE_BACKLOG
+    assert check_triggers(PipelineSignals(**base, t_train_s=100, t_rollout_s=130), cfg) == Trigger.IMBALANCE
+    assert check_triggers(PipelineSignals(**base, t_train_s=100, t_rollout_s=79), cfg) == Trigger.IMBALANCE
+    cooling = PipelineSignals(**base, last_pressure_step=12, t_train_s=100, t_rollout_s=200)
+    assert check_triggers(cooling, cfg) == Trigger.NONE
+
+
+def test_greedy_moves_gpus_toward_the_slower_stage(problem, stats):
+    greedy = GreedyShiftPlanner(problem)
+    start = greedy.plan(stats)
+    to_train = greedy.plan(stats.with_times(train_time_s=300.0, rollout_time_s=100.0), start)
+    to_roll = greedy.plan(stats.with_times(train_time_s=100.0, rollout_time_s=300.0), start)
+    assert to_train.train_gpus > start.train_gpus and to_roll.train_gpus < start.train_gpus
+    assert greedy.plan(stats, start) is start  # no measured times: no move
+    for p in (start, to_train, to_roll):
+        assert_feasible(p, problem)
+
+
+def test_registry_and_dotted_path(problem):
+    assert isinstance(make_planner("homogeneous", problem), HomogeneousPlanner)
+    assert isinstance(make_planner("libra.planner.planner:GreedyShiftPlanner", problem), GreedyShiftPlanner)
+    with pytest.raises(ConfigError) as e:
+        make_planner("best", problem)
+    assert "libra" in str(e.value) and "homogeneous" in str(e.value)
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+
+
+def test_cluster_too_small_for_the_model(catalog, stats):
+    p = PlanningProblem(catalog.hardware("rtx-4090"), 1, catalog.model("qwen2.5-72b"), 32, 16, 40960)
+    with pytest.raises(InfeasibleError) as e:
+        GlobalPlanner(p).plan(stats)
+    assert "qwen2.5-72b" in str(e.value) and "memory" in str(e.value)
+
+
+def test_impossible_divisibility(catalog, stats):
+    p = PlanningProblem(catalog.hardware("a800-80g"), 2, catalog.model("qwen2.5-7b"), 32, 16, 40960)
+    with pytest.raises(InfeasibleError) as e:  # 28 heads: TP 8 cannot split them
+        GlobalPlanner(p, PlannerConfig(rollout_tp=[8])).plan(stats)
+    assert "28 heads" in str(e.value)
+    with pytest.raises(InfeasibleError):
+        GlobalPlanner(p, PlannerConfig(train_tp=[8])).plan(stats)
+    assert_feasible(GlobalPlanner(p).plan(stats), p)  # the default TPs avoid 8 and plan fine
+
+
+def test_empty_history(problem, libra_plan):
+    planner = GlobalPlanner(problem)
+    with pytest.raises(ConfigError) as e:
+        planner.plan(WorkloadStats())
+    assert "empty history" in str(e.value)
+    assert planner.plan(WorkloadStats(), libra_plan) is libra_plan  # documented fallback: keep the plan
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda c: WorkloadStats((5, 6), (1,), (1, 1), (1.0, 1.0), (0.0, 0.0), (1, 1)),
+        lambda c: WorkloadStats((0,), (0,), (0,), (0.0,), (0.0,), (1,)),
+        lambda c: WorkloadStats.from_histogram([0, 10], [1, 2]),
+        lambda c: PlanningProblem(c.hardware("a800-80g"), 0, c.model("qwen3-14b"), 32, 16, 40960),
+        lambda c: build(PlannerConfig, {"rollout_tp": [3]}, "planner"),
+        lambda c: build(PlannerConfig, {"ratio_low": 1.2}, "planner"),
+    ],
+)
+def test_bad_values_are_config_errors(catalog, make):
+    with pytest.raises(ConfigError):
+        make(catalog)
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+
+def test_cli_json_plan():
+    r = run_cli("plan", "--scenario", "libra-r2e-48gpu", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out["split"]) >= {"train_gpus", "rollout_gpus"}
+    assert set(out["train"]) == {"tp", "pp", "dp", "cp", "micro_batch"}
+    assert all({"tp", "instances", "max_context"} <= set(b) for b in out["buckets"])
+    assert out["split"]["train_gpus"] + out["split"]["rollout_gpus"] <= 48
+    assert out["t_train_s"] > 0 and out["t_rollout_s"] > 0 and out["search_time_s"] > 0
+
+
+def test_cli_table_gpus_override_and_trace(tmp_path):
+    r = run_cli("plan", "--scenario", "libra-searchr1-48gpu", "--gpus", "128")
+    assert r.returncode == 0, r.stderr
+    assert "Rollout buckets" in r.stdout and "128 x a800-80g" in r.stdout
+    trace = tmp_path / "t.jsonl"
+    write_trace(synthetic(256, 3), trace)
+    r = run_cli("plan", "--trace", str(trace), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["history"]["trajectories"] == 256
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--gpus", "12"], "--gpus: got 12"),
+        (["--set", "model=qwen2.5-72b", "--set", "cluster.hardware=rtx-4090", "--gpus", "8"], "qwen2.5-72b"),
+        (["--set", "planner.bins=0"], "planner.bins"),
+        (["--planner", "nope"], "planner: got 'nope'"),
+        (["--history-steps", "0"], "--history-steps"),
+        (["--scenario", "nope"], "scenario: got 'nope'"),
+    ],
+)
+def test_cli_bad_input_is_one_line_exit_2(args, needle):
+    r = run_cli("plan", *args)
+    assert r.returncode == 2
+    assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_cli_empty_trace_is_a_clear_error(tmp_path):
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("")
+    r = run_cli("plan", "--trace", str(empty))
+    assert r.returncode == 2 and "holds no trajectories" in r.stderr
+
+
+def test_planner_errors_are_libra_errors():
+    assert issubclass(InfeasibleError, LibraError) and issubclass(ConfigError, LibraError)
