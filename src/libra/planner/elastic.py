@@ -21,7 +21,10 @@ A transition from the wrong state with the current generation is a mechanism bug
 
 **Controller** (`ElasticController`): hysteresis on r = T_train / T_rollout. Borrow replicas when
 r >= 1.15, release when r <= 0.90, nothing in between, never borrow while rollout pressure is
-high, and nothing while a transition is in flight (the measured r would mix two layouts).
+high, and nothing while a transition is in flight (the measured r would mix two layouts). How
+many to move is the count whose predicted max(T_train, T_rollout) is least (training scales with
+1/DP, rollout with 1/GPUs); a move that predicts no shorter step is not made, so the controller
+never overshoots past the opposite threshold and back.
 """
 
 from __future__ import annotations
