@@ -27,6 +27,7 @@ DEFAULT_SCENARIO = "libra-r2e-48gpu"
 # Columns of the comparison table: (header, path into a system's metrics).
 COLUMNS = [
     ("tok/s", ("throughput_tokens_per_s",)),
+    ("rollout tok/s", ("rollout_throughput_tokens_per_s",)),
     ("step s", ("mean_step_time_s",)),
     ("rollout s", ("mean_rollout_makespan_s",)),
     ("train s", ("mean_train_time_s",)),

@@ -1,10 +1,11 @@
 """The RL post-training pipeline on a simulated clock: rollout batches, training steps, weights.
 
 Disaggregated systems run rollout and training on separate GPUs, asynchronously with bounded
-staleness: rollout batch s starts once batch s-1 is done and at least s-k training steps have
-finished (weights at most k steps old); training step s starts once batch s is done and step s-1
-has finished. Each rollout batch first syncs the newest weights to the engines. Colocated systems
-alternate on all GPUs, paying a switch cost each way.
+staleness, as slime and AReaL do: rollout batch s may start once at least s-k training steps have
+finished (its weights are at most k steps old), so up to k+1 batches are in flight and the next
+batch overlaps the tail of the last one; training step s starts once batch s is done and step s-1
+has finished. A batch that starts with newer weights than the engines hold first waits for the
+weight sync. Colocated systems alternate on all GPUs (rollout, switch, train, switch).
 
 Metrics (the README defines each): throughput = generated tokens / wall time, where wall time ends
 with the last training step; mean step time = wall time / steps; rollout makespan = batch start to
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -56,9 +58,13 @@ class Batches:
         return None if self.trace is None else len(self.trace)
 
     def get(self, step: int) -> list[Trajectory]:
-        if self.trace is not None:
-            return self.trace[step % len(self.trace)]
-        return self.workload.generate(step, random.Random(self.seed * 1_000_003 + step))
+        """Step `step`'s batch. Trace steps are renumbered 0..n-1 in order, and cycled with fresh
+        ids when more steps are asked for, so that ids stay unique among batches in flight."""
+        if self.trace is None:
+            return self.workload.generate(step, random.Random(self.seed * 1_000_003 + step))
+        cycle, i = divmod(step, len(self.trace))
+        suffix = f"#{cycle}" if cycle else ""
+        return [replace(t, id=t.id + suffix, step=step) for t in self.trace[i]]
 
 
 class RLSim:
@@ -77,8 +83,10 @@ class RLSim:
         self.setup: Setup = system.setup(sc, self.hw)
         self.driver = self._build_driver(self.setup)
         self.history: list[dict] = []
-        self.rollout_done = self.train_done = 0
-        self.rollout_running = self.training = False
+        self.in_flight: dict[int, dict] = {}
+        self.done_batches: dict[int, dict] = {}
+        self.rollout_started = self.train_done = 0
+        self.training = False
         self.weights_on_engines = 0
         self.train_busy_gpu_s = 0.0
         self.engine_busy_gpu_s = 0.0
@@ -120,23 +128,23 @@ class RLSim:
         return self.summary()
 
     def _may_roll(self, s: int) -> bool:
-        if self.rollout_running or s >= self.steps:
+        if s >= self.steps:
             return False
         if self.setup.colocated:
-            return self.train_done >= s and not self.training
+            return self.train_done >= s and not self.training and not self.in_flight
         return self.train_done >= s - self.sc.pipeline.staleness
 
     def _try_rollout(self) -> None:
-        s = self.rollout_done
-        if not self._may_roll(s):
-            return
-        self.rollout_running = True
-        delay = self.sc.pipeline.switch_s if self.setup.colocated and s > 0 else 0.0
-        if self.train_done > self.weights_on_engines and not self.setup.colocated:
-            delay += self._weight_sync_s()
-            self.weights_on_engines = self.train_done
-        self.tracer.step_started(s, self.k.now)
-        self.k.after(delay, self._start_batch, s)
+        while self._may_roll(self.rollout_started):
+            s = self.rollout_started
+            self.rollout_started += 1
+            self.in_flight[s] = {"step": s, "left": -1}
+            delay = self.sc.pipeline.switch_s if self.setup.colocated and s > 0 else 0.0
+            if self.train_done > self.weights_on_engines and not self.setup.colocated:
+                delay += self._weight_sync_s()
+                self.weights_on_engines = self.train_done
+            self.tracer.step_started(s, self.k.now)
+            self.k.after(delay, self._start_batch, s)
 
     def _weight_sync_s(self) -> float:
         if self.sc.pipeline.weight_sync_s is not None:
@@ -147,34 +155,33 @@ class RLSim:
 
     def _start_batch(self, s: int) -> None:
         trajs = self.batches.get(s)
-        self._batch = {"step": s, "t0": self.k.now, "left": len(trajs), "trajs": trajs}
+        self.in_flight[s].update(t0=self.k.now, left=len(trajs), trajs=trajs)
         for t in trajs:
             self.driver.start(t)
 
     def _traj_done(self, run) -> None:
-        b = self._batch
+        b = self.in_flight[run.traj.step]
         b["left"] -= 1
         if b["left"] == 0:
             self._batch_done(b)
 
     def _batch_done(self, b: dict) -> None:
         s, trajs = b["step"], b["trajs"]
-        rec = {"step": s, "rollout_start": b["t0"], "rollout_end": self.k.now,
-               "generated_tokens": sum(t.generated_tokens for t in trajs),
-               "lengths": [t.total_tokens for t in trajs]}  # fmt: skip
-        self.history.append(rec)
-        self.rollout_done += 1
-        self.rollout_running = False
+        del self.in_flight[s]
+        self.done_batches[s] = {"step": s, "rollout_start": b["t0"], "rollout_end": self.k.now,
+                                "generated_tokens": sum(t.generated_tokens for t in trajs),
+                                "lengths": [t.total_tokens for t in trajs]}  # fmt: skip
         self.driver.router.on_step_end(s)
         self._try_train()
         self._try_rollout()
 
     def _try_train(self) -> None:
         s = self.train_done
-        if self.training or s >= self.rollout_done:
+        if self.training or s not in self.done_batches:
             return
         self.training = True
-        rec = self.history[s]
+        rec = self.done_batches.pop(s)
+        self.history.append(rec)
         dt = self.train_cost.step(self.setup.train, rec["lengths"]).step_time_s
         delay = self.sc.pipeline.switch_s if self.setup.colocated else 0.0
         rec["train_start"], rec["train_time"] = self.k.now + delay, dt
@@ -194,7 +201,7 @@ class RLSim:
 
     def _replan(self) -> None:
         new = self.system.between_steps(self.sc, self.hw, self.history, self.setup)
-        if new is not None and not self.rollout_running:
+        if new is not None and not self.in_flight:
             self.engine_busy_gpu_s += self._engine_busy()
             self.setup, self.driver = new, self._build_driver(new)
 
@@ -214,6 +221,7 @@ class RLSim:
             "throughput_tokens_per_s": gen / wall,
             "mean_step_time_s": wall / len(h),
             "mean_rollout_makespan_s": float(np.mean([r["rollout_end"] - r["rollout_start"] for r in h])),
+            "rollout_throughput_tokens_per_s": gen / sum(r["rollout_end"] - r["rollout_start"] for r in h),
             "mean_train_time_s": float(np.mean([r["train_time"] for r in h])),
             "gpu_utilization": busy / (self.total_gpus * wall),
             "wall_time_s": wall,
