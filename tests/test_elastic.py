@@ -18,6 +18,7 @@ from libra.planner import (
     JoinState,
     ReleaseReplica,
     TransitionError,
+    make_pool,
     phase_seconds,
 )
 
@@ -264,3 +265,17 @@ def test_controller_respects_the_band_and_pressure(t_train, t_roll, pressure, ac
         assert all(next(r for r in replicas if r.id == x.replica).state == S.ACTIVE for x in d.releases)
     if 0.90 < ratio < 1.15:
         assert d.hold
+
+
+def test_pool_from_a_plan(catalog):
+    from libra.planner import GlobalPlanner, PlannerConfig, PlanningProblem, WorkloadStats
+    from tests.test_planner import synthetic
+
+    p = PlanningProblem(catalog.hardware("a800-80g"), 6, catalog.model("qwen3-14b"), 32, 16, 40960)
+    plan = GlobalPlanner(p, PlannerConfig(hybrid_fraction=0.5)).plan(
+        WorkloadStats.from_trajectories(synthetic(512, 3))
+    )
+    replicas = make_pool(plan)
+    assert len(replicas) == plan.hybrid_replicas >= 1
+    assert all(r.gpus == plan.train.tp * plan.train.pp * plan.train.cp and r.serves_rollout for r in replicas)
+    assert sum(r.gpus for r in replicas) <= plan.rollout_gpus

@@ -20,6 +20,7 @@ from libra.planner.elastic import (
     ReleaseReplica,
     Role,
     TransitionError,
+    make_pool,
     phase_seconds,
 )
 from libra.planner.plan import BucketPlan, Plan, PlanDiff, check_plan, diff, pack, reconfig_cost_s
@@ -42,5 +43,5 @@ __all__ = [
     "JoinReplica", "JoinState", "ParallelismSelector", "ParallelismSwitch", "PipelineSignals", "Plan",
     "PlanDecision", "PlanDiff", "PlannerConfig", "PlanningProblem", "ReleaseReplica", "Role",
     "SelectorConfig", "TransitionError", "Trigger", "WorkloadStats", "check_plan", "check_triggers",
-    "diff", "make_planner", "pack", "phase_seconds", "reconfig_cost_s", "should_apply",
+    "diff", "make_planner", "make_pool", "pack", "phase_seconds", "reconfig_cost_s", "should_apply",
 ]  # fmt: skip

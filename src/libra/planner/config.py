@@ -29,7 +29,6 @@ class PlannerConfig(BaseModel):
     # stays at 32^2/2 ranges per GPU budget.
     bins: int = Field(32, ge=1, le=512, description="Quantile bins of recent lengths for the rollout DP")
     rollout_tp: list[int] = Field([1, 2, 4, 8], min_length=1, description="TP degrees a bucket may use")
-    layout: str = Field("heterogeneous", pattern="^(heterogeneous|homogeneous)$")
     # A bucket is a routing target chosen by *predicted* length. Predictions (C-MLFQ's tree) are good
     # to a P90 over many trajectories, not to single ones, so a bucket narrower than ~10% of the batch
     # could not be routed to reliably; it would only fit the estimate to this sample's outliers.
@@ -63,6 +62,8 @@ class PlannerConfig(BaseModel):
     trigger_cooldown_steps: int = Field(2, ge=0, description="Least steps between two pressure triggers")
     # Elastic pool size: the fraction of rollout GPUs kept as whole-DP-replica hybrid workers.
     hybrid_fraction: float = Field(0.25, ge=0, le=1)
+    # The `greedy` baseline: GPUs moved toward the slower stage after each step (0: one node).
+    shift_gpus: int = Field(0, ge=0)
 
     @field_validator("rollout_tp", "train_tp", "micro_batches")
     @classmethod
@@ -107,7 +108,6 @@ class SelectorConfig(BaseModel):
     # Growth switches at once (the next step must fit); shrinking waits this many steps in a
     # lower range, so one short step does not bounce the configuration.
     down_patience: int = Field(3, ge=1)
-    min_concurrent: int = Field(4, ge=1)
 
     @field_validator("edges")
     @classmethod

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from libra.planner.config import ElasticConfig
+from libra.planner.plan import Plan
 
 
 class Role(IntEnum):
@@ -257,3 +258,12 @@ def phase_seconds(state: JoinState, config: ElasticConfig | None = None) -> floa
         JoinState.ZERO_SYNC: c.restore_s,
         JoinState.RELEASING: c.train_to_rollout_s,
     }.get(state, 0.0)
+
+
+def make_pool(plan: Plan) -> list[HybridReplica]:
+    """The hybrid replicas a plan sets aside: `plan.hybrid_replicas` of `plan.replica_gpus` GPUs each.
+
+    They start serving rollout; the mechanism places them on rollout GPUs of its choice, whole
+    TP x CP groups inside a node, as it places the core training replicas.
+    """
+    return [HybridReplica(f"hybrid-{k}", plan.replica_gpus) for k in range(plan.hybrid_replicas)]

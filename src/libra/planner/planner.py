@@ -67,7 +67,7 @@ class GlobalPlanner:
         selector: SelectorConfig | None = None,
     ):
         self.problem = problem
-        self.config = (config or PlannerConfig()).model_copy(update={"layout": self.layout})
+        self.config = config or PlannerConfig()
         self.elastic = elastic or ElasticConfig()
         self.selector = ParallelismSelector(problem, selector, self.config)
         self.train_search = TrainSearch(problem, self.config)
@@ -113,15 +113,15 @@ class GlobalPlanner:
         return frontier(best)
 
     def _layout(self, stats: WorkloadStats):
-        key = (self.config.layout, stats.final_tokens, stats.generated_tokens, stats.tool_latency_s)
+        key = (stats.final_tokens, stats.generated_tokens, stats.tool_latency_s, stats.steps)
         if not self.config.memoise or key not in self._layouts:
-            self._layouts = {key: LAYOUTS[self.config.layout](self.tables, self.problem, stats, self.config)}
+            self._layouts = {key: LAYOUTS[self.layout](self.tables, self.problem, stats, self.config)}
         return self._layouts[key]
 
     def _score(self, c: TrainChoice, layout, stats: WorkloadStats) -> tuple[float, float]:
         rollout_gpus = self.problem.gpus - c.par.gpus
         if not self.config.memoise:  # the no-memo baseline: solve each split's rollout side afresh
-            layout = LAYOUTS[self.config.layout](self.tables, self.problem, stats, self.config)
+            layout = LAYOUTS[self.layout](self.tables, self.problem, stats, self.config)
         t_roll = layout.best(rollout_gpus)
         return (max(c.time_s, t_roll), c.time_s + t_roll)
 
@@ -246,7 +246,6 @@ class GreedyShiftPlanner(GlobalPlanner):
 
     name = "greedy"
     layout = "homogeneous"
-    shift_gpus: int | None = None
 
     def plan(self, stats: WorkloadStats, current: Plan | None = None) -> Plan:
         if current is None or stats.is_empty:
@@ -254,7 +253,7 @@ class GreedyShiftPlanner(GlobalPlanner):
         t_train, t_roll = stats.train_time_s, stats.rollout_time_s
         if t_train is None or t_roll is None or t_train == t_roll:
             return current
-        shift = self.shift_gpus or self.problem.hw.gpus_per_node
+        shift = self.config.shift_gpus or self.problem.hw.gpus_per_node
         budget = current.train_gpus + (shift if t_train > t_roll else -shift)
         return self._within(stats, budget) or current
 

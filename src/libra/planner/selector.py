@@ -6,7 +6,8 @@ chosen for the longest possible context wastes throughput early. EARL switches b
 - contexts fall into ranges with fixed upper edges (4K, 8K, 16K, ...); past the last edge the
   range is the next power of two, so there is always a range;
 - for rollout, the TP with the most decode throughput per GPU at the range's typical context,
-  among TPs whose KV cache holds `min_concurrent` sequences at the range's upper edge;
+  among TPs whose KV cache holds `PlannerConfig.min_concurrent` sequences at the range's upper
+  edge (the planner's buckets obey the same rule);
 - for training, the fastest TP/PP/DP/CP on the given GPUs that the memory model says fits the
   upper edge; CP enters only when TP alone cannot hold the context, so long contexts are
   *lengthened by parallelism, never truncated*;
@@ -76,14 +77,14 @@ class ParallelismSelector:
             if not p.tp_allowed(tp):
                 continue
             m = p.rollout_model(tp)
-            if m.kv_capacity_tokens() < self.config.min_concurrent * bound:
+            if m.kv_capacity_tokens() < self.planner_config.min_concurrent * bound:
                 continue
             per_gpu = m.throughput(p.max_num_seqs, max(1, bound // 2)) / tp
             if best is None or per_gpu > best[0]:
                 best = (per_gpu, tp)
         if best is None:
             raise InfeasibleError(
-                f"no rollout TP in {self.planner_config.rollout_tp} holds {self.config.min_concurrent} "
+                f"no rollout TP in {self.planner_config.rollout_tp} holds {self.planner_config.min_concurrent} "
                 f"sequences of {bound} tokens of {p.model.name} on {p.hw.name}"
             )
         return best[1]
