@@ -71,7 +71,7 @@ def parse_trajectory(rec: object, where: tuple[str, int]) -> Trajectory:
     )
 
 
-def _json_lines(path: Path) -> Iterator[tuple[int, object]]:
+def json_lines(path: Path) -> Iterator[tuple[int, object]]:
     try:
         fh = path.open(encoding="utf-8")
     except OSError as e:
@@ -94,7 +94,7 @@ def read_trace(path: str | Path) -> list[Trajectory]:
     """Read a Libra trace or an LLMServingSim agentic-session file; the format is detected per line."""
     path = Path(path)
     out = []
-    for n, rec in _json_lines(path):
+    for n, rec in json_lines(path):
         where = (str(path), n)
         out.append(
             parse_llmservingsim(rec, where)

@@ -10,7 +10,6 @@ coefficient stays positive and fractions are clipped to (0, 1]. No scipy: the co
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from libra.core.errors import ConfigError, TraceError
+from libra.core.trace import json_lines
 from libra.costmodel.catalog import Catalog
 from libra.costmodel.efficiency import RolloutEfficiency
 from libra.costmodel.rollout import RolloutCostModel
@@ -68,20 +68,15 @@ def _with(base: RolloutEfficiency, fields: Sequence[str], logx: np.ndarray) -> R
 
 def read_measurements(path: str | Path) -> list[dict]:
     recs = []
-    with Path(path).open(encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TraceError(str(path), n, "<line>", f"is not valid JSON ({e})") from None
-            for key in ("hardware", "model", "tp", "decode_seqs", "step_time_s"):
-                if key not in r:
-                    raise TraceError(str(path), n, key, "is missing")
-            if not (isinstance(r["step_time_s"], (int, float)) and r["step_time_s"] > 0):
-                raise TraceError(str(path), n, "step_time_s", "must be a number > 0")
-            recs.append(r)
+    for n, r in json_lines(Path(path)):
+        if not isinstance(r, dict):
+            raise TraceError(str(path), n, "<line>", "must be a JSON object")
+        for key in ("hardware", "model", "tp", "decode_seqs", "step_time_s"):
+            if key not in r:
+                raise TraceError(str(path), n, key, "is missing")
+        if not (isinstance(r["step_time_s"], (int, float)) and r["step_time_s"] > 0):
+            raise TraceError(str(path), n, "step_time_s", "must be a number > 0")
+        recs.append(r)
     if not recs:
         raise ConfigError("data", str(path), "a JSONL file with at least one measurement")
     return recs

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from libra.core.errors import ConfigError, TraceError
+from libra.core.trace import json_lines
 from libra.costmodel.catalog import Catalog
 from libra.costmodel.efficiency import RolloutEfficiency
 from libra.costmodel.rollout import RolloutCostModel
@@ -80,19 +81,9 @@ def load_bench(folder: str | Path, catalog: Catalog) -> Bench:
 
 def _read_requests(path: Path) -> list[dict]:
     out = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise ConfigError("dir", str(path.parent), f"a folder with requests.jsonl ({e.strerror})") from None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise TraceError(str(path), n, "<line>", f"is not valid JSON ({e.msg})") from None
+    for n, r in json_lines(path):
         for key in ("input_toks", "output_toks", "arrival_time"):
-            if not isinstance(r.get(key), (int, float)) or r[key] < 0:
+            if not isinstance(r, dict) or not isinstance(r.get(key), (int, float)) or r[key] < 0:
                 raise TraceError(str(path), n, key, "must be a number >= 0")
         out.append(r)
     if not out:
