@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -200,12 +201,15 @@ def test_completions_and_stop_strings(client):
     assert many.usage.prompt_tokens == 2 + 3
 
 
-def test_streamed_completion(client):
-    whole = client.completions.create(model="tiny", prompt="x", max_tokens=20, temperature=0)
-    parts = list(
-        client.completions.create(model="tiny", prompt="x", max_tokens=20, temperature=0, stream=True)
-    )
+def test_streamed_completion_and_ignore_eos(client):
+    kw = dict(model="tiny", prompt="x", max_tokens=20, temperature=0)
+    whole = client.completions.create(**kw)
+    parts = list(client.completions.create(**kw, stream=True))
     assert "".join(p.choices[0].text for p in parts) == whole.choices[0].text
+    full = client.completions.create(
+        model="tiny", prompt="x", max_tokens=50, n=4, extra_body={"ignore_eos": True}
+    )
+    assert full.usage.completion_tokens == 4 * 50 and {c.finish_reason for c in full.choices} == {"length"}
 
 
 # ---- bad input ----------------------------------------------------------------------------------------
@@ -321,16 +325,23 @@ def test_64_concurrent_requests_all_complete_and_batch(engine):  # noqa: F811
     assert engine.get("/health")["running"] == 0
 
 
-def test_client_disconnect_aborts_the_sequence(engine):  # noqa: F811
-    body = json.dumps({"model": "tiny", "messages": [USER], "max_tokens": 7000, "stream": True}).encode()
-    req = urllib.request.Request(engine.url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})  # fmt: skip
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_the_sequence(engine, stream):  # noqa: F811
+    body = json.dumps(
+        {"model": "tiny", "messages": [USER], "max_tokens": 7000, "stream": stream, "ignore_eos": True}
+    )
     aborted = metric(engine.metrics(), 'libra_engine_sequences_finished_total{reason="abort"}')
-    with urllib.request.urlopen(req, timeout=30) as r:
-        assert r.readline().startswith(b"data: ")
+    with socket.create_connection(("127.0.0.1", engine.port), timeout=30) as s:
+        head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"  # fmt: skip
+        s.sendall(head.encode() + body.encode())
+        deadline = time.monotonic() + 20
+        while not engine.get("/health")["running"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.get("/health")["running"] == 1
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and engine.get("/health")["running"]:
-        time.sleep(0.1)
-    assert engine.get("/health")["running"] == 0
+        time.sleep(0.05)
+    assert engine.get("/health")["running"] == 0, "the sequence kept running after its client left"
     assert metric(engine.metrics(), 'libra_engine_sequences_finished_total{reason="abort"}') == aborted + 1
 
 

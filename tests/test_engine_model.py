@@ -4,6 +4,8 @@ reproducibility, and checkpoint save/load."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -124,3 +126,35 @@ def test_bad_checkpoints_are_config_errors(model, tmp_path):
         with pytest.raises(ConfigError) as e:
             build_model(model.preset, checkpoint=path)
         assert e.value.field == "checkpoint" and words in str(e.value)
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_carries_on(model, monkeypatch):
+    events: list = []
+    core = EngineCore(EngineConfig(), model, publish=events.extend)
+    real = core.runner.execute
+
+    def broken(plan):  # fault injection: nothing real fails on demand, so one step is made to
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(core.runner, "execute", broken)
+    prompt = render_chat([ChatMessage("user", "hi")])
+    doomed = [
+        Sequence("bad", i, prompt, SamplingParams(8, 0.0), TextOutput(), "sink", 8192) for i in range(2)
+    ]
+    core.start()
+    try:
+        core.submit(doomed)
+        deadline = time.monotonic() + 30
+        while len(events) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(ev.index for _, ev in events) == [0, 1] and all(ev.error for _, ev in events)
+        assert all(s.finish_reason == FinishReason.ABORT for s in doomed) and core.alive
+        monkeypatch.setattr(core.runner, "execute", real)
+        events.clear()
+        core.submit([Sequence("good", 0, prompt, SamplingParams(8, 0.0), TextOutput(), "sink", 8192)])
+        while not any(ev.finish for _, ev in events) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [ev.finish for _, ev in events if ev.finish] and not any(ev.error for _, ev in events)
+    finally:
+        core.stop()
+    assert not core.alive and core.alloc.free_count == core.alloc.num_blocks - 1

@@ -94,11 +94,12 @@ def walk(constraint, budget: int, data, until_done: bool = True) -> list[int]:
 
 
 @FAST
-@given(st.data(), st.integers(1, 40))
-def test_text_is_always_valid_utf8_even_when_cut_by_the_budget(data, budget):
-    toks = walk(Utf8Text(), budget, data)
+@given(st.data(), st.integers(1, 40), st.booleans())
+def test_text_is_always_valid_utf8_even_when_cut_by_the_budget(data, budget, allow_end):
+    toks = walk(Utf8Text(allow_end), budget, data)
     body = bytes(t for t in toks if t != END)
     assert END not in toks[:-1]
+    assert allow_end or len(toks) == budget, "ignore_eos text runs to the budget"
     body.decode("utf-8")  # strict: raises on any invalid or truncated character
     assert all(b >= 0x20 or b in (9, 10, 13) for b in body)
 

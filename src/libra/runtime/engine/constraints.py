@@ -60,6 +60,7 @@ def _char_len(b: int) -> int:
 _LEADS = [b for b in range(0xC2, 0xF5)]
 # START[n]: what may begin when n tokens are left (a 3-byte character needs 3 of them).
 _START = {n: frozenset(_PRINTABLE | {END} | {b for b in _LEADS if _char_len(b) <= n}) for n in range(1, 5)}
+_START_NO_END = {n: s - {END} for n, s in _START.items()}
 
 
 class Constraint(Protocol):
@@ -72,17 +73,21 @@ class Constraint(Protocol):
 
 
 class Utf8Text:
-    """Printable valid UTF-8 or the end token; `done` once the end token is taken."""
+    """Printable valid UTF-8 or the end token; `done` once the end token is taken.
 
-    __slots__ = ("state", "done")
+    `allow_end=False` is vLLM's `ignore_eos`: the text runs to max_tokens (benchmarks use it).
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("state", "done", "_start")
+
+    def __init__(self, allow_end: bool = True) -> None:
         self.state, self.done = 0, False
+        self._start = _START if allow_end else _START_NO_END
 
     def allowed(self, budget: int) -> frozenset[int]:
         if self.state:
             return _WAITING[self.state][0]
-        return _START[max(1, min(budget, 4))]
+        return self._start[max(1, min(budget, 4))]
 
     def advance(self, token: int) -> None:
         if token == END:

@@ -9,7 +9,8 @@ thread touches them. Everything crosses the boundary through two doors:
   wakes its event loop once per step, not once per token.
 
 A step that raises (a bug, or memory) fails every in-flight sequence with an error event instead
-of killing the thread, so clients get a 500 rather than a request that never answers.
+of killing the thread, so clients get a 500 rather than a request that never answers; and if the
+thread does die, `/health` says so (503) so that a gateway stops sending it work.
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ class EngineCore:
             self.step()
 
     @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def num_running(self) -> int:
         return len(self.sched.running)
 
@@ -82,13 +87,25 @@ class EngineCore:
 
     def _run(self) -> None:
         torch.set_num_threads(self.cfg.threads)
-        while self._drain(block=not self.sched.has_work):
-            self.step()
+        wait = 1.0
+        while self._drain(wait):
+            computed = self._step_safely()
+            # Busy while there is work; a short nap if nothing could run (never expected, but a
+            # spin would starve the HTTP thread); a long wait for the next request when idle.
+            wait = 0.0 if computed else (0.005 if self.sched.has_work else 1.0)
 
-    def _drain(self, block: bool) -> bool:
-        """Apply queued commands; wait for one when idle. False once asked to stop."""
+    def _step_safely(self) -> int:
         try:
-            cmd = self._inbox.get(timeout=1.0) if block else self._inbox.get_nowait()
+            return self.step()
+        except Exception:  # a failed step must not strand its requests: fail them loudly
+            log.exception("engine step failed")
+            self.publish(self._fail_all("engine step failed; see the engine log"))
+            return 0
+
+    def _drain(self, wait: float) -> bool:
+        """Apply queued commands, waiting up to `wait` seconds for one. False once asked to stop."""
+        try:
+            cmd = self._inbox.get(timeout=wait) if wait > 0 else self._inbox.get_nowait()
         except queue.Empty:
             return True
         while True:
@@ -120,12 +137,7 @@ class EngineCore:
             self.metrics.preemptions.inc(len(plan.preempted))
         if plan.empty:
             return 0
-        try:
-            events = self._execute(plan)
-        except Exception:  # a failed step must not strand its requests: fail them loudly
-            log.exception("engine step failed")
-            events = self._fail_all("engine step failed; see the engine log")
-        self.publish(events)
+        self.publish(self._execute(plan))
         self._observe(plan, time.perf_counter() - t0)
         return len(plan.chunks)
 

@@ -105,6 +105,8 @@ class _Sampling(_Model):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # vLLM's extension: never sample the end token, so text runs to max_tokens or a stop string.
+    ignore_eos: bool = False
 
     @model_validator(mode="after")
     def _supported(self) -> _Sampling:

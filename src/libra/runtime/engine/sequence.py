@@ -70,8 +70,8 @@ class TextOutput:
 
     __slots__ = ("constraint", "buf", "sent", "stops", "_utf8")
 
-    def __init__(self, stops: tuple[str, ...] = ()):
-        self.constraint = Utf8Text()
+    def __init__(self, stops: tuple[str, ...] = (), ignore_eos: bool = False):
+        self.constraint = Utf8Text(allow_end=not ignore_eos)
         self.buf, self.sent = bytearray(), 0
         self.stops = [s.encode() for s in stops if s]
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")

@@ -167,7 +167,8 @@ class EngineServer:
 
     def _publish(self, events: list[tuple[object, SeqEvent]]) -> None:
         """Called by the engine thread once per step."""
-        self._loop.call_soon_threadsafe(_deliver, events)
+        if events and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(_deliver, events)
 
     # ---- endpoints ------------------------------------------------------------------------------
 
@@ -180,7 +181,7 @@ class EngineServer:
         max_tokens = self._max_tokens(req.token_limit(), tools)
         top = req.top_logprobs or 0
         specs = [(prompt, self._params(req, max_tokens, i, req.logprobs, top)) for i in range(req.n)]
-        make = (lambda: ToolOutput(tools)) if tools else (lambda: TextOutput(req.stops()))
+        make = (lambda: ToolOutput(tools)) if tools else (lambda: TextOutput(req.stops(), req.ignore_eos))
         job = self._start("chatcmpl-", [(ids, prm, make()) for ids, prm in specs], len(prompt))
         fmt = ChatFormat(job.rid, req.model, req.logprobs)
         return await self._respond(request, job, fmt, req)
@@ -196,7 +197,11 @@ class EngineServer:
         for ids in prompts:
             for _ in range(req.n):
                 specs.append(
-                    (ids, self._params(req, max_tokens, k, lp, req.logprobs or 0), TextOutput(req.stops()))
+                    (
+                        ids,
+                        self._params(req, max_tokens, k, lp, req.logprobs or 0),
+                        TextOutput(req.stops(), req.ignore_eos),
+                    )
                 )
                 k += 1
         job = self._start("cmpl-", specs, sum(len(ids) for ids in prompts))
@@ -216,8 +221,9 @@ class EngineServer:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response(
-            {
-                "status": "ok",
+            status=200 if self.core.alive else 503,
+            data={
+                "status": "ok" if self.core.alive else "engine thread stopped",
                 "name": self.cfg.served_name,
                 "model": self.cfg.model,
                 "tp_label": self.cfg.tp_label,
@@ -227,7 +233,7 @@ class EngineServer:
                 "max_model_len": self.cfg.preset.max_model_len,
                 "kv_cache_usage": round(self.core.alloc.used_count / (self.core.alloc.num_blocks - 1), 4),
                 "steps": self.core.steps,
-            }
+            },
         )
 
     async def prometheus(self, request: web.Request) -> web.Response:
