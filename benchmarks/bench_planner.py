@@ -5,7 +5,11 @@ without memoisation, 1.9 s with it; the same two variants are timed here side by
 Cases: R2E-Gym, Qwen3-14B on 16 x 8 A800 (128 GPUs, GRPO 32 x 16), and the shipped
 `scale-1024gpu` scenario (Qwen3-32B on 128 x 8 H100, GRPO 512 x 16). The history is the
 scenario workload generator's step 0. Each figure is the median of fresh planners (no warm cache).
-Run: .venv/bin/python benchmarks/bench_planner.py
+Also measured: the rollout estimate's error against the simulator (`libra.sim`), per scenario
+and layout, as MAPE and mean bias over 8 steps: the planner's `evaluate` of the very layout the
+simulator ran (static-uniform: one TP4 bucket; router:oracle: the scenario's TP1/TP2/TP4 buckets,
+routed by true length, which is what the estimate assumes) on that step's trajectories.
+Run: .venv/bin/python benchmarks/bench_planner.py [--no-accuracy]
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import report  # noqa: E402
 from libra.costmodel.catalog import load_catalog  # noqa: E402
-from libra.planner import GlobalPlanner, PlannerConfig, PlanningProblem, WorkloadStats  # noqa: E402
+from libra.costmodel.training import TrainParallel  # noqa: E402
+from libra.planner import BucketPlan, GlobalPlanner, Plan, PlannerConfig, PlanningProblem, WorkloadStats  # noqa: E402
+from libra.sim.pipeline import run as simulate  # noqa: E402
 from libra.sim.scenarios import load_scenario  # noqa: E402
 from libra.sim.workloads import WorkloadConfig, make_workload  # noqa: E402
 
@@ -37,13 +43,55 @@ def case(scenario: str, nodes: int | None) -> tuple[PlanningProblem, WorkloadSta
 
 
 def search_s(problem: PlanningProblem, stats: WorkloadStats, repeats: int, memoise: bool = True) -> dict:
-    times, plan = [], None
+    """Median wall and CPU seconds of a cold search. The CPU time is what one core spends; on a
+    shared machine it is the steadier figure (the wall time includes waiting for a core)."""
+    wall, cpu, plan = [], [], None
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         plan = GlobalPlanner(problem, PlannerConfig(memoise=memoise)).plan(stats)
-        times.append(time.perf_counter() - t0)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     assert plan is not None
-    return {"median_s": round(statistics.median(times), 3), "plan_step_s": round(plan.step_time_s, 2)}
+    return {
+        "median_s": round(statistics.median(wall), 3),
+        "median_cpu_s": round(statistics.median(cpu), 3),
+        "plan_step_s": round(plan.step_time_s, 2),
+    }
+
+
+def accuracy(scenario: str, steps: int = 8) -> dict:
+    """Predicted vs simulated rollout makespan of two fixed layouts, step by step."""
+    sc = load_scenario(scenario)
+    problem, _ = case(scenario, None)
+    planner, wl = GlobalPlanner(problem), make_workload(WorkloadConfig(**sc["workload"]))
+    tr, ro, t = sc["split"]["train_gpus"], sc["split"]["rollout_gpus"], sc["train"]
+    par = TrainParallel(t["tp"], t["pp"], tr // (t["tp"] * t["pp"] * t["cp"]), t["cp"], t["micro_batch"])
+    per_node = problem.hw.gpus_per_node
+    hetero = {}
+    for tp in sc["rollout"]["layout_per_node"]:
+        hetero[tp] = hetero.get(tp, 0) + ro // per_node
+    layouts = {
+        "static-uniform": [(sc["rollout"]["homogeneous_tp"], ro // sc["rollout"]["homogeneous_tp"])],
+        "router:oracle": sorted(hetero.items()),
+    }
+    out = {}
+    for system, engines in layouts.items():
+        tops = (
+            [b["max_context"] for b in sc["rollout"]["buckets"]] if len(engines) > 1 else [problem.max_length]
+        )
+        buckets = tuple(BucketPlan(tp, n, top) for (tp, n), top in zip(engines, tops, strict=True))
+        plan = Plan(problem.gpus, tr, ro, par, buckets, 0.0, 0.0, problem.max_length)
+        sim = simulate(sc, [system], steps, 0, None, lambda *_: None)["per_step"][system]
+        errs = []
+        for r in sim:
+            trajs = wl.generate(r["step"], random.Random(r["step"]))  # the simulator's batch (seed 0)
+            est = planner.evaluate(plan, WorkloadStats.from_trajectories(trajs)).t_rollout_s
+            errs.append(est / r["rollout_makespan_s"] - 1)
+        out[system] = {
+            "mape_pct": round(100 * statistics.mean(abs(e) for e in errs), 1),
+            "bias_pct": round(100 * statistics.mean(errs), 1),
+        }
+    return out
 
 
 def main() -> None:
@@ -57,6 +105,9 @@ def main() -> None:
         "goal_1024_s": 10.0,
         "published_128_s": {"memoised": 1.9, "no_memo": 12.3},
     }
+    if "--no-accuracy" not in sys.argv:
+        names = ("libra-r2e-48gpu", "libra-searchr1-48gpu", "libra-dapo-48gpu")
+        figures["rollout_estimate_vs_sim"] = {n: accuracy(n) for n in names}
     report("planner", figures)
 
 

@@ -36,6 +36,9 @@ class PlannerConfig(BaseModel):
     # A bucket must hold this many sequences at its max context at once; fewer would serialise the
     # tail and make the bucket's latency floor meaningless.
     min_concurrent: int = Field(4, ge=1, description="Sequences at max context a bucket's KV must hold")
+    # The rollout estimate's tail: once the bulk of a bucket's work is done, stragglers run with this
+    # fraction of the full batch. Calibrated against the simulator (docs/planner.md, "Accuracy").
+    tail_fraction: float = Field(0.25, gt=0, le=1)
     # Keep the DP table across the splits of one search and across searches on the same stats.
     # Off only to measure what memoisation buys (benchmarks/bench_planner.py).
     memoise: bool = True

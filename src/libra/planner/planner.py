@@ -71,7 +71,8 @@ class GlobalPlanner:
         self.elastic = elastic or ElasticConfig()
         self.selector = ParallelismSelector(problem, selector, self.config)
         self.train_search = TrainSearch(problem, self.config)
-        self.tables = EngineTables(problem, [1 << k for k in range(problem.hw.gpus_per_node.bit_length())])
+        all_tps = [1 << k for k in range(problem.hw.gpus_per_node.bit_length())]
+        self.tables = EngineTables(problem, all_tps, self.config.tail_fraction)
         self._layouts: dict[tuple, object] = {}
 
     # ---- search ----------------------------------------------------------------------------
@@ -237,11 +238,13 @@ class HomogeneousPlanner(GlobalPlanner):
 
 
 class GreedyShiftPlanner(GlobalPlanner):
-    """Baseline: after each step move `shift_gpus` toward whichever stage was slower.
+    """Baseline: after each step move `shift_gpus` (one node by default) toward the slower stage.
 
     It needs measured times (`stats.train_time_s`, `stats.rollout_time_s`); without them it keeps
-    the current plan. Its first plan is the homogeneous planner's. The rollout side stays one
-    homogeneous bucket; training takes the fastest configuration that fits its new GPU budget.
+    the current plan. Its first plan is the homogeneous planner's. Training moves to the nearest
+    GPU count at least `shift_gpus` away on which a configuration fits and divides the GRPO groups
+    evenly (so a move may be larger than the shift, never smaller); rollout keeps one homogeneous
+    bucket on the rest.
     """
 
     name = "greedy"
@@ -254,20 +257,20 @@ class GreedyShiftPlanner(GlobalPlanner):
         if t_train is None or t_roll is None or t_train == t_roll:
             return current
         shift = self.config.shift_gpus or self.problem.hw.gpus_per_node
-        budget = current.train_gpus + (shift if t_train > t_roll else -shift)
-        return self._within(stats, budget) or current
+        return self._shifted(stats, current.train_gpus, shift if t_train > t_roll else -shift) or current
 
-    def _within(self, stats: WorkloadStats, budget: int) -> Plan | None:
+    def _shifted(self, stats: WorkloadStats, now: int, shift: int) -> Plan | None:
         bound = self.selector.context_bound(stats.max_final)
-        lengths = stats.batch_lengths(self.problem.batch_size)
         try:
-            trains = self._train_frontier(lengths, bound)
+            trains = self._train_frontier(stats.batch_lengths(self.problem.batch_size), bound)
         except InfeasibleError:
             return None
-        fit = [c for g, c in trains.items() if g <= budget]
-        if not fit:
-            return None
-        return self._build(max(fit, key=lambda c: c.par.gpus), self._layout(stats), stats, bound)
+        if shift > 0:
+            fit = [g for g in trains if g >= now + shift]
+            target = min(fit, default=None)
+        else:
+            target = max((g for g in trains if g <= now + shift), default=None)
+        return None if target is None else self._build(trains[target], self._layout(stats), stats, bound)
 
     def decide(self, stats: WorkloadStats, current: Plan | None) -> PlanDecision:
         candidate = self.plan(stats, current)

@@ -6,11 +6,15 @@
   KV cache admits (min of max_num_seqs, the range's trajectories per engine, and KV capacity over
   the mean decode context), plus its prefill tokens (prompts and tool returns) at the chunked
   prefill cost per token, shared over n engines;
-- the *latency floor*: the slowest trajectory's serial time, its own decode iterations at that
-  batch's iteration time x plus its tool latencies, D * x + S. Iterations are faster at larger TP,
-  which is why long trajectories want large TP even where small TP has more throughput per GPU.
-  Which trajectory is slowest depends on x, so each range keeps three champion lines (most decode,
-  most tool time, most D * 30 ms + S; see `stats.champions`) and takes the largest.
+- the *latency floor*: the slowest trajectory's serial time, its own decode iterations at the
+  iteration time x plus its tool latencies, D * x + S. Iterations are faster at larger TP, which
+  is why long trajectories want large TP even where small TP has more throughput per GPU. Which
+  trajectory is slowest depends on x, so each range keeps three champion lines (most decode, most
+  tool time, most D * 30 ms + S; see `stats.champions`) and takes the largest. The batch drains as
+  the bulk finishes: while the work bound W lasts the straggler runs at the full batch (serial
+  time F), after it at `tail_fraction` of the batch (serial time F'), so the floor is
+  W + (1 - W / F) * F' when F > W. `PlannerConfig.tail_fraction` (0.25) is calibrated against the
+  simulator; docs/planner.md gives the error table and the command that measures it.
 Iteration times come from `RolloutCostModel.step_time` itself: a decode step is exactly
 A(batch) + K * (summed context), so A is tabulated per batch size and K read off once, which lets
 numpy evaluate thousands of ranges at once without a second copy of the model.
@@ -45,9 +49,10 @@ INF = float("inf")
 class EngineTables:
     """Per allowed TP: KV capacity, decode-step coefficients and prefill cost per token."""
 
-    __slots__ = ("tps", "kvcap", "A", "K", "_pf_grid", "_pf", "max_num_seqs")
+    __slots__ = ("tps", "kvcap", "A", "K", "_pf_grid", "_pf", "max_num_seqs", "tail_fraction")
 
-    def __init__(self, problem: PlanningProblem, tps: list[int]):
+    def __init__(self, problem: PlanningProblem, tps: list[int], tail_fraction: float = 0.25):
+        self.tail_fraction = tail_fraction
         self.tps = np.asarray([t for t in tps if problem.tp_allowed(t)], dtype=np.int64)
         self.max_num_seqs = problem.max_num_seqs
         models = [problem.rollout_model(int(t)) for t in self.tps]
@@ -77,8 +82,13 @@ class EngineTables:
         b = np.clip(np.ceil(r.count / n_eff), 1, bcap).astype(np.int64)
         x = self.A[ti, b] + self.K[ti] * b * r.ctx
         work = (r.gen * x / b + r.prefill * pf) / n_eff
-        per_step = (r.line_gen * x[..., None, None] + r.line_tool).max(axis=-1)  # slowest per step
-        floor = (per_step * r.present).sum(axis=-1) / np.maximum(r.present.sum(axis=-1), 1.0)
+        bt = np.maximum(1, (b * self.tail_fraction).astype(np.int64))
+        x_tail = self.A[ti, bt] + self.K[ti] * bt * r.ctx
+        full = (r.line_gen * x[..., None, None] + r.line_tool).max(axis=-1)  # slowest per step, full batch
+        tail = (r.line_gen * x_tail[..., None, None] + r.line_tool).max(axis=-1)  # ... once the batch drained
+        w = work[..., None]
+        drained = np.where(full > w, w + (1 - w / np.maximum(full, 1e-12)) * tail, full)
+        floor = (drained * r.present).sum(axis=-1) / np.maximum(r.present.sum(axis=-1), 1.0)
         return np.maximum(work, floor)
 
 
