@@ -32,8 +32,8 @@ class PrefillChunk:
     row0: int
     n: int
     pos0: int
-    gather: Tensor | None  # flat cache slots of positions 0..pos0+n-1; None when pos0 == 0
-    mask: Tensor | None  # [n, pos0+n] causal mask offset by pos0; None when pos0 == 0
+    blocks: Tensor | None  # [1, nb] cache blocks holding positions 0..pos0+n-1; None when pos0 == 0
+    mask: Tensor | None  # [n, nb * block_size] causal mask offset by pos0; None when pos0 == 0
 
 
 @dataclass(slots=True)
@@ -44,10 +44,11 @@ class StepBatch:
     positions: Tensor  # [T] long
     slots: Tensor  # [T] long: the cache slot each token's key and value are written to
     n_decode: int  # rows [0, n_decode) are single-token decodes, attended in one batched call
-    decode_gather: Tensor | None  # [B, L] cache slots of each decode's context (null-padded)
-    decode_mask: Tensor | None  # [B, 1, 1, L] True where a key is inside the context
+    decode_blocks: Tensor | None  # [B, nb] cache blocks of each decode's context (null-padded)
+    decode_mask: Tensor | None  # [B, 1, 1, nb * block_size] True where a key is in the context
     prefills: list[PrefillChunk] = field(default_factory=list)
     sample_rows: Tensor | None = None  # [S] rows whose next-token logits are wanted
+    block_size: int = 16
 
 
 class Block(nn.Module):
@@ -85,26 +86,31 @@ def attention(q: Tensor, k: Tensor, v: Tensor, b: StepBatch, kc: Tensor, vc: Ten
     out = torch.empty_like(q)
     nd = b.n_decode
     if nd:
-        keys, vals = _gather(kc, b.decode_gather), _gather(vc, b.decode_gather)  # [B, H, L, D]
+        keys, vals = _gather(kc, b.decode_blocks, b.block_size), _gather(vc, b.decode_blocks, b.block_size)
         o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys, vals, attn_mask=b.decode_mask)
         out[:nd] = o.squeeze(2)
     for c in b.prefills:
         rows = slice(c.row0, c.row0 + c.n)
         qs = q[rows].transpose(0, 1).unsqueeze(0)
-        if c.gather is None:  # a fresh prompt: its own keys are the whole context
+        if c.blocks is None:  # a fresh prompt: its own keys are the whole context
             ks, vs = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
         else:
-            ks, vs = _gather(kc, c.gather[None]), _gather(vc, c.gather[None])
+            ks, vs = _gather(kc, c.blocks, b.block_size), _gather(vc, c.blocks, b.block_size)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=c.mask)
         out[rows] = o[0].transpose(0, 1)
     return out
 
 
-def _gather(cache: Tensor, slots: Tensor) -> Tensor:
-    """cache[slots] as [B, H, L, D]; index_select is several times faster than fancy indexing."""
-    b, length = slots.shape
-    return cache.index_select(0, slots.reshape(-1)).view(b, length, *cache.shape[1:]).transpose(1, 2)
+def _gather(cache: Tensor, blocks: Tensor, block_size: int) -> Tensor:
+    """The cache rows of `blocks` [B, nb] as [B, H, nb * block_size, D].
+
+    Whole blocks, not single slots, and `index_select`, not fancy indexing: copying a few large
+    rows is several times faster on CPU than copying many small ones.
+    """
+    b, nb = blocks.shape
+    rows = cache.view(-1, block_size * cache.shape[1] * cache.shape[2])
+    return rows.index_select(0, blocks.reshape(-1)).view(b, nb * block_size, *cache.shape[1:]).transpose(1, 2)
 
 
 class TinyTransformer(nn.Module):

@@ -102,6 +102,8 @@ class ModelRunner:
         self.table = torch.full((max_rows, blocks_per_seq), NULL_BLOCK, dtype=torch.long)
         self.masks = MaskTable(model.preset.vocab_size)
         self._ar = torch.arange(max(blocks_per_seq * self.bs, 1))
+        self._touched = torch.zeros(cache.num_blocks, dtype=torch.bool)
+        self._touched[NULL_BLOCK] = True
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> tuple[list[Chunk], list[int], list[TokenLogprob | None]]:
@@ -125,8 +127,8 @@ class ModelRunner:
         pos, row = torch.tensor(positions), torch.tensor(rows)
         slots = self.table[row, pos // self.bs] * self.bs + pos % self.bs
         nd = len(plan.decodes)
-        gather, mask = self._decode_context(row[:nd], pos[:nd]) if nd else (None, None)
-        batch = StepBatch(torch.tensor(tokens), pos, slots, nd, gather, mask)
+        blocks, mask = self._decode_context(row[:nd], pos[:nd]) if nd else (None, None)
+        batch = StepBatch(torch.tensor(tokens), pos, slots, nd, blocks, mask, block_size=self.bs)
         batch.prefills = self._prefill_chunks(plan.prefills, nd)
         batch.sample_rows = torch.tensor(sample_rows, dtype=torch.long)
         return batch, sampling
@@ -135,24 +137,33 @@ class ModelRunner:
         for c in chunks:
             s = c.seq
             if s.synced < len(s.blocks):
-                self.table[s.row, s.synced : len(s.blocks)] = torch.tensor(s.blocks[s.synced :])
+                new = s.blocks[s.synced :]
+                self.table[s.row, s.synced : len(s.blocks)] = torch.tensor(new)
                 s.synced = len(s.blocks)
+                self._zero_fresh(new)
 
-    def _slots(self, rows: Tensor, length: int) -> Tensor:
-        """Cache slots of positions 0..length-1 for each row: [len(rows), length]."""
-        nb = -(-length // self.bs)
-        blocks = self.table[rows, :nb]
-        return (blocks[:, :, None] * self.bs + self._ar[None, None, : self.bs]).reshape(len(rows), -1)[
-            :, :length
-        ]
+    def _zero_fresh(self, blocks: list[int]) -> None:
+        """Zero blocks on their first use. Attention reads whole blocks and masks the unused
+        tail; a masked score weighs 0, but 0 * NaN is NaN, so never-written memory (the cache is
+        allocated with `empty`) must not hold NaN bit patterns. Reused blocks hold finite keys."""
+        fresh = [b for b in blocks if not self._touched[b]]
+        if fresh:
+            idx = torch.tensor(fresh)
+            self._touched[idx] = True
+            for t in (self.cache.k, self.cache.v):
+                t.view(t.shape[0], -1, self.bs, *t.shape[2:])[:, idx] = 0.0
+
+    def _blocks(self, rows: Tensor, n_blocks: Tensor) -> Tensor:
+        """Block ids of each row, the null block past each row's first `n_blocks`."""
+        width = int(n_blocks.max())
+        valid = self._ar[None, :width] < n_blocks[:, None]
+        return torch.where(valid, self.table[rows, :width], NULL_BLOCK)
 
     def _decode_context(self, rows: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
         lens = pos + 1
-        length = int(lens.max())
-        valid = self._ar[None, :length] < lens[:, None]
-        # Padding points at the zeroed null block, never at memory nobody wrote.
-        gather = torch.where(valid, self._slots(rows, length), NULL_BLOCK * self.bs)
-        return gather, valid[:, None, None, :]
+        blocks = self._blocks(rows, (lens + self.bs - 1) // self.bs)
+        valid = self._ar[None, : blocks.shape[1] * self.bs] < lens[:, None]
+        return blocks, valid[:, None, None, :]
 
     def _prefill_chunks(self, prefills: list[Chunk], row0: int) -> list[PrefillChunk]:
         out = []
@@ -161,8 +172,9 @@ class ModelRunner:
                 out.append(PrefillChunk(row0, c.n, 0, None, None))
             else:
                 length = c.start + c.n
-                gather = self._slots(torch.tensor([c.seq.row]), length)[0]
-                mask = self._ar[None, :length] <= (c.start + self._ar[: c.n])[:, None]
-                out.append(PrefillChunk(row0, c.n, c.start, gather, mask))
+                nb = -(-length // self.bs)
+                blocks = self.table[c.seq.row, :nb][None]
+                mask = self._ar[None, : nb * self.bs] <= (c.start + self._ar[: c.n])[:, None]
+                out.append(PrefillChunk(row0, c.n, c.start, blocks, mask))
             row0 += c.n
         return out
