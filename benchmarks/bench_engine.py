@@ -14,6 +14,7 @@ Run: .venv/bin/python benchmarks/bench_engine.py
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import sys
 import time
@@ -110,7 +111,10 @@ def http_figures() -> dict:
 
 
 def main() -> None:
-    figures = {"model": "tiny", "tokens_per_seq": TOKENS, **core_figures(), **http_figures()}
+    # Other work on a shared machine slows everything; the load average says how much there was.
+    figures = {"model": "tiny", "tokens_per_seq": TOKENS, "load_avg_1m": os.getloadavg()[0]}
+    figures.update(core_figures())
+    figures.update(http_figures())
     figures["batch32_speedup_core"] = figures["core_tok_s_b32"] / figures["core_tok_s_b1"]
     figures["batch32_speedup_http"] = figures["http_tok_s_b32"] / figures["http_tok_s_b1"]
     report("engine", {k: round(v, 2) if isinstance(v, float) else v for k, v in figures.items()})

@@ -204,25 +204,55 @@ class Choice:
         return min((self._cost(o) for o in self._live()), default=0)
 
 
+def _string(s: dict, depth: int) -> list:
+    return [Lit(b'"', "args"), Chars(_STRING_CHARS, _STRING_CHARS, 0, MAX_STRING, "args"), Lit(b'"', "args")]
+
+
+def _number(s: dict, depth: int) -> list:
+    # A positive integer without leading zeros is valid for both "integer" and "number".
+    return [Chars(_NONZERO, _DIGITS, 1, MAX_DIGITS, "args")]
+
+
+def _boolean(s: dict, depth: int) -> list:
+    return [Choice([b"true", b"false"], "args")]
+
+
+def _null(s: dict, depth: int) -> list:
+    return [Lit(b"null", "args")]
+
+
+def _array(s: dict, depth: int) -> list:
+    """One element, or none past MAX_DEPTH."""
+    inner = value_segments(s.get("items"), depth + 1) if depth < MAX_DEPTH else []
+    return [Lit(b"[", "args"), *inner, Lit(b"]", "args")]
+
+
+def _object(s: dict, depth: int) -> list:
+    return object_segments(s, depth + 1)
+
+
+# JSON Schema "type" -> the segments of one value of that type. Unknown or missing types get a
+# string, the most permissive choice a tool is likely to accept.
+VALUE_KINDS = {
+    "string": _string,
+    "integer": _number,
+    "number": _number,
+    "boolean": _boolean,
+    "null": _null,
+    "array": _array,
+    "object": _object,
+}
+
+
 def value_segments(schema: object, depth: int = 0) -> list:
     """Segments that generate one JSON value matching a (subset of) JSON Schema."""
     s = schema if isinstance(schema, dict) else {}
     if isinstance(s.get("enum"), list) and s["enum"]:
         return [Choice([json.dumps(v).encode() for v in s["enum"]], "args")]
-    kind = s.get("type")
-    kind = next((k for k in kind if k != "null"), "string") if isinstance(kind, list) else kind
-    if kind in ("integer", "number"):
-        return [Chars(_NONZERO, _DIGITS, 1, MAX_DIGITS, "args")]
-    if kind == "boolean":
-        return [Choice([b"true", b"false"], "args")]
-    if kind == "null":
-        return [Lit(b"null", "args")]
-    if kind == "object" or "properties" in s:
-        return object_segments(s, depth + 1)
-    if kind == "array":
-        inner = value_segments(s.get("items"), depth + 1) if depth < MAX_DEPTH else []
-        return [Lit(b"[", "args"), *inner, Lit(b"]", "args")]
-    return [Lit(b'"', "args"), Chars(_STRING_CHARS, _STRING_CHARS, 0, MAX_STRING, "args"), Lit(b'"', "args")]
+    kind = s.get("type", "object" if "properties" in s else "string")
+    if isinstance(kind, list):  # ["string", "null"]: generate the non-null alternative
+        kind = next((k for k in kind if k != "null"), "string")
+    return VALUE_KINDS.get(kind, _string)(s, depth)
 
 
 def object_segments(schema: dict, depth: int = 0) -> list:

@@ -359,14 +359,19 @@ class EngineServer:
         return resp
 
 
+# Messages for the HTTP errors aiohttp raises itself (routing, body size), by status.
+_HTTP_MESSAGES = {
+    404: "no such endpoint: {method} {path}",
+    405: "method {method} not allowed on {path}",
+    413: "request body too large; the limit is {max_body_mb:g} MiB (--max-body-mb)",
+}
+
+
 def _http_message(e: web.HTTPException, request: web.Request, max_body_mb: float) -> str:
-    if e.status == 413:
-        return f"request body too large; the limit is {max_body_mb:g} MiB (--max-body-mb)"
-    if e.status == 404:
-        return f"no such endpoint: {request.method} {request.path}"
-    if e.status == 405:
-        return f"method {request.method} not allowed on {request.path}"
-    return e.text or e.reason
+    template = _HTTP_MESSAGES.get(e.status)
+    if template is None:
+        return e.text or e.reason
+    return template.format(method=request.method, path=request.path, max_body_mb=max_body_mb)
 
 
 def _deliver(events: list[tuple[asyncio.Queue, SeqEvent]]) -> None:
