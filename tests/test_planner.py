@@ -39,6 +39,7 @@ from libra.planner import (
     diff,
     make_planner,
     pack,
+    place,
     reconfig_cost_s,
     should_apply,
 )
@@ -261,6 +262,20 @@ def test_histogram_input_plans(problem):
     s = WorkloadStats.from_histogram([0, 2048, 8192, 32768], [300, 180, 32], tool_latency_s=5.0, turns=4)
     assert s.size == 512 and s.max_final == 32768
     assert_feasible(GlobalPlanner(problem).plan(s), problem)
+
+
+def test_placement_of_a_plan(problem, libra_plan):
+    where = place(libra_plan, problem.hw.gpus_per_node)
+    used = [0] * problem.nodes
+    t = libra_plan.train
+    for node in where.train_groups:
+        used[node] += t.tp * t.cp
+    for b, nodes in zip(libra_plan.buckets, where.engines, strict=True):
+        assert len(nodes) == b.instances
+        for node in nodes:
+            used[node] += b.tp
+    assert len(where.train_groups) == t.pp * t.dp and max(used) <= problem.hw.gpus_per_node
+    assert sum(used) == libra_plan.train_gpus + libra_plan.rollout_gpus
 
 
 def test_pack_fills_nodes_exactly():

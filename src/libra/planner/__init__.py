@@ -23,7 +23,17 @@ from libra.planner.elastic import (
     make_pool,
     phase_seconds,
 )
-from libra.planner.plan import BucketPlan, Plan, PlanDiff, check_plan, diff, pack, reconfig_cost_s
+from libra.planner.plan import (
+    BucketPlan,
+    Placement,
+    Plan,
+    PlanDiff,
+    check_plan,
+    diff,
+    pack,
+    place,
+    reconfig_cost_s,
+)
 from libra.planner.planner import (
     PLANNERS,
     GlobalPlanner,
@@ -41,7 +51,7 @@ __all__ = [
     "PLANNERS", "ApplyVerdict", "BucketPlan", "ElasticConfig", "ElasticController", "ElasticDecision",
     "ElasticSignals", "GlobalPlanner", "GreedyShiftPlanner", "HomogeneousPlanner", "HybridReplica",
     "JoinReplica", "JoinState", "ParallelismSelector", "ParallelismSwitch", "PipelineSignals", "Plan",
-    "PlanDecision", "PlanDiff", "PlannerConfig", "PlanningProblem", "ReleaseReplica", "Role",
+    "Placement", "PlanDecision", "PlanDiff", "PlannerConfig", "PlanningProblem", "ReleaseReplica", "Role",
     "SelectorConfig", "TransitionError", "Trigger", "WorkloadStats", "check_plan", "check_triggers",
-    "diff", "make_planner", "make_pool", "pack", "phase_seconds", "reconfig_cost_s", "should_apply",
+    "diff", "make_planner", "make_pool", "pack", "phase_seconds", "place", "reconfig_cost_s", "should_apply",
 ]  # fmt: skip

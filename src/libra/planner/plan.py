@@ -199,3 +199,26 @@ def _check_rollout(plan: Plan, problem: PlanningProblem, min_concurrent: int) ->
         elif problem.rollout_model(b.tp).kv_capacity_tokens() < min_concurrent * b.max_context:
             out.append(f"a TP{b.tp} engine cannot hold {min_concurrent} x {b.max_context} tokens of KV")
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a plan's groups go: the node of each training TP x CP group, and of each engine."""
+
+    train_groups: tuple[int, ...]  # one node per (pp, dp) slot, each holding tp * cp GPUs
+    engines: tuple[tuple[int, ...], ...]  # per bucket, one node per engine
+
+
+def place(plan: Plan, gpus_per_node: int) -> Placement:
+    """Nodes for every group of `plan` (the packing `check_plan` verifies); for mechanisms."""
+    nodes = plan.total_gpus // gpus_per_node
+    groups = placement_groups(plan)
+    where = pack(groups, nodes, gpus_per_node)
+    if where is None:
+        raise ValueError(f"plan does not pack into {nodes} nodes of {gpus_per_node} GPUs")
+    n_train = plan.train.pp * plan.train.dp
+    out, k = [], n_train
+    for b in plan.buckets:
+        out.append(tuple(where[k : k + b.instances]))
+        k += b.instances
+    return Placement(tuple(where[:n_train]), tuple(out))
