@@ -258,6 +258,23 @@ def test_planner_never_emits_an_infeasible_plan(
     assert_feasible(plan, p)
 
 
+def test_history_longer_than_the_limit_is_held_not_truncated(catalog):
+    p = PlanningProblem(catalog.hardware("a800-80g"), 6, catalog.model("qwen3-14b"), 32, 16, 8192)
+    s = WorkloadStats.from_trajectories(synthetic(512, 1, out_median=3000, max_length=40960))
+    for planner in (GlobalPlanner(p), HomogeneousPlanner(p)):
+        plan = planner.plan(s)
+        assert_feasible(plan, p)
+        assert plan.buckets[-1].max_context >= s.max_final and plan.context_bound >= s.max_final
+
+
+def test_nodes_that_are_not_a_power_of_two(catalog, stats):
+    hw = catalog.hardware("a800-80g").model_copy(update={"name": "six-gpu", "gpus_per_node": 6})
+    p = PlanningProblem(hw, 4, catalog.model("qwen3-8b"), 32, 16, 40960)
+    plan = GlobalPlanner(p).plan(stats)
+    assert_feasible(plan, p)
+    assert all(b.tp in (1, 2) for b in plan.buckets) and 6 % (plan.train.tp * plan.train.cp) == 0
+
+
 def test_histogram_input_plans(problem):
     s = WorkloadStats.from_histogram([0, 2048, 8192, 32768], [300, 180, 32], tool_latency_s=5.0, turns=4)
     assert s.size == 512 and s.max_final == 32768

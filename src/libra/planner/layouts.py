@@ -97,9 +97,9 @@ class HeterogeneousLayout:
     ):
         bins = stats.bins(cfg.bins, problem.batch_size)
         self.final_max = bins.final_max
-        self.max_length = problem.max_length
+        self.max_length = top_context(problem, stats)
         min_bins = max(1, int(cfg.min_bucket_fraction * len(bins)))
-        self.dp = LayoutDP(tables, bins, problem.max_length, cfg.min_concurrent, cfg.rollout_tp, min_bins)
+        self.dp = LayoutDP(tables, bins, self.max_length, cfg.min_concurrent, cfg.rollout_tp, min_bins)
 
     def best(self, gpus: int) -> float:
         return self.dp.best(gpus)
@@ -121,18 +121,16 @@ class HomogeneousLayout:
         self, tables: EngineTables, problem: PlanningProblem, stats: WorkloadStats, cfg: PlannerConfig
     ):
         self.ev = RolloutEvaluator(tables, problem, stats)
-        self.problem, self.min_concurrent = problem, cfg.min_concurrent
+        self.problem, self.top = problem, top_context(problem, stats)
         cap = {int(t): c for t, c in zip(tables.tps, tables.kvcap, strict=True)}
-        self.tps = [
-            t for t in cfg.rollout_tp if t in cap and cap[t] >= cfg.min_concurrent * problem.max_length
-        ]
+        self.tps = [t for t in cfg.rollout_tp if t in cap and cap[t] >= cfg.min_concurrent * self.top]
         self._memo: dict[int, tuple[float, list[BucketPlan]]] = {}
 
     def _solve(self, gpus: int) -> tuple[float, list[BucketPlan]]:
         if gpus not in self._memo:
             best: tuple[float, list[BucketPlan]] = (float("inf"), [])
             for t in self.tps:  # ascending, and strict < below: ties go to the smaller TP
-                layout = [BucketPlan(t, gpus // t, self.problem.max_length)] if gpus >= t else []
+                layout = [BucketPlan(t, gpus // t, self.top)] if gpus >= t else []
                 if layout and self.ev.makespan(layout) < best[0]:
                     best = (self.ev.makespan(layout), layout)
             self._memo[gpus] = best
@@ -144,10 +142,14 @@ class HomogeneousLayout:
     def buckets(self, gpus: int) -> list[BucketPlan]:
         t, b = self._solve(gpus)
         if not b:
-            raise InfeasibleError(
-                f"no single TP holds {self.problem.max_length}-token contexts on {gpus} GPUs"
-            )
+            raise InfeasibleError(f"no single TP holds {self.top}-token contexts on {gpus} GPUs")
         return list(b)
+
+
+def top_context(problem: PlanningProblem, stats: WorkloadStats) -> int:
+    """What the last bucket must hold: the length limit, or more if the history already went past it
+    (a trace from a run with a larger limit); buckets must never hold less than was seen."""
+    return max(problem.max_length, stats.max_final)
 
 
 LAYOUTS: dict[str, type] = {cls.name: cls for cls in (HeterogeneousLayout, HomogeneousLayout)}

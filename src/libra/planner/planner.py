@@ -182,6 +182,8 @@ class GlobalPlanner:
         if ends is None:
             return plan
         tops = [int(bins.final_max[i - 1]) for i in ends[:-1]] + [plan.buckets[-1].max_context]
+        if tops != sorted(tops):  # the history outgrew the last bucket: only a re-plan can help
+            return plan
         lows = [0, *tops[:-1]]
         buckets = tuple(
             BucketPlan(b.tp, b.instances, top, low)

@@ -81,7 +81,8 @@ class TrainSearch:
     def fitting_cp(self, tp: int, pp: int, dp: int, mb: int, context: int) -> TrainParallel | None:
         """The configuration with the smallest CP that fits `context` tokens, or None."""
         cp, per_node = 1, self.problem.hw.gpus_per_node
-        while cp <= self.config.max_cp and tp * cp <= per_node:
+        # A TP x CP group shares a node and must tile it (see plan.pack), so it divides the node.
+        while cp <= self.config.max_cp and per_node % (tp * cp) == 0:
             par = TrainParallel(tp=tp, pp=pp, dp=dp, cp=cp, micro_batch=mb)
             if self.cm.memory(par, context).fits:
                 return par
