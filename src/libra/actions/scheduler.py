@@ -45,6 +45,10 @@ class Pool:
     releases: list[tuple[float, int]] = field(default_factory=list)
     cost: Callable[[Action, int], float] | None = None
     profile_groups: bool = True
+    # Seconds of others' waiting that one unit-second of work costs now (0 on an idle pool).
+    # The split widens an action only while the time it saves beats the work it adds at this
+    # price, so under load elastic actions stay narrow (efficient) and when idle they go wide.
+    work_price: float = 0.0
 
 
 class Ledger(Protocol):
@@ -83,12 +87,14 @@ class Decision:
 
 @dataclass(slots=True)
 class _Job:
-    """An action prepared once per decision: its sizes, cost function and minimum duration."""
+    """An action prepared once per decision: its sizes, cost functions and minimum duration.
+    `item.cost` is what the split minimises (duration plus priced work); `cost` is the duration."""
 
     action: Action
     item: SplitItem
     need: int
     dmin: float
+    cost: Callable[[int], float]
 
 
 class ElasticScheduler:
@@ -150,7 +156,10 @@ class ElasticScheduler:
         jobs = c.admitted
         best, alloc = self._estimate(c, jobs, [])
         n = len(jobs)
-        while n > 1:
+        # Evicting every admitted job only pays when something running will free units; with
+        # nothing running, waiting could never be rewarded (and nothing would wake the pool).
+        floor = 0 if c.pool.releases else 1
+        while n > floor:
             cost, cand = self._estimate(c, jobs[: n - 1], jobs[n - 1 :])
             if cost >= best - 1e-9:
                 break
@@ -160,7 +169,8 @@ class ElasticScheduler:
     def _estimate(self, c: _PoolCtx, jobs: list[_Job], evicted: list[_Job]) -> tuple[float, list[int]]:
         pool = c.pool
         if jobs:
-            exec_total, alloc = pool.operator.split([j.item for j in jobs], pool.capacity)
+            _, alloc = pool.operator.split([j.item for j in jobs], pool.capacity)
+            exec_total = sum(j.cost(m) for j, m in zip(jobs, alloc, strict=True))
         else:
             exec_total, alloc = 0.0, []
         if not evicted and not c.queued:
@@ -174,7 +184,7 @@ class ElasticScheduler:
         the jobs still behind it: the same rule the scheduler applies when that moment comes.
         """
         heap = [(t, u, 0) for t, u in c.pool.releases]
-        heap += [(j.item.cost(m), m, 0) for j, m in zip(jobs, alloc, strict=True)]
+        heap += [(j.cost(m), m, 0) for j, m in zip(jobs, alloc, strict=True)]
         heapq.heapify(heap)
         free = c.pool.capacity[0] - sum(alloc)
         # gen: the wave of the last release popped; jobs that start on units free now are wave 0.
@@ -184,7 +194,9 @@ class ElasticScheduler:
         for k in range(n_ev + len(c.queued)):
             a = evicted[k].action if k < n_ev else c.queued[k - n_ev]
             need, dmin = (evicted[k].need, evicted[k].dmin) if k < n_ev else c.quick(a)
-            while free < need and heap:
+            # Nothing queued starts before the next release: that is the next moment the
+            # scheduler decides again (what was not started now waits, even on spare units).
+            while (free < need or gen < 0) and heap:
                 if heap[0][2] >= self.depth:
                     return total + self._beyond_depth(c, evicted, k, heap[0][0])
                 rt, units, gen = heapq.heappop(heap)
@@ -195,10 +207,29 @@ class ElasticScheduler:
                 continue
             behind = (ev_behind[k] if k < n_ev else 0) + c.need_suffix(max(0, k + 1 - n_ev))
             m, d = c.widen(a, need, dmin, free - behind)
+            if a.profile is not None and heap:
+                t, free, gen, m, d = self._wait_for_width(c, heap, a, need, dmin, behind, t, free, gen, m, d)
             total += t + d
             free -= m
             heapq.heappush(heap, (t + d, m, gen + 1))
         return total
+
+    def _wait_for_width(self, c, heap, a, need, dmin, behind, t, free, gen, m, d):
+        """An elastic job may finish sooner by waiting for releases and starting wider. Scan the
+        coming releases (within the played-out waves) and start at the point that finishes it
+        first; the scheduler makes the same choice when that moment comes, so the playout does."""
+        best_i, best = -1, (t + d, t, free, gen, m, d)
+        popped, cur_t, cur_free = [], t, free
+        while heap and heap[0][2] < self.depth and len(popped) < _MAX_SCAN and heap[0][0] < best[0]:
+            rt, units, g2 = heapq.heappop(heap)
+            popped.append((rt, units, g2))
+            cur_t, cur_free = max(cur_t, rt), cur_free + units
+            m2, d2 = c.widen(a, need, dmin, cur_free - behind)
+            if cur_t + d2 < best[0]:
+                best_i, best = len(popped) - 1, (cur_t + d2, cur_t, cur_free, g2, m2, d2)
+        for r in popped[best_i + 1 :]:  # releases after the chosen start stay in the future
+            heapq.heappush(heap, r)
+        return best[1:]
 
     @staticmethod
     def _beyond_depth(c: _PoolCtx, evicted: list[_Job], k: int, t_next: float) -> float:
@@ -214,6 +245,9 @@ class ElasticScheduler:
         n_q = len(c.queued) - q0
         dmin_sum, wait_work = c.suffix(q0)
         return total + n_q * (t_next + work / cap) + dmin_sum + wait_work / cap
+
+
+_MAX_SCAN = 64  # releases one elastic job looks ahead over in the playout
 
 
 class _PoolCtx:
@@ -276,19 +310,27 @@ class _PoolCtx:
         return self._needs[min(i, len(self.queued))]
 
     def widen(self, a: Action, need: int, dmin: float, room: int) -> tuple[int, float]:
-        """The largest feasible size within `room` units (at least the minimum), and its duration."""
+        """The size within `room` units (at least the minimum) the split would pick at the
+        pool's work price, and its duration."""
         if room <= need or a.profile is None:
             return need, dmin
-        sizes = self.sizes(a)
-        m = max((s for s in sizes if s <= room), default=need)
-        return (m, self.cost(a, m)) if m > need else (need, dmin)
+        price = self.pool.work_price
+        best_m, best_c, best_d = need, dmin * (1.0 + price * need), dmin
+        for m in self.sizes(a):
+            if need < m <= room:
+                d = self.cost(a, m)
+                if d * (1.0 + price * m) < best_c:
+                    best_m, best_c, best_d = m, d * (1.0 + price * m), d
+        return best_m, best_d
 
     def job(self, a: Action) -> _Job:
         pool, sizes = self.pool, self.sizes(a)
         cost = (lambda m, a=a: pool.cost(a, m)) if pool.cost is not None else a.duration
+        price = pool.work_price
+        priced = (lambda m: cost(m) * (1.0 + price * m)) if price > 0 else cost
         group = (id(a.profile), sizes) if pool.profile_groups and a.profile is not None else None
         need, dmin = self.quick(a)
-        return _Job(a, SplitItem(sizes, cost, group, a.t1), need, dmin)
+        return _Job(a, SplitItem(sizes, priced, group, a.t1), need, dmin, cost)
 
     def fits(self, need: int) -> bool:
         op = self.pool.operator

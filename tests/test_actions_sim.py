@@ -1,0 +1,145 @@
+"""The action-orchestration scenarios in the simulator: the published effects, determinism, the
+baselines' mechanics, and clear errors for bad scenario input."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from libra.core.errors import ConfigError
+from libra.sim.actions import run, split_nodes
+from libra.sim.actions_systems import max_min_fair
+from libra.sim.scenarios import load_scenario
+from tests.conftest import run_cli
+
+REQUIRED = ("mean_act_s", "p99_act_s", "mean_step_time_s", "restore_overhead_share")
+
+
+@pytest.fixture(scope="module")
+def coding():
+    return run(load_scenario("tangram-coding"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def mopd():
+    return run(load_scenario("tangram-mopd"), seed=0)
+
+
+def test_coding_tangram_cuts_act_to_a_third_of_k8s_and_beats_fixed_dop(coding):
+    s = coding["systems"]
+    assert set(s) == {"k8s-per-trajectory", "tangram", "tangram-fixed-dop4"}
+    for m in s.values():
+        assert all(k in m["actions"] for k in REQUIRED)
+        assert m["actions"]["cpu_cores"] == 128  # the same cores for every system
+        assert m["throughput_tokens_per_s"] > 0
+    act = {n: m["actions"]["mean_act_s"] for n, m in s.items()}
+    assert act["tangram"] <= act["k8s-per-trajectory"] / 3
+    assert act["tangram"] < act["tangram-fixed-dop4"]
+    # Every system ran every action of the same workload.
+    assert len({m["actions"]["count"] for m in s.values()}) == 1
+
+
+def test_mopd_pooled_gpus_match_static_act_with_half_the_gpus(mopd):
+    s = mopd["systems"]
+    static, pooled = s["static-services"]["actions"], s["tangram"]["actions"]
+    assert static["gpus"] == 40 and pooled["gpus"] == 40
+    assert pooled["mean_act_s"] < static["mean_act_s"]
+    assert 0 < pooled["restore_overhead_share"] < 0.2 and static["restore_overhead_share"] == 0
+    assert mopd["gpus_for_equal_act"] <= 0.5 * static["gpus"]
+    # The sweep stops at the first pool size that matches, and that one does.
+    last = mopd["equal_act_sweep"][-1]
+    assert last["gpus"] == mopd["gpus_for_equal_act"] and last["mean_act_s"] <= static["mean_act_s"]
+
+
+def small_mopd() -> dict:
+    sc = load_scenario("tangram-mopd")
+    sc["mopd"]["prompts_per_step"] = 48
+    sc["equal_act"]["step"] = 8
+    return sc
+
+
+def test_same_seed_same_result_and_another_seed_differs():
+    a, b = run(small_mopd(), steps=1, seed=3), run(small_mopd(), steps=1, seed=3)
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    c = run(small_mopd(), steps=1, seed=4)
+    assert (
+        c["systems"]["tangram"]["actions"]["mean_act_s"] != a["systems"]["tangram"]["actions"]["mean_act_s"]
+    )
+
+
+def test_outputs_are_written(tmp_path):
+    out = run(small_mopd(), steps=1, seed=0, out_dir=tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["gpus_for_equal_act"] == out["gpus_for_equal_act"]
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert trace["traceEvents"] and all(e["dur"] >= 0 for e in trace["traceEvents"])
+    assert (tmp_path / "actions_act_cdf.png").stat().st_size > 0
+
+
+def test_bad_scenarios_are_one_line_config_errors():
+    with pytest.raises(ConfigError, match="--systems"):
+        run(small_mopd(), systems=["nope"], steps=1)
+    sc = small_mopd()
+    sc["systems"]["weird"] = {"type": "slurm"}
+    with pytest.raises(ConfigError, match="systems.weird.type"):
+        run(sc, systems=["weird"], steps=1)
+    sc = small_mopd()
+    sc["systems"]["k8s"] = {"type": "k8s"}
+    with pytest.raises(ConfigError, match="CPU scenario"):
+        run(sc, systems=["k8s"], steps=1)
+    sc = copy.deepcopy(load_scenario("tangram-coding"))
+    sc["coding"]["tools"]["python"] = [{"kind": "python", "profile": "missing"}]
+    with pytest.raises(ConfigError, match="profile"):
+        run(sc, steps=1)
+    sc = small_mopd()
+    sc["mopd"]["services"][0]["model"] = "gpt-9"
+    with pytest.raises(ConfigError, match="model"):
+        run(sc, steps=1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(0.5, 64), st.dictionaries(st.text(min_size=1, max_size=3), st.floats(0.1, 8), max_size=12))
+def test_cfs_shares_are_max_min_fair(capacity, caps):
+    shares = max_min_fair(capacity, caps)
+    assert sum(shares.values()) <= capacity + 1e-6
+    for aid, share in shares.items():
+        assert 0 <= share <= caps[aid] + 1e-9
+        if share < caps[aid] - 1e-9:  # a capped-short action gets at least everyone else's share
+            assert all(share >= other - 1e-9 for other in shares.values())
+    if sum(caps.values()) <= capacity:
+        assert shares == pytest.approx(caps)
+
+
+def test_split_nodes_makes_power_of_two_nodes():
+    assert split_nodes(20, 8) == [8, 8, 4]
+    assert split_nodes(14, 8) == [8, 4, 2]
+    assert split_nodes(8, 8) == [8]
+
+
+def test_k8s_pods_wait_for_requests_and_count_in_act():
+    sc = copy.deepcopy(load_scenario("tangram-coding"))
+    sc["coding"]["workload"]["prompts_per_step"] = 4  # 64 trajectories
+    sc["cluster"] = {"nodes": 1, "cores_per_node": 8, "numa_per_node": 1, "memory_gib_per_node": 512}
+    res = run(sc, systems=["k8s-per-trajectory", "tangram"], steps=1, seed=1)
+    k8s = res["systems"]["k8s-per-trajectory"]["actions"]
+    # 8 cores / 0.5 request = 16 pods for 64 trajectories: most first tool calls wait for a pod.
+    assert k8s["mean_queue_s"] > 10 * res["systems"]["tangram"]["actions"]["mean_queue_s"]
+    sc["systems"]["k8s-per-trajectory"]["sandbox_before_generation"] = True
+    held = run(sc, systems=["k8s-per-trajectory"], steps=1, seed=1)["systems"]["k8s-per-trajectory"]
+    # Holding generation until the pod is ready moves the wait out of ACT into the step time.
+    assert held["actions"]["mean_queue_s"] < k8s["mean_queue_s"]
+    assert held["mean_step_time_s"] >= res["systems"]["k8s-per-trajectory"]["mean_step_time_s"] * 0.9
+
+
+def test_cli_simulate_runs_a_tangram_scenario(tmp_path):
+    r = run_cli("simulate", "--scenario", "tangram-mopd", "--steps", "1", "--out", str(tmp_path), "--json",
+                "--set", "mopd.prompts_per_step=48", "--set", "equal_act.step=8")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["systems"]["tangram"]["actions"]["gpus"] == 40 and "gpus_for_equal_act" in out
+    bad = run_cli("simulate", "--scenario", "tangram-mopd", "--set", "mopd.decode_tok_s=-1")
+    assert bad.returncode == 2 and "decode_tok_s" in bad.stderr and "Traceback" not in bad.stderr
