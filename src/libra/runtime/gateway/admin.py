@@ -1,0 +1,164 @@
+"""The gateway's admin and session endpoints.
+
+The elastic pool (and an operator) changes the backend pool through these, without a restart:
+
+- `GET  /admin/instances`                 every instance: bucket, state, health, outstanding;
+- `POST /admin/instances`                 add one (JSON: url, bucket, and optionally tp, max_context,
+                                          cap, node, name, api_key); it is checked at once and
+                                          routable when its health check passes;
+- `POST /admin/instances/{id}/drain`      no new turns go there; its sessions move on their next
+                                          turn; what it is serving finishes;
+- `POST /admin/instances/{id}/resume`     a draining instance takes turns again;
+- `DELETE /admin/instances/{id}`          remove it (refused while requests are outstanding,
+                                          unless `?force=true`: those still finish).
+
+Sessions and learning:
+
+- `GET  /sessions/{id}`                   what the gateway knows of a session (turns, path, route);
+- `POST /sessions/{id}/finish`            end it; optional JSON `{"final_tokens": N}`. The finished
+                                          trajectory feeds the router's tree;
+- `POST /steps/end`                       the RL step ended: `router.on_step_end` (the tree is
+                                          rebuilt every K steps from recent trajectories);
+- `GET  /admin/tree`, `POST /admin/tree/save`   the persisted causal tree.
+
+Admin endpoints have no authentication: the gateway binds to 127.0.0.1 unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+from libra.core.config import build
+from libra.rollout.tree import state_key
+from libra.runtime.gateway.config import BackendConfig
+from libra.runtime.gateway.errors import ApiError
+
+
+def register(app: web.Application, gw) -> None:
+    h = _Handlers(gw)
+    app.router.add_get("/admin/instances", h.list_instances)
+    app.router.add_post("/admin/instances", h.add_instance)
+    app.router.add_post("/admin/instances/{iid}/drain", h.drain)
+    app.router.add_post("/admin/instances/{iid}/resume", h.resume)
+    app.router.add_delete("/admin/instances/{iid}", h.remove)
+    app.router.add_get("/sessions/{sid}", h.session)
+    app.router.add_post("/sessions/{sid}/finish", h.finish)
+    app.router.add_post("/steps/end", h.end_step)
+    app.router.add_get("/admin/tree", h.tree)
+    app.router.add_post("/admin/tree/save", h.save_tree)
+
+
+async def _json_body(request: web.Request, required: bool) -> dict:
+    raw = await request.read()
+    if not raw.strip():
+        if required:
+            raise ApiError(400, "a JSON object body is required", code="invalid_json")
+        return {}
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"request body is not valid JSON ({e})", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    return data
+
+
+class _Handlers:
+    def __init__(self, gw) -> None:
+        self.gw = gw
+
+    def _instance(self, request: web.Request):
+        iid = request.match_info["iid"]
+        try:
+            return self.gw.pool.get(iid)
+        except KeyError:
+            known = sorted(i.id for i in self.gw.pool.live())
+            raise ApiError(
+                404, f"no instance {iid!r}; instances: {known}", "id", "instance_not_found"
+            ) from None
+
+    # ---- instances ----------------------------------------------------------------------------
+
+    async def list_instances(self, request: web.Request) -> web.Response:
+        gw = self.gw
+        buckets = [{"index": i, "name": b.name, "tp": b.tp, "max_context": b.max_context} for i, b in enumerate(gw.buckets)]  # fmt: skip
+        return web.json_response({"buckets": buckets, "instances": [i.describe() for i in gw.pool.live()]})
+
+    async def add_instance(self, request: web.Request) -> web.Response:
+        cfg = build(BackendConfig, await _json_body(request, required=True))
+        inst = self.gw.pool.add(cfg)
+        await self.gw.health.check(inst, threshold=1)
+        self.gw.pool.refresh()
+        self.gw._refresh_models()
+        return web.json_response(inst.describe(), status=201)
+
+    async def drain(self, request: web.Request) -> web.Response:
+        inst = self._instance(request)
+        inst.drain()
+        self.gw.pool.refresh()
+        return web.json_response(inst.describe())
+
+    async def resume(self, request: web.Request) -> web.Response:
+        inst = self._instance(request)
+        inst.resume()
+        self.gw.pool.refresh()
+        return web.json_response(inst.describe())
+
+    async def remove(self, request: web.Request) -> web.Response:
+        inst = self._instance(request)
+        force = request.query.get("force", "").lower() in ("1", "true", "yes")
+        if inst.view.outstanding and not force:
+            msg = f"instance {inst.id!r} has {inst.view.outstanding} outstanding requests; drain it and wait, or pass force=true"  # fmt: skip
+            raise ApiError(409, msg, "force", "instance_busy")
+        self.gw.pool.remove(inst)
+        self.gw._refresh_models()
+        return web.json_response(inst.describe())
+
+    # ---- sessions and steps -------------------------------------------------------------------
+
+    async def session(self, request: web.Request) -> web.Response:
+        sid = request.match_info["sid"]
+        s = self.gw.tracker.get(sid)
+        if s is None:
+            raise ApiError(404, f"no active session {sid!r}", "id", "session_not_found")
+        return web.json_response(s.describe())
+
+    async def finish(self, request: web.Request) -> web.Response:
+        data = await _json_body(request, required=False)
+        final = data.get("final_tokens")
+        if final is not None and (not isinstance(final, int) or isinstance(final, bool) or final < 0):
+            raise ApiError(400, f"final_tokens must be a non-negative integer, got {final!r}", "final_tokens", "invalid_value")  # fmt: skip
+        s, traj = self.gw.tracker.finish(request.match_info["sid"], final)
+        self.gw.feed(traj)
+        self.gw.metrics.session_finished("client")
+        trajectory = {
+            "prompt_id": traj.prompt_id,
+            "step": traj.step,
+            "path": [state_key(x) for x in traj.path],
+            "turn_contexts": list(traj.turn_contexts),
+            "final_tokens": traj.final_tokens,
+        }
+        return web.json_response({"session": s.describe(), "trajectory": trajectory})
+
+    async def end_step(self, request: web.Request) -> web.Response:
+        gw = self.gw
+        gw.router.on_step_end(gw.step)
+        gw.step += 1
+        if gw.tree is not None:
+            gw.tree.changed()
+        return web.json_response({"step": gw.step})
+
+    # ---- the tree -----------------------------------------------------------------------------
+
+    async def tree(self, request: web.Request) -> web.Response:
+        if self.gw.tree is None:
+            raise ApiError(404, "no tree persistence configured (--tree-path)", None, "no_tree")
+        return web.json_response(self.gw.tree.describe())
+
+    async def save_tree(self, request: web.Request) -> web.Response:
+        if self.gw.tree is None:
+            raise ApiError(404, "no tree persistence configured (--tree-path)", None, "no_tree")
+        await self.gw.tree.save()
+        return web.json_response(self.gw.tree.describe())

@@ -1,0 +1,471 @@
+"""The gateway's HTTP server: the OpenAI API in front, the backend pool behind, the router between.
+
+Every `POST /v1/chat/completions` or `/v1/completions` is one turn of a session:
+
+1. the session is found (`X-Session-ID` header, else the body's `user` field, else the request is
+   a one-turn session of its own) and the conversation is scanned for new tool returns;
+2. the router is asked, with the same `RouteRequest` and `InstanceView`s the simulator builds;
+3. the decision is carried out: the body is sent as is to the chosen instance, and the response is
+   returned as is (streams pass through chunk by chunk). A change of instance is a migration: the
+   next turn simply prefills on the new instance, since an OpenAI-compatible server offers no way
+   to move a KV cache;
+4. if the instance fails before any byte came back, the request is sent once more, to another
+   instance of the decided bucket or the nearest bucket with a healthy one (the placement rule
+   shared by every router), and the instance is taken out.
+
+The hot path does no policy work of its own and no JSON encoding: the request body is decoded once
+(to read the messages), and the response body is searched for `usage`, not decoded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import resource
+import signal
+import socket
+import time
+
+import aiohttp
+from aiohttp import web
+
+from libra.core.errors import ConfigError, LibraError
+from libra.rollout.base import (
+    MigrationMethod,
+    NoInstanceError,
+    RouteDecision,
+    RouteRequest,
+    bucket_for_length,
+)
+from libra.rollout.placement import choose_instance, healthy_exists
+from libra.runtime.gateway import admin, upstream
+from libra.runtime.gateway.config import GatewayConfig
+from libra.runtime.gateway.conversation import prompt_chars
+from libra.runtime.gateway.errors import ApiError, http_message, json_error
+from libra.runtime.gateway.metrics import GatewayMetrics
+from libra.runtime.gateway.pool import HealthChecker, Instance, Pool, StateError
+from libra.runtime.gateway.sessions import Session, SessionError, SessionTracker, TurnRecord
+from libra.runtime.gateway.tree_store import TreeStore
+
+log = logging.getLogger("libra.gateway")
+perf = time.perf_counter
+MAX_SESSION_ID = 256
+FAILOVER_POLL_S = 0.05
+
+
+class Gateway:
+    def __init__(self, cfg: GatewayConfig, router):
+        self.cfg, self.router = cfg, router
+        self.buckets = cfg.bucket_list()
+        self.pool = Pool(self.buckets)
+        for be in cfg.backends:
+            self.pool.add(be)
+        self.tracker = SessionTracker(cfg.sessions, cfg.tool_state)
+        self.metrics = GatewayMetrics(self, [b.name for b in self.buckets])
+        self.tree = TreeStore(router, cfg.tree_path, cfg.tree_save_interval_s) if cfg.tree_path else None
+        if self.tree is not None:
+            self.tree.load()
+            self.tree.on_save = self.metrics.tree_saves.inc
+        self.step = 0
+        self.started = int(time.time())
+        self.known_models: frozenset[str] = frozenset(cfg.models)
+        self.http: aiohttp.ClientSession | None = None
+        self.health: HealthChecker | None = None
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s, sock_read=cfg.request_timeout_s)  # fmt: skip
+        self._tasks: list[asyncio.Task] = []
+
+    def app(self) -> web.Application:
+        app = web.Application(
+            client_max_size=int(self.cfg.max_body_mb * 2**20), middlewares=[self._middleware]
+        )
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health_endpoint)
+        app.router.add_get("/metrics", self.prometheus)
+        admin.register(app, self)
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    async def _startup(self, app: web.Application) -> None:
+        conn = aiohttp.TCPConnector(limit=self.cfg.max_connections, limit_per_host=0, keepalive_timeout=60)
+        self.http = aiohttp.ClientSession(connector=conn)
+        self.health = HealthChecker(self.pool, self.cfg.health, self.http, self._health_changed)
+        await self.health.check_all()  # serve knowing which backends are up
+        self._refresh_models()
+        self._tasks = [asyncio.create_task(_forever(f)) for f in (self.health.run, self._sweep)]
+        if self.tree is not None:
+            self._tasks.append(asyncio.create_task(_forever(self.tree.run)))
+
+    async def _cleanup(self, app: web.Application) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.tree is not None and self.tree.dirty:
+            try:
+                self.tree.save_now()
+            except OSError as e:
+                log.error("could not save tree at shutdown: %s", e)
+        await self.http.close()
+
+    def _health_changed(self, inst: Instance, up: bool) -> None:
+        self._refresh_models()
+
+    def _refresh_models(self) -> None:
+        if not self.cfg.models:
+            self.known_models = frozenset(self.pool.models())
+
+    async def _sweep(self) -> None:
+        interval = min(5.0, max(0.05, self.cfg.sessions.idle_timeout_s / 10))
+        while True:
+            await asyncio.sleep(interval)
+            for reason, traj in self.tracker.expire():
+                if self.cfg.sessions.feed_idle:
+                    self.feed(traj)
+                self.metrics.session_finished(reason)
+
+    def feed(self, traj) -> None:
+        """A finished trajectory goes to the router (its tree learns from it)."""
+        if traj.turn_contexts:
+            self.router.on_finish(traj)
+            if self.tree is not None:
+                self.tree.changed()
+
+    # ---- the OpenAI endpoints -------------------------------------------------------------------
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        data, body = await self._read(request)
+        messages = data.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "'messages' is required: a non-empty list of chat messages", "messages", "invalid_value")  # fmt: skip
+        self._check_model(data)
+        return await self._proxy(request, "chat", data, body, messages, 0)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        data, body = await self._read(request)
+        prompt = data.get("prompt")
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt)):
+            raise ApiError(400, "'prompt' is required: a string or a non-empty list of strings", "prompt", "invalid_value")  # fmt: skip
+        self._check_model(data)
+        return await self._proxy(request, "completions", data, body, None, prompt_chars(prompt))
+
+    async def models(self, request: web.Request) -> web.Response:
+        cards = [{"id": m, "object": "model", "created": self.started, "owned_by": "libra-gateway"} for m in sorted(self.known_models)]  # fmt: skip
+        return web.json_response({"object": "list", "data": cards})
+
+    async def health_endpoint(self, request: web.Request) -> web.Response:
+        routable = sum(1 for v in self.pool.views if v.healthy)
+        body = {
+            "status": "ok" if routable else "no routable backend instance",
+            "router": getattr(self.router, "name", type(self.router).__name__),
+            "buckets": [{"name": b.name, "tp": b.tp, "max_context": b.max_context} for b in self.buckets],
+            "instances": len(self.pool.views),
+            "routable": routable,
+            "sessions": len(self.tracker),
+            "step": self.step,
+        }
+        return web.json_response(body, status=200 if routable else 503)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        resp = web.Response(body=self.metrics.render())
+        resp.headers["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
+        return resp
+
+    async def _read(self, request: web.Request) -> tuple[dict, bytes]:
+        body = await request.read()  # over client_max_size: 413, turned into JSON by the middleware
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"request body is not valid JSON ({e})", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+        return data, body
+
+    def _check_model(self, data: dict) -> None:
+        model = data.get("model")
+        if not isinstance(model, str) or not model:
+            raise ApiError(400, "'model' is required: the name of a served model", "model", "invalid_value")
+        if self.known_models and model not in self.known_models:
+            msg = (
+                f"model {model!r} does not exist; this gateway serves: {', '.join(sorted(self.known_models))}"
+            )
+            raise ApiError(404, msg, "model", "model_not_found")
+
+    # ---- one turn -------------------------------------------------------------------------------
+
+    def _session(self, request: web.Request, data: dict) -> Session:
+        sid = request.headers.get("X-Session-ID")
+        if not sid:
+            user = data.get("user")
+            sid = user if isinstance(user, str) and user else None
+        if sid is not None and len(sid) > MAX_SESSION_ID:
+            raise ApiError(400, f"session id is {len(sid)} characters; at most {MAX_SESSION_ID}", "X-Session-ID", "invalid_value")  # fmt: skip
+        step = self.step
+        raw = request.headers.get("X-Libra-Step")
+        if raw is not None:
+            if not raw.isdigit():
+                raise ApiError(400, f"X-Libra-Step must be a non-negative integer, got {raw!r}", "X-Libra-Step", "invalid_value")  # fmt: skip
+            step = int(raw)
+        return self.tracker.open(sid, request.headers.get("X-Prompt-ID") or None, step)
+
+    async def _proxy(self, request: web.Request, kind: str, data: dict, body: bytes, messages: list | None, chars: int) -> web.StreamResponse:  # fmt: skip
+        s = self._session(request, data)
+        req = self.tracker.begin_turn(s, messages, chars)
+        prev_bucket = s.bucket
+        dec = await self._route(req)
+        rec = self.tracker.routed(s, req, dec)
+        self.metrics.decision(dec.bucket)
+        if rec.migrated:
+            self.metrics.migration(prev_bucket, dec.bucket, "policy")
+        inst = self.pool.instances[dec.instance]
+        stream = data.get("stream") is True
+        for attempt in (0, 1):
+            url = inst.chat_url if kind == "chat" else inst.completions_url
+            inst.view.outstanding += 1
+            t_up = perf()
+            try:
+                resp = await upstream.post(self.http, url, body, self._headers(request, inst), self.timeout)
+            except upstream.NoByteError as e:
+                inst.view.outstanding -= 1
+                self._failed(inst, e)
+                if attempt:
+                    raise ApiError(502, f"backend {inst.id} failed before answering ({e.detail}), and so did the retry", code="upstream_failed") from None  # fmt: skip
+                inst = await self._failover(s, rec, req, inst)
+                continue
+            except asyncio.TimeoutError:
+                inst.view.outstanding -= 1
+                self.metrics.error(inst.id, "timeout")
+                raise ApiError(504, f"backend {inst.id} did not answer within {self.cfg.request_timeout_s:g} s (request_timeout_s)", code="upstream_timeout") from None  # fmt: skip
+            try:
+                if stream and resp.status == 200:
+                    return await self._pipe(request, resp, s, inst, t_up)
+                return await self._whole(request, resp, s, inst, t_up)
+            finally:
+                resp.release()
+                inst.view.outstanding -= 1
+        raise AssertionError("unreachable")
+
+    async def _route(self, req: RouteRequest) -> RouteDecision:
+        if not healthy_exists(self.pool.views):
+            await self._wait_routable()
+        try:
+            return self.router.route(req, self.pool.views)
+        except NoInstanceError:  # cannot happen after the check above; kept as a clear 503
+            raise ApiError(503, "no healthy backend instance", code="no_healthy_instance") from None
+        except Exception:  # a router bug must not cost the client its turn
+            log.exception("router %s failed on session %r turn %d; keeping the session where it is", getattr(self.router, "name", "?"), req.traj_id, req.turn)  # fmt: skip
+            self.metrics.error("router", "exception")
+            return self._stay(req)
+
+    def _stay(self, req: RouteRequest) -> RouteDecision:
+        """The no-move decision, placed by the shared rule: what a router that learned nothing does."""
+        floor = bucket_for_length(self.buckets, req.context_tokens)
+        target = max(req.current_bucket or 0, floor)
+        view = choose_instance(self.pool.views, target, floor, len(self.buckets), req.current_instance)
+        moved = req.current_instance is not None and view.id != req.current_instance
+        return RouteDecision(
+            view.bucket, view.id, moved, MigrationMethod.REPREFILL if moved else MigrationMethod.NONE
+        )
+
+    async def _wait_routable(self) -> None:
+        """Keep the request while no instance is routable (a router never drops one), up to a limit."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.no_instance_wait_s
+        while not healthy_exists(self.pool.views):
+            left = deadline - loop.time()
+            if left <= 0:
+                raise ApiError(503, f"no healthy backend instance for {self.cfg.no_instance_wait_s:g} s (no_instance_wait_s)", code="no_healthy_instance")  # fmt: skip
+            try:
+                await asyncio.wait_for(self.pool.routable.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+    def _headers(self, request: web.Request, inst: Instance) -> dict:
+        h = {"Content-Type": "application/json"}
+        if inst.cfg.api_key:
+            h["Authorization"] = "Bearer " + inst.cfg.api_key
+        elif "Authorization" in request.headers:
+            h["Authorization"] = request.headers["Authorization"]
+        return h
+
+    def _failed(self, inst: Instance, e: upstream.NoByteError) -> None:
+        self.metrics.error(inst.id, e.kind)
+        if e.refused:
+            if self.pool.mark_down(inst, e.detail):
+                log.warning("instance %s taken out: %s", inst.id, e.detail)
+                self._refresh_models()
+        else:  # a reset can be a stale pooled connection: let a health check decide
+            self.health.probe_soon(inst)
+
+    async def _failover(self, s: Session, rec: TurnRecord, req: RouteRequest, failed: Instance) -> Instance:
+        """Carry the decided bucket out on another instance: the shared placement rule, without
+        the failed one (it may not be marked down yet), waiting a while if none is left."""
+        floor = bucket_for_length(self.buckets, req.context_tokens)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.no_instance_wait_s
+        while True:
+            views = [v for v in self.pool.views if v.id != failed.id]
+            try:
+                view = choose_instance(views, rec.bucket, floor, len(self.buckets), None)
+                break
+            except NoInstanceError:
+                if loop.time() >= deadline:
+                    raise ApiError(503, f"backend {failed.id} failed and no other instance is healthy", code="no_healthy_instance") from None  # fmt: skip
+                await asyncio.sleep(FAILOVER_POLL_S)
+        inst = self.pool.instances[view.id]
+        self.tracker.moved(s, rec, inst.id, view.bucket)
+        self.metrics.retry(rec.bucket)
+        self.metrics.migration(rec.bucket, view.bucket, "failover")
+        return inst
+
+    def _libra_headers(self, s: Session, inst: Instance) -> dict:
+        h = {"X-Libra-Instance": inst.id, "X-Libra-Bucket": inst.bucket_name}
+        if s.id:
+            h["X-Session-ID"] = s.id
+        return h
+
+    async def _whole(self, request: web.Request, resp: aiohttp.ClientResponse, s: Session, inst: Instance, t_up: float) -> web.Response:  # fmt: skip
+        try:
+            out = await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            self.metrics.error(inst.id, "mid_response")
+            self.health.probe_soon(inst)
+            raise ApiError(502, f"backend {inst.id} failed mid-response ({type(e).__name__})", code="upstream_failed") from None  # fmt: skip
+        request["upstream_s"] = up = perf() - t_up
+        self.metrics.upstream_time(inst.view.bucket, up)
+        if resp.status == 200:
+            usage = upstream.usage_in_body(out)
+            if usage is not None:
+                self.tracker.metered(s, usage)
+        headers = self._libra_headers(s, inst)
+        headers["Content-Type"] = resp.headers.get("Content-Type", "application/json")
+        return web.Response(body=out, status=resp.status, headers=headers)
+
+    async def _pipe(self, request: web.Request, resp: aiohttp.ClientResponse, s: Session, inst: Instance, t_up: float) -> web.StreamResponse:  # fmt: skip
+        out = web.StreamResponse(headers={**upstream.SSE_HEADERS, **self._libra_headers(s, inst)})
+        await out.prepare(request)
+        watch = upstream.SSEUsage()
+        while True:
+            try:
+                chunk = await resp.content.readany()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                self.metrics.error(inst.id, "mid_stream")
+                self.health.probe_soon(inst)
+                await _try_write(
+                    out, upstream.sse_error(f"backend {inst.id} failed mid-stream ({type(e).__name__})")
+                )
+                break
+            if not chunk:
+                break
+            watch.feed(chunk)
+            if not await _try_write(out, chunk):
+                return out  # the client left; releasing the response closes the backend connection
+        request["upstream_s"] = up = perf() - t_up
+        self.metrics.upstream_time(inst.view.bucket, up)
+        if watch.usage is not None:
+            self.tracker.metered(s, watch.usage)
+        await _try_write(out, None)
+        return out
+
+    # ---- errors ---------------------------------------------------------------------------------
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        t0 = perf()
+        try:
+            resp = await handler(request)
+        except ApiError as e:
+            resp = json_error(e.status, e.message, e.param, e.code)
+        except ConfigError as e:
+            resp = json_error(400, str(e), e.field, "invalid_value")
+        except StateError as e:
+            resp = json_error(409, str(e), None, "conflict")
+        except SessionError as e:
+            resp = json_error(404, str(e), None, "session_not_found")
+        except LibraError as e:
+            resp = json_error(400, str(e))
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            code = e.reason.lower().replace(" ", "_")
+            resp = json_error(e.status, http_message(e, request, self.cfg.max_body_mb), code=code)
+        except Exception:
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            resp = json_error(500, "internal server error; see the gateway log", code="internal_error")
+        res = request.match_info.route.resource
+        endpoint = res.canonical if res is not None else "unmatched"
+        elapsed = perf() - t0
+        self.metrics.request(endpoint, resp.status, elapsed)
+        up = request.get("upstream_s")
+        if up is not None:
+            self.metrics.overhead_of(endpoint, elapsed - up)
+        return resp
+
+
+async def _try_write(out: web.StreamResponse, data: bytes | None) -> bool:
+    """Write (or end, with None) a stream whose client may have gone; False if it has."""
+    try:
+        if data is None:
+            await out.write_eof()
+        else:
+            await out.write(data)
+    except ConnectionResetError:
+        return False
+    return True
+
+
+async def _forever(loop_fn) -> None:
+    """Run a background loop; a bug in one iteration is logged and the loop restarts."""
+    while True:
+        try:
+            await loop_fn()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("background task %s failed; restarting it", getattr(loop_fn, "__name__", loop_fn))
+            await asyncio.sleep(1.0)
+
+
+# ---- running it -------------------------------------------------------------------------------------
+
+
+def bind(host: str, port: int) -> socket.socket:
+    try:
+        return socket.create_server((host, port), backlog=4096)
+    except OSError as e:
+        raise ConfigError("port", port, f"a free port on {host} ({e.strerror})") from None
+
+
+def raise_fd_limit() -> None:
+    """Each session holds a client and a backend connection; the default 1024 fds is too few."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
+
+
+def serve(gw: Gateway, sock: socket.socket, access_log: bool = False) -> None:
+    raise_fd_limit()
+    asyncio.run(_serve(gw, sock, access_log))
+
+
+async def _serve(gw: Gateway, sock: socket.socket, access_log: bool) -> None:
+    kwargs = {} if access_log else {"access_log": None}
+    runner = web.AppRunner(gw.app(), handler_cancellation=True, **kwargs)
+    await runner.setup()
+    await web.SockSite(runner, sock, backlog=4096).start()
+    host, port = sock.getsockname()[:2]
+    buckets = ", ".join(f"{b.name} (tp{b.tp}, {b.max_context})" for b in gw.buckets)
+    print(f"libra gateway (router {gw.cfg.router}; buckets {buckets}; {len(gw.pool.views)} backends) listening on http://{host}:{port}", flush=True)  # fmt: skip
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()

@@ -1,0 +1,434 @@
+"""The gateway as a real process on loopback, in front of instant backends.
+
+Instant backends answer at once, so these tests exercise the gateway's own behaviour quickly:
+bad requests, streaming, sessions, the admin API, failover, the causal tree (learning, saving,
+reloading), and 1000 concurrent sessions. The end-to-end tests with real token generation (the
+built-in engine, the `openai` client) are in test_gateway_engines.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import aiohttp
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from libra.rollout.base import Bucket, FinishedTrajectory, InstanceView, RouteRequest
+from libra.rollout.registry import make_router
+from libra.rollout.tree import CausalTree, state_from_key
+from tests.test_gateway_fixtures import (  # noqa: F401
+    backend_arg,
+    gateway_factory,
+    instant_factory,
+    metric,
+    start_gateway,
+    start_instant,
+)
+
+FAIL = 'Traceback (most recent call last):\n  File "main.py", line 3\nZeroDivisionError: division by zero'
+OK = "ok: 42"
+TOOLS = [{"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}}]
+SHORT, LONG = 2048, 16384
+
+
+def conversation(statuses: str, prompt: str = "solve the task") -> list[dict]:
+    """A user message, then one tool call and its return per letter (F fails, S succeeds)."""
+    msgs: list[dict] = [{"role": "user", "content": prompt}]
+    for k, st_ in enumerate(statuses):
+        call = {"id": f"c{k}", "type": "function", "function": {"name": "run", "arguments": '{"code": "x"}'}}
+        msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        msgs.append({"role": "tool", "tool_call_id": f"c{k}", "content": FAIL if st_ == "F" else OK})
+    return msgs
+
+
+def chat(gw, sid: str | None, messages: list, **extra) -> tuple[int, dict, dict]:
+    headers = {"X-Session-ID": sid} if sid else {}
+    body = {"model": "instant", "messages": messages, **extra}
+    return gw.request("POST", "/v1/chat/completions", body, headers=headers)
+
+
+def is_openai_error(body: dict) -> bool:
+    err = body.get("error")
+    return isinstance(err, dict) and set(err) == {"message", "type", "param", "code"} and err["message"]
+
+
+@pytest.fixture(scope="module")
+def backends(tmp_path_factory):
+    be = start_instant(ports=2, log_dir=tmp_path_factory.mktemp("instant"))
+    yield be
+    be.stop()
+
+
+@pytest.fixture(scope="module")
+def gw(backends, tmp_path_factory):
+    g = start_gateway(*backend_arg(backends.urls[0], "short", 1, SHORT), *backend_arg(backends.urls[1], "long", 2, LONG),  # fmt: skip
+                      "--set", "max_body_mb=0.05", log_dir=tmp_path_factory.mktemp("gw"))  # fmt: skip
+    yield g
+    g.stop()
+
+
+# ---- bad input ---------------------------------------------------------------------------------------
+
+
+def test_bad_requests_get_json_4xx_and_the_gateway_keeps_serving(gw):
+    user = [{"role": "user", "content": "hi"}]
+    cases = [
+        ("POST", "/v1/chat/completions", b"{not json", {}, 400, "invalid_json"),
+        ("POST", "/v1/chat/completions", b"[1, 2]", {}, 400, "invalid_json"),
+        ("POST", "/v1/chat/completions", {"model": "instant"}, {}, 400, "invalid_value"),
+        ("POST", "/v1/chat/completions", {"model": "instant", "messages": []}, {}, 400, "invalid_value"),
+        ("POST", "/v1/chat/completions", {"model": "nope", "messages": user}, {}, 404, "model_not_found"),
+        ("POST", "/v1/chat/completions", {"messages": user}, {}, 400, "invalid_value"),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"model": "instant", "messages": user, "pad": "x" * 60_000},
+            {},
+            413,
+            "request_entity_too_large",
+        ),  # fmt: skip
+        ("POST", "/v1/completions", {"model": "instant"}, {}, 400, "invalid_value"),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"model": "instant", "messages": user},
+            {"X-Session-ID": "s" * 300},
+            400,
+            "invalid_value",
+        ),  # fmt: skip
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"model": "instant", "messages": user},
+            {"X-Libra-Step": "-1"},
+            400,
+            "invalid_value",
+        ),  # fmt: skip
+        ("GET", "/v1/chat/completions", None, {}, 405, "method_not_allowed"),
+        ("GET", "/no/such/thing", None, {}, 404, "not_found"),
+        ("POST", "/sessions/nobody/finish", b"", {}, 404, "session_not_found"),
+    ]
+    for method, path, body, headers, status, code in cases:
+        got, data, resp_headers = gw.request(method, path, body, headers=headers)
+        assert (got, data.get("error", {}).get("code")) == (status, code), (path, body if not isinstance(body, dict) else list(body), data)  # fmt: skip
+        assert is_openai_error(data) and resp_headers["Content-Type"].startswith("application/json")
+    assert data["error"]["param"] is None
+    status, data, _ = chat(gw, None, user)
+    assert status == 200 and data["choices"][0]["message"]["content"] == "Done."
+    text = gw.metrics()
+    assert metric(text, "libra_gateway_requests_total", endpoint="/v1/chat/completions", status="400") >= 5
+    assert metric(text, "libra_gateway_requests_total", endpoint="/v1/chat/completions", status="413") >= 1
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+messages_like = st.lists(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "role": st.sampled_from(["user", "assistant", "tool", "system", 3]),
+            "content": json_values,
+            "tool_calls": json_values,
+            "tool_call_id": json_values | st.just("c0"),
+        },
+    )  # fmt: skip
+    | json_values,
+    max_size=5,
+)
+bodies = st.one_of(
+    st.binary(max_size=200),
+    json_values.map(lambda v: json.dumps(v).encode()),
+    messages_like.map(lambda m: json.dumps({"model": "instant", "messages": m}).encode()),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=bodies, sid=st.sampled_from([None, "fuzz-1", "fuzz-2"]))
+def test_any_body_gets_an_answer_below_500(gw, body, sid):
+    status, data, _ = gw.request(
+        "POST", "/v1/chat/completions", body, headers={"X-Session-ID": sid} if sid else {}
+    )
+    assert status < 500, data
+    assert status == 200 or is_openai_error(data)
+
+
+# ---- discovery, streaming, sessions -------------------------------------------------------------------
+
+
+def test_models_health_and_metrics(gw):
+    assert gw.get("/v1/models") == (200, {"object": "list", "data": [{"id": "instant", "object": "model", "created": pytest.approx(time.time(), abs=3600), "owned_by": "libra-gateway"}]})  # fmt: skip
+    status, health = gw.get("/health")
+    assert status == 200 and health["routable"] == 2 and health["router"] == "cmlfq"
+    assert [b["name"] for b in health["buckets"]] == ["short", "long"]
+    chat(gw, "metrics-1", conversation(""))
+    text = gw.metrics()
+    for name in ("libra_gateway_decisions_total", "libra_gateway_outstanding", "libra_gateway_instance_up",
+                 "libra_gateway_request_seconds_bucket", "libra_gateway_overhead_seconds_bucket",
+                 "libra_gateway_upstream_seconds_bucket", "libra_gateway_active_sessions"):  # fmt: skip
+        assert name in text, name
+    assert metric(text, "libra_gateway_decisions_total", bucket="short") >= 1
+    assert metric(text, "libra_gateway_instance_up") == 2
+
+
+def test_stream_passes_through_and_its_usage_is_read(gw):
+    openai = pytest.importorskip("openai")
+    with openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model="instant", messages=conversation("S"), stream=True, stream_options={"include_usage": True},
+            extra_headers={"X-Session-ID": "stream-1"},
+        )  # fmt: skip
+        assert raw.headers["X-Libra-Bucket"] == "short" and raw.headers["content-type"] == "text/event-stream"
+        chunks = list(raw.parse())
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Done."
+    assert chunks[-1].usage.completion_tokens == 2
+    status, s = gw.get("/sessions/stream-1")
+    assert status == 200 and s["generated_tokens"] == 2 and s["path"] == ["run|0|0"]
+
+
+def test_user_field_identifies_the_session_and_anonymous_requests_are_not_kept(gw):
+    before = gw.get("/health")[1]["sessions"]
+    for turn in ("", "S"):
+        assert chat(gw, None, conversation(turn), user="user-7")[0] == 200
+    status, s = gw.get("/sessions/user-7")
+    assert status == 200 and len(s["turns"]) == 2 and s["path"] == ["run|0|0"]
+    chat(gw, None, conversation("S"))
+    assert gw.get("/health")[1]["sessions"] == before + 1
+
+
+def test_finish_and_steps(gw):
+    for turn in ("", "F", "FF"):
+        assert chat(gw, "fin-1", conversation(turn))[0] == 200
+    assert gw.post("/sessions/fin-1/finish", {"final_tokens": -3})[0] == 400
+    status, out = gw.post("/sessions/fin-1/finish", {"final_tokens": 9000})
+    assert status == 200 and out["trajectory"]["final_tokens"] == 9000
+    assert (
+        out["trajectory"]["path"] == ["run|0|1", "run|0|1"] and len(out["trajectory"]["turn_contexts"]) == 3
+    )
+    assert gw.post("/sessions/fin-1/finish")[0] == 404  # finished once, fed once
+    step = gw.post("/steps/end")[1]["step"]
+    chat(gw, "after-step", conversation(""))
+    assert gw.get("/sessions/after-step")[1]["step"] == step
+
+
+# ---- the causal tree: live learning, persistence, and the same decisions as the router offline -----
+
+
+def run_session(gw, sid: str, statuses: str, final: int | None) -> list[str]:
+    """Turns 0..len(statuses) of a session; returns the bucket of each turn; finishes it if asked."""
+    buckets = []
+    for k in range(len(statuses) + 1):
+        status, _, headers = chat(gw, sid, conversation(statuses[:k], prompt=f"task {sid[-1]}"))
+        assert status == 200
+        buckets.append(headers["X-Libra-Bucket"])
+    if final is not None:
+        assert gw.post(f"/sessions/{sid}/finish", {"final_tokens": final})[0] == 200
+    return buckets
+
+
+def replay_offline(router, record: dict, views: list[InstanceView]) -> list[int]:
+    """Feed a router the gateway's recorded inputs of a session, turn by turn; its chosen buckets."""
+    path = tuple(state_from_key(k) for k in record["path"])
+    bucket = instance = None
+    out = []
+    for turn, t in enumerate(record["turns"]):
+        req = RouteRequest(record["id"], record["prompt_id"], record["step"], turn, record["prompt_tokens"],
+                           t["context_tokens"], t["generated_tokens"], path[: t["path_len"]], bucket, instance)  # fmt: skip
+        dec = router.route(req, views)
+        bucket, instance = dec.bucket, dec.instance
+        out.append(dec.bucket)
+    return out
+
+
+def feed_offline(router, trajectory: dict) -> None:
+    t = trajectory
+    path = tuple(state_from_key(k) for k in t["path"])
+    router.on_finish(FinishedTrajectory("x", t["prompt_id"], t["step"], path, tuple(t["turn_contexts"]), t["final_tokens"]))  # fmt: skip
+
+
+def test_tree_learns_from_finished_sessions_survives_a_restart_and_routes_like_the_router(instant_factory, gateway_factory, tmp_path):  # noqa: F811  # fmt: skip
+    be = instant_factory(ports=2)
+    tree_path = tmp_path / "tree.json"
+    args = [*backend_arg(be.urls[0], "short", 1, SHORT), *backend_arg(be.urls[1], "long", 2, LONG), "--tree-path", str(tree_path)]  # fmt: skip
+    gw = gateway_factory(*args)
+    buckets = [Bucket("short", 1, SHORT), Bucket("long", 2, LONG)]
+    views = [InstanceView(i["id"], i["bucket_index"], i["tp"], 0, i["cap"], True) for i in gw.get("/admin/instances")[1]["instances"]]  # fmt: skip
+    # The same router class, offline, fed the same calls in the same order, must decide the same
+    # at every turn, while the gateway learns from each finished session.
+    offline = make_router("cmlfq", buckets)
+    index = {"short": 0, "long": 1}
+    for i, (sid, statuses, final) in enumerate([("ok-0", "SS", 300), ("fail-0", "FF", 12000)] * 4):
+        sid = f"{sid[:-1]}{i}"
+        live = [index[b] for b in run_session(gw, sid, statuses, None)]
+        status, out = gw.post(f"/sessions/{sid}/finish", {"final_tokens": final})
+        assert status == 200 and [t["bucket"] for t in out["session"]["turns"]] == live
+        assert replay_offline(offline, out["session"], views) == live, sid
+        feed_offline(offline, out["trajectory"])
+    # What it learned: a failing tool predicts a long trajectory (mean and P90 agree), so the
+    # session moves to the larger bucket at its first failure; a succeeding one stays.
+    assert run_session(gw, "fail-new", "FF", None) == ["short", "long", "long"]
+    assert run_session(gw, "ok-new", "SS", None) == ["short"] * 3
+    for sid, route in (("fail-new", [0, 1, 1]), ("ok-new", [0, 0, 0])):
+        assert replay_offline(offline, gw.get(f"/sessions/{sid}")[1], views) == route
+
+    # The tree is saved at shutdown and loaded at start: the new gateway routes ahead at once.
+    assert gw.get("/admin/tree")[1]["samples"] == 8
+    assert gw.stop() == 0
+    saved = CausalTree.load(tree_path)
+    assert saved.root.count == 8 and saved.to_dict() == offline.tree.to_dict()
+    gw2 = gateway_factory(*args)
+    assert gw2.get("/admin/tree")[1]["samples"] == 8
+    assert run_session(gw2, "fail-after", "FF", 12000) == ["short", "long", "long"]
+    status, info = gw2.post("/admin/tree/save")
+    assert status == 200 and info["samples"] == 9 and CausalTree.load(tree_path).root.count == 9
+
+
+def test_idle_sessions_end_and_feed_the_tree(instant_factory, gateway_factory, tmp_path):  # noqa: F811
+    be = instant_factory()
+    gw = gateway_factory(*backend_arg(be.url, "only", 1, SHORT), "--tree-path", str(tmp_path / "t.json"),
+                         "--set", "sessions.idle_timeout_s=0.3")  # fmt: skip
+    run_session(gw, "idle-1", "S", None)
+    deadline = time.monotonic() + 10
+    while gw.get("/sessions/idle-1")[0] == 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gw.get("/sessions/idle-1")[0] == 404
+    assert gw.get("/admin/tree")[1]["samples"] == 1
+    assert metric(gw.metrics(), "libra_gateway_sessions_finished_total", reason="idle") == 1
+
+
+# ---- the admin API -------------------------------------------------------------------------------------
+
+
+def test_admin_add_drain_resume_remove(instant_factory, gateway_factory):  # noqa: F811
+    a, b = instant_factory(ports=2).urls
+    slow = instant_factory("--delay-ms", "1500")
+    gw = gateway_factory(
+        *backend_arg(a, "short", 1, SHORT, name="a"), *backend_arg(b, "long", 2, LONG, name="b")
+    )
+    assert chat(gw, "adm", conversation(""))[2]["X-Libra-Instance"] == "a"
+    status, added = gw.post("/admin/instances", {"url": slow.url, "bucket": "short", "name": "c"})
+    assert status == 201 and added["routable"] and added["tp"] == 1 and added["health"] == "up"
+    # Bad adds: unknown bucket, a TP that is not the bucket's, a duplicate, a malformed URL.
+    assert gw.post("/admin/instances", {"url": slow.url, "bucket": "huge"})[0] == 400
+    assert gw.post("/admin/instances", {"url": slow.url, "bucket": "short", "tp": 4, "name": "d"})[0] == 400
+    assert gw.post("/admin/instances", {"url": slow.url, "bucket": "short", "name": "c"})[0] == 409
+    assert gw.post("/admin/instances", {"url": "ftp://x", "bucket": "short"})[0] == 400
+    # Draining `a` moves its session to the other instance of the bucket on its next turn.
+    status, drained = gw.post("/admin/instances/a/drain")
+    assert status == 200 and drained["state"] == "draining" and not drained["routable"]
+    assert gw.post("/admin/instances/a/drain")[0] == 409
+    status, _, headers = chat(gw, "adm", conversation("S"))
+    assert status == 200 and headers["X-Libra-Instance"] == "c"
+    assert gw.get("/sessions/adm")[1]["turns"][-1]["migrated"] is True
+    assert gw.post("/admin/instances/a/resume")[1]["state"] == "active"
+    # Removing an instance with a request in flight needs force; the request still completes.
+    result = {}
+    t = threading.Thread(target=lambda: result.update(r=chat(gw, "adm", conversation("SS"))))
+    t.start()
+    deadline = time.monotonic() + 10
+    while gw.get("/admin/instances")[1]["instances"][2]["outstanding"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    status, busy = gw.request("DELETE", "/admin/instances/c")[:2]
+    assert status == 409 and busy["error"]["code"] == "instance_busy"
+    assert gw.request("DELETE", "/admin/instances/c?force=true")[0] == 200
+    t.join(timeout=30)
+    assert result["r"][0] == 200 and result["r"][2]["X-Libra-Instance"] == "c"
+    assert [i["id"] for i in gw.get("/admin/instances")[1]["instances"]] == ["a", "b"]
+    assert gw.request("DELETE", "/admin/instances/c")[0] == 404
+    assert chat(gw, "adm", conversation("SSS"))[2]["X-Libra-Instance"] == "a"
+
+
+# ---- failures ---------------------------------------------------------------------------------------
+
+
+def test_a_dead_instance_is_taken_out_and_its_session_continues(instant_factory, gateway_factory):  # noqa: F811
+    a, b, c = instant_factory(), instant_factory(), instant_factory()
+    gw = gateway_factory(*backend_arg(a.url, "short", 1, SHORT, name="a"), *backend_arg(b.url, "short", 1, SHORT, name="b"),
+                         *backend_arg(c.url, "long", 2, LONG, name="c"), "--set", "health.interval_s=60")  # fmt: skip
+    assert chat(gw, "f", conversation(""))[2]["X-Libra-Instance"] == "a"
+    a.kill()  # the health check will not run for a minute: the request itself finds out
+    status, _, headers = chat(gw, "f", conversation("S"))
+    assert status == 200 and headers["X-Libra-Instance"] == "b"  # same bucket
+    assert chat(gw, "f", conversation("SS"))[2]["X-Libra-Instance"] == "b"  # and it stays there
+    b.kill()
+    status, _, headers = chat(gw, "f", conversation("SSS"))
+    assert status == 200 and headers["X-Libra-Instance"] == "c"  # nearest bucket with a healthy instance
+    turns = gw.get("/sessions/f")[1]["turns"]
+    assert [t["failover_to"] for t in turns] == [None, "b", None, "c"]
+    health = {i["id"]: i["health"] for i in gw.get("/admin/instances")[1]["instances"]}
+    assert health == {"a": "down", "b": "down", "c": "up"}
+    text = gw.metrics()
+    assert metric(text, "libra_gateway_retries_total") == 2
+    assert metric(text, "libra_gateway_migrations_total", reason="failover") == 2
+    assert c.get("/stats")[1]["chat"] == 1
+
+
+def test_requests_wait_for_an_instance_to_come_back(instant_factory, gateway_factory):  # noqa: F811
+    be = instant_factory()
+    port = be.url.rsplit(":", 1)[1]
+    gw = gateway_factory(*backend_arg(be.url, "only", 1, SHORT), "--set", "health.interval_s=0.1", "--set", "no_instance_wait_s=0.3")  # fmt: skip
+    be.kill()
+    deadline = time.monotonic() + 10
+    while gw.get("/health")[0] == 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    status, body, _ = chat(gw, "w", conversation(""))
+    assert status == 503 and body["error"]["code"] == "no_healthy_instance"
+    gw2 = gateway_factory(*backend_arg(be.url, "only", 1, SHORT), "--set", "health.interval_s=0.1", "--set", "no_instance_wait_s=30")  # fmt: skip
+    result = {}
+    t = threading.Thread(target=lambda: result.update(r=chat(gw2, "w", conversation(""))))
+    t.start()
+    time.sleep(0.5)
+    assert t.is_alive()  # kept, not dropped
+    instant_factory("--port", port)
+    t.join(timeout=30)
+    assert result["r"][0] == 200
+
+
+# ---- scale ------------------------------------------------------------------------------------------
+
+
+async def _drive_sessions(url: str, n: int) -> list[tuple[int, ...]]:
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=120)) as http:
+
+        async def one(i: int) -> tuple[int, ...]:
+            sid, msgs, statuses = f"many-{i}", [{"role": "user", "content": f"task {i}"}], []
+            body = {"model": "instant", "messages": msgs, "tools": TOOLS}
+            async with http.post(url + "/v1/chat/completions", json=body, headers={"X-Session-ID": sid}) as r:
+                statuses.append(r.status)
+                reply = (await r.json())["choices"][0]["message"]
+            call_id = reply["tool_calls"][0]["id"]
+            msgs += [reply, {"role": "tool", "tool_call_id": call_id, "content": OK if i % 2 else FAIL}]
+            async with http.post(url + "/v1/chat/completions", json=body, headers={"X-Session-ID": sid}) as r:
+                statuses.append(r.status)
+                assert (await r.json())["choices"][0]["finish_reason"] == "stop"
+            async with http.post(f"{url}/sessions/{sid}/finish", json={}) as r:
+                statuses.append(r.status)
+            return tuple(statuses)
+
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def test_1000_concurrent_sessions_complete(instant_factory, gateway_factory):  # noqa: F811
+    be = instant_factory("--delay-ms", "1000", ports=2)
+    gw = gateway_factory(
+        *backend_arg(be.urls[0], "short", 1, SHORT), *backend_arg(be.urls[1], "long", 2, LONG)
+    )
+    results = asyncio.run(_drive_sessions(gw.url, 1000))
+    assert results == [(200, 200, 200)] * 1000
+    stats = be.get("/stats")[1]
+    assert stats["chat"] == 2000  # every turn reached a backend exactly once: none lost, none doubled
+    assert stats["peak_inflight"] >= 200  # they really were in flight together
+    text = gw.metrics()
+    assert metric(text, "libra_gateway_requests_total", endpoint="/v1/chat/completions", status="200") == 2000
+    assert metric(text, "libra_gateway_sessions_finished_total", reason="client") == 1000
+    assert (
+        metric(text, "libra_gateway_active_sessions") == 0 and metric(text, "libra_gateway_outstanding") == 0
+    )
