@@ -476,6 +476,8 @@ def test_cli_table_gpus_override_and_trace(tmp_path):
         (["--planner", "nope"], "planner: got 'nope'"),
         (["--history-steps", "0"], "--history-steps"),
         (["--scenario", "nope"], "scenario: got 'nope'"),
+        (["--set", "cluster=3"], "cluster: got 3"),
+        (["--set", "workload.prompts_per_step=abc"], "workload.prompts_per_step"),
     ],
 )
 def test_cli_bad_input_is_one_line_exit_2(args, needle):
@@ -493,3 +495,33 @@ def test_cli_empty_trace_is_a_clear_error(tmp_path):
 
 def test_planner_errors_are_libra_errors():
     assert issubclass(InfeasibleError, LibraError) and issubclass(ConfigError, LibraError)
+
+
+JUNK = st.one_of(
+    st.none(), st.booleans(), st.integers(-5, 100), st.text(max_size=5), st.lists(st.integers(), max_size=2)
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    section=st.sampled_from(["cluster", "workload", "rollout", "planner", "elastic", "selector"]),
+    key=st.sampled_from(
+        ["nodes", "hardware", "prompts_per_step", "max_length", "max_num_seqs", "bins", None]
+    ),
+    value=JUNK,
+)
+def test_scenario_junk_is_a_clear_error_never_a_crash(section, key, value):
+    from libra.commands.plan import _section, build_problem
+    from libra.sim.scenarios import load_scenario
+
+    sc = load_scenario("libra-r2e-48gpu")
+    if key is None:
+        sc[section] = value
+    else:
+        sc.setdefault(section, {})[key] = value
+    try:
+        build_problem(sc, None, (), None)
+        for name, model in (("planner", PlannerConfig),):
+            build(model, _section(sc, name), name)
+    except LibraError as e:
+        assert str(e)

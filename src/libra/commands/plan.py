@@ -72,9 +72,9 @@ def plan(
     planner = make_planner(
         planner_name,
         problem,
-        build(PlannerConfig, sc.get("planner") or {}, "planner"),
-        elastic=build(ElasticConfig, sc.get("elastic") or {}, "elastic"),
-        selector=build(SelectorConfig, sc.get("selector") or {}, "selector"),
+        build(PlannerConfig, _section(sc, "planner"), "planner"),
+        elastic=build(ElasticConfig, _section(sc, "elastic"), "elastic"),
+        selector=build(SelectorConfig, _section(sc, "selector"), "selector"),
     )
     stats = history(sc, trace, at_step, history_steps, seed)
     t0 = time.perf_counter()
@@ -100,27 +100,40 @@ def _load_scenario(name: str) -> dict:
 
 
 def build_problem(sc: dict, gpus: int | None, catalogs, profile) -> PlanningProblem:
-    cluster = sc.get("cluster") or {}
+    cluster, wl, ro = _section(sc, "cluster"), _section(sc, "workload"), _section(sc, "rollout")
     cat = load_catalog(catalogs)
     hw = cat.hardware(str(cluster.get("hardware")), "cluster.hardware")
     model = cat.model(str(sc.get("model")), "model")
-    nodes = cluster.get("nodes")
+    nodes = _int(cluster, "cluster.nodes", None)
     if gpus is not None:
         if gpus < 1 or gpus % hw.gpus_per_node:
             raise ConfigError(
                 "--gpus", gpus, f"a positive multiple of {hw.gpus_per_node} (GPUs per {hw.name} node)"
             )
         nodes = gpus // hw.gpus_per_node
-    wl, ro = sc.get("workload") or {}, sc.get("rollout") or {}
-    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
-        raise ConfigError("cluster.nodes", nodes, "an integer >= 1")
     return PlanningProblem(
         hw=hw, nodes=nodes, model=model,
-        prompts_per_step=wl.get("prompts_per_step", 32), samples_per_prompt=wl.get("samples_per_prompt", 16),
-        max_length=wl.get("max_length", 40960),
-        max_num_seqs=ro.get("max_num_seqs", 256), max_num_batched_tokens=ro.get("max_num_batched_tokens", 8192),
+        prompts_per_step=_int(wl, "workload.prompts_per_step", 32),
+        samples_per_prompt=_int(wl, "workload.samples_per_prompt", 16),
+        max_length=_int(wl, "workload.max_length", 40960),
+        max_num_seqs=_int(ro, "rollout.max_num_seqs", 256),
+        max_num_batched_tokens=_int(ro, "rollout.max_num_batched_tokens", 8192),
         profile=load_profile(profile),
     )  # fmt: skip
+
+
+def _section(sc: dict, key: str) -> dict:
+    value = sc.get(key) or {}
+    if not isinstance(value, dict):
+        raise ConfigError(key, value, "a mapping of its fields")
+    return value
+
+
+def _int(section: dict, name: str, default: int | None) -> int:
+    value = section.get(name.rsplit(".", 1)[-1], default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(name, value, "an integer >= 1")
+    return value
 
 
 def history(sc: dict, trace: str | None, at_step: int, steps: int, seed: int) -> WorkloadStats:
@@ -138,7 +151,7 @@ def history(sc: dict, trace: str | None, at_step: int, steps: int, seed: int) ->
             f"libra plan --scenario needs the workload generator libra.sim.workloads ({e}); "
             "plan from a recorded trace with --trace FILE instead"
         ) from None
-    wl = make_workload(build(WorkloadConfig, sc.get("workload") or {}, "workload"))
+    wl = make_workload(build(WorkloadConfig, _section(sc, "workload"), "workload"))
     trajs = []
     for step in range(at_step, at_step + steps):
         trajs += wl.generate(step, random.Random(seed * 1_000_003 + step))
