@@ -129,16 +129,19 @@ class ElasticScheduler:
         for a in view.waiting:
             pid = view.pool_of(a)
             c = ctx[pid] if pid is not None else None
-            names = {("pool", pid)} if pid is not None else set()
+            names = (("pool", pid),) if pid is not None else ()
             if ledger is not None:
-                names.update(ledger.names(a))
-            if names & blocked:
+                names += ledger.names(a)
+            if (
+                (names[0] in blocked if len(names) == 1 else any(n in blocked for n in names))
+                if names
+                else False
+            ):
                 if c is not None:
                     c.queued.append(a)
                 continue
-            need = c.quick(a)[0] if c is not None else 0
-            if (c is not None and not c.fits(need)) or (ledger is not None and not ledger.fits(a)):
-                blocked |= names
+            if (c is not None and not c.fits(c.quick(a)[0])) or (ledger is not None and not ledger.fits(a)):
+                blocked.update(names)
                 if c is not None:
                     c.queued.append(a)
                 continue
@@ -191,9 +194,12 @@ class ElasticScheduler:
         t, gen, total = 0.0, -1, 0.0
         n_ev = len(evicted)
         ev_behind = [sum(j.need for j in evicted[k + 1 :]) for k in range(n_ev)]
+        qneed, qdmin, qbehind = c.arrays()[:3]
         for k in range(n_ev + len(c.queued)):
-            a = evicted[k].action if k < n_ev else c.queued[k - n_ev]
-            need, dmin = (evicted[k].need, evicted[k].dmin) if k < n_ev else c.quick(a)
+            if k < n_ev:
+                a, need, dmin = evicted[k].action, evicted[k].need, evicted[k].dmin
+            else:
+                a, need, dmin = c.queued[k - n_ev], qneed[k - n_ev], qdmin[k - n_ev]
             # Nothing queued starts before the next release: that is the next moment the
             # scheduler decides again (what was not started now waits, even on spare units).
             while (free < need or gen < 0) and heap:
@@ -205,9 +211,9 @@ class ElasticScheduler:
             if free < need:  # can never fit this pool; charged as if it started now
                 total += t + dmin
                 continue
-            behind = (ev_behind[k] if k < n_ev else 0) + c.need_suffix(max(0, k + 1 - n_ev))
+            behind = ev_behind[k] + qbehind[0] if k < n_ev else qbehind[k - n_ev + 1]
             m, d = c.widen(a, need, dmin, free - behind)
-            if a.profile is not None and heap:
+            if a.profile is not None and heap and c.total - behind > need:
                 t, free, gen, m, d = self._wait_for_width(c, heap, a, need, dmin, behind, t, free, gen, m, d)
             total += t + d
             free -= m
@@ -243,7 +249,8 @@ class ElasticScheduler:
             work += j.need * j.dmin
         q0 = max(0, k - len(evicted))
         n_q = len(c.queued) - q0
-        dmin_sum, wait_work = c.suffix(q0)
+        _, _, _, dsum, xsum = c.arrays()
+        dmin_sum, wait_work = dsum[q0], xsum[q0]
         return total + n_q * (t_next + work / cap) + dmin_sum + wait_work / cap
 
 
@@ -253,7 +260,7 @@ _MAX_SCAN = 64  # releases one elastic job looks ahead over in the playout
 class _PoolCtx:
     """Per-decision state of one pool: its admitted jobs, its queue, usage, and caches."""
 
-    __slots__ = ("pool", "total", "usage", "admitted", "queued", "_sizes", "_quick", "_suffix", "_needs")
+    __slots__ = ("pool", "total", "usage", "admitted", "queued", "_sizes", "_quick", "_arrays")
 
     def __init__(self, pool: Pool):
         self.pool = pool
@@ -263,8 +270,7 @@ class _PoolCtx:
         self.queued: list[Action] = []
         self._sizes: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._quick: dict[str, tuple[int, float]] = {}
-        self._suffix: list[tuple[float, float]] | None = None
-        self._needs: list[int] | None = None
+        self._arrays: tuple | None = None
 
     def sizes(self, a: Action) -> tuple[int, ...]:
         opts = a.key_options()
@@ -285,29 +291,23 @@ class _PoolCtx:
             q = self._quick[a.id] = (need, self.cost(a, need))
         return q
 
-    def suffix(self, i: int) -> tuple[float, float]:
-        """For the queued actions from position i on: the sum of their minimum durations, and
-        the sum over them of the work (units x seconds) queued ahead of each within the slice."""
-        if self._suffix is None:
+    def arrays(self) -> tuple[list[int], list[float], list[int], list[float], list[float]]:
+        """For the queued actions, computed once per decision: minimum units and minimum
+        durations; then from each position on, the minimum units still queued, the sum of
+        minimum durations, and the work (units x seconds) queued ahead of each action within
+        that slice (job j's work is ahead of the n - 1 - j jobs after it, whatever the start)."""
+        if self._arrays is None:
             n = len(self.queued)
-            dsum, xsum = [0.0] * (n + 1), [0.0] * (n + 1)
+            needs, dmins = [0] * n, [0.0] * n
+            for j, a in enumerate(self.queued):
+                needs[j], dmins[j] = self.quick(a)
+            behind, dsum, xsum = [0] * (n + 1), [0.0] * (n + 1), [0.0] * (n + 1)
             for j in range(n - 1, -1, -1):
-                need, dmin = self.quick(self.queued[j])
-                dsum[j] = dsum[j + 1] + dmin
-                # job j's work is ahead of the n - 1 - j jobs after it, whatever the slice start
-                xsum[j] = xsum[j + 1] + need * dmin * (n - 1 - j)
-            self._suffix = list(zip(dsum, xsum, strict=True))
-        return self._suffix[i]
-
-    def need_suffix(self, i: int) -> int:
-        """Minimum units of the queued actions from position i on."""
-        if self._needs is None:
-            acc, out = 0, [0]
-            for a in reversed(self.queued):
-                acc += self.quick(a)[0]
-                out.append(acc)
-            self._needs = out[::-1]
-        return self._needs[min(i, len(self.queued))]
+                behind[j] = behind[j + 1] + needs[j]
+                dsum[j] = dsum[j + 1] + dmins[j]
+                xsum[j] = xsum[j + 1] + needs[j] * dmins[j] * (n - 1 - j)
+            self._arrays = (needs, dmins, behind, dsum, xsum)
+        return self._arrays
 
     def widen(self, a: Action, need: int, dmin: float, room: int) -> tuple[int, float]:
         """The size within `room` units (at least the minimum) the split would pick at the
