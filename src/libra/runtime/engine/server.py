@@ -38,6 +38,8 @@ from libra.runtime.engine.tokenizer import render_chat, render_prompt
 log = logging.getLogger("libra.engine")
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# On SIGTERM, requests in flight get this long to finish; then they are failed with a 503.
+DRAIN_SECONDS = 5.0
 # The shortest tool call plus this many tokens is the budget of a tool turn with no max_tokens.
 TOOL_HEADROOM = 16
 
@@ -55,7 +57,7 @@ def json_error(status: int, message: str, param: str | None = None, code: str | 
     )
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity equality: jobs live in a set
 class Job:
     """One HTTP request in flight: its sequences report to `sink`."""
 
@@ -146,6 +148,8 @@ class EngineServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._seeds = random.Random(cfg.seed)
         self.started = int(time.time())
+        self._jobs: set[Job] = set()
+        self._closing = False
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=int(self.cfg.max_body_mb * 2**20), middlewares=[self._errors])
@@ -155,12 +159,23 @@ class EngineServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         app.on_startup.append(self._on_startup)
+        app.on_shutdown.append(self._on_shutdown)
         app.on_cleanup.append(self._on_cleanup)
         return app
 
     async def _on_startup(self, app: web.Application) -> None:
         self._loop = asyncio.get_running_loop()
         self.core.start()
+
+    async def _on_shutdown(self, app: web.Application) -> None:
+        """Drain: let requests in flight finish for DRAIN_SECONDS, then fail the rest (503)."""
+        deadline = time.monotonic() + DRAIN_SECONDS
+        while self._jobs and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self._closing = True
+        for job in list(self._jobs):
+            self.core.abort(job.rid)
+            job.sink.put_nowait(SeqEvent(0, error="the engine is shutting down"))
 
     async def _on_cleanup(self, app: web.Application) -> None:
         await asyncio.to_thread(self.core.stop)
@@ -279,6 +294,7 @@ class EngineServer:
         now, max_len = time.monotonic(), self.cfg.preset.max_model_len
         seqs = [Sequence(job.rid, i, ids, prm, out, job.sink, max_len, now) for i, (ids, prm, out) in enumerate(specs)]  # fmt: skip
         self.core.submit(seqs)
+        self._jobs.add(job)
         return job
 
     async def _respond(self, request: web.Request, job: Job, fmt: ChatFormat, req: p._Sampling) -> web.StreamResponse:  # fmt: skip
@@ -289,6 +305,7 @@ class EngineServer:
             states = await self._collect(job)
             return web.json_response(fmt.body(states, job.prompt_tokens))
         finally:
+            self._jobs.discard(job)
             if not job.done:
                 self.core.abort(job.rid)
 
@@ -299,7 +316,7 @@ class EngineServer:
             ev = await job.sink.get()
             if ev.error:
                 job.done = True
-                raise ApiError(500, ev.error, code="engine_error")
+                raise ApiError(503 if self._closing else 500, ev.error, code="engine_error")
             states[ev.index].add(ev)
             left -= ev.finish is not None
         job.done = True
@@ -397,7 +414,7 @@ def serve(cfg: EngineConfig, sock: socket.socket, access_log: bool = False) -> N
 
 async def _serve(server: EngineServer, sock: socket.socket, access_log: bool) -> None:
     kwargs = {} if access_log else {"access_log": None}
-    runner = web.AppRunner(server.app(), handler_cancellation=True, **kwargs)
+    runner = web.AppRunner(server.app(), handler_cancellation=True, shutdown_timeout=2.0, **kwargs)
     await runner.setup()
     await web.SockSite(runner, sock).start()
     host, port = sock.getsockname()[:2]
