@@ -132,11 +132,7 @@ class ElasticScheduler:
             names = (("pool", pid),) if pid is not None else ()
             if ledger is not None:
                 names += ledger.names(a)
-            if (
-                (names[0] in blocked if len(names) == 1 else any(n in blocked for n in names))
-                if names
-                else False
-            ):
+            if _hits(names, blocked):
                 if c is not None:
                     c.queued.append(a)
                 continue
@@ -339,6 +335,13 @@ class _PoolCtx:
     def take(self, job: _Job) -> None:
         self.usage = self.pool.operator.charge(self.usage, job.need)
         self.admitted.append(job)
+
+
+def _hits(names: tuple, blocked: set) -> bool:
+    for n in names:
+        if n in blocked:
+            return True
+    return False
 
 
 def pool_total(pool: Pool) -> int:
