@@ -1,0 +1,217 @@
+"""The tool-using agent process shared by `search-r1` and `r2e-gym`.
+
+Why a generative process and not sampled lengths: routers (C-MLFQ) learn from what a trajectory
+has shown so far (tool type, return size, failures) to predict how long it will go on. That only
+means something if those signals *cause* the length here as they do in real agents. So a
+trajectory is produced turn by turn:
+
+1. The model writes a turn: lognormal output tokens whose median drifts over training, is longer
+   on hard prompts (output_difficulty_gain) and after a large tool return (output_return_gain:
+   a long log or file takes longer to reason about).
+2. It either answers (ends) or calls a tool. The log-odds of answering after turn k is
+       finish_logit(step) + finish_turn_slope * k
+       - finish_difficulty_gain * difficulty
+       - finish_failure_penalty * recent_failures
+       - finish_return_penalty * max(0, ln(last_return / return_ref_tokens))
+   so failures and large returns keep the agent going, and hard prompts run longer.
+3. The tool fails with log-odds fail_logit + tool offset + fail_difficulty_gain * difficulty
+   (+ fail_repeat_gain right after a failure: errors come in streaks). A failure is a timeout
+   with the tool's timeout_share.
+4. The return's size is lognormal around the tool's median times the environment's verbosity
+   (a per-prompt latent: a repository with huge test logs is huge for every GRPO sample).
+
+Difficulty and verbosity are drawn per prompt and perturbed per sample, so siblings in a GRPO
+group are informative about each other, but not perfectly. The strength of every effect is a
+parameter; the defaults of each family are calibrated to real traces (see docs/workloads.md).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from libra.core.trajectory import ToolStatus, Trajectory
+from libra.sim.workloads.base import WorkloadConfig, validate_params
+from libra.sim.workloads.sampling import (
+    TrajectoryBuilder,
+    WeightedChoice,
+    drift_fraction,
+    lerp,
+    log_lerp,
+    lognormal_int,
+    sigmoid,
+)
+
+
+class ToolSpec(BaseModel):
+    """One tool an agent can call: how often, how big its returns are, how it fails, how slow it is."""
+
+    model_config = ConfigDict(extra="forbid")
+    weight: float = Field(gt=0, description="Relative frequency of this tool among tool calls.")
+    return_median: float = Field(gt=0, description="Median tokens of a successful return (verbosity 1).")
+    return_sigma: float = Field(ge=0, description="Log-space spread of a return's size.")
+    failure_return_median: float = Field(gt=0, description="Median tokens of an error return (traceback).")
+    fail_logit_offset: float = Field(0.0, description="Added to fail_logit for this tool.")
+    timeout_share: float = Field(0.0, ge=0, le=1, description="Share of this tool's failures that time out.")
+    latency_median_s: float = Field(gt=0, description="Median wall time of a call, seconds.")
+    latency_sigma: float = Field(0.5, ge=0, description="Log-space spread of the call's wall time.")
+
+
+class AgentParams(BaseModel):
+    """Parameters of the agent process. Families subclass this to set calibrated defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_turns: int = Field(ge=1, description="Turn limit; the last allowed turn never calls a tool.")
+    min_turns: int = Field(1, ge=1, description="The agent cannot answer before this turn.")
+    drift_steps: int = Field(100, ge=1, description="RL steps over which the *_start values reach *_end.")
+    prompt_tokens_median: float = Field(gt=0, description="Median prompt length (shared by a group).")
+    prompt_tokens_sigma: float = Field(ge=0, description="Log-space spread of prompt length.")
+    difficulty_prompt_sigma: float = Field(ge=0, description="Spread of the per-prompt difficulty latent.")
+    difficulty_sample_sigma: float = Field(
+        ge=0, description="Per-sample deviation from the prompt's difficulty."
+    )
+    verbosity_prompt_sigma: float = Field(ge=0, description="Log-spread of the per-prompt tool-return scale.")
+    verbosity_sample_sigma: float = Field(ge=0, description="Per-sample log-deviation of that scale.")
+    output_tokens_start: float = Field(gt=0, description="Median output tokens per turn at step 0.")
+    output_tokens_end: float = Field(gt=0, description="Median output tokens per turn from drift_steps on.")
+    output_tokens_sigma: float = Field(ge=0, description="Log-space spread of a turn's output tokens.")
+    output_difficulty_gain: float = Field(
+        0.0, ge=0, description="Log output per turn added per unit difficulty."
+    )
+    output_return_gain: float = Field(
+        0.0, ge=0, description="Log output added per e-fold of the last return."
+    )
+    finish_logit_start: float = Field(description="Base log-odds of answering after a turn, at step 0.")
+    finish_logit_end: float = Field(description="Base log-odds of answering, from drift_steps on.")
+    finish_turn_slope: float = Field(0.0, description="Added to the log-odds of answering per turn taken.")
+    finish_difficulty_gain: float = Field(ge=0, description="Log-odds of answering lost per unit difficulty.")
+    finish_failure_penalty: float = Field(ge=0, description="Log-odds lost per recent failure.")
+    failure_memory: float = Field(0.5, ge=0, le=1, description="Decay per turn of the recent-failure count.")
+    finish_return_penalty: float = Field(ge=0, description="Log-odds lost per e-fold of the last return.")
+    return_ref_tokens: float = Field(gt=0, description="Returns above this size delay the answer.")
+    fail_logit: float = Field(description="Base log-odds that a tool call fails.")
+    fail_difficulty_gain: float = Field(ge=0, description="Log-odds of failing added per unit difficulty.")
+    fail_repeat_gain: float = Field(ge=0, description="Log-odds of failing added right after a failure.")
+    timeout_s: float = Field(gt=0, description="Latency of a call that times out, seconds.")
+    timeout_return_tokens: float = Field(gt=0, description="Median tokens returned by a timeout.")
+    tools: dict[str, ToolSpec] = Field(description="The tools, by name.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AgentParams:
+        if self.min_turns > self.max_turns:
+            raise ValueError(f"min_turns ({self.min_turns}) must be <= max_turns ({self.max_turns})")
+        if not self.tools:
+            raise ValueError("tools must name at least one tool")
+        return self
+
+
+@dataclass(slots=True)
+class PromptTraits:
+    """What the GRPO samples of one prompt share."""
+
+    id: str
+    tokens: int
+    difficulty: float
+    log_verbosity: float
+
+
+@dataclass(slots=True)
+class _StepKnobs:
+    """Parameters that drift with the RL step, resolved once per step."""
+
+    output_median: float
+    finish_logit: float
+
+
+class AgentWorkload:
+    """A tool-using agent family. Subclasses set `name`, `Params` and the docstring."""
+
+    name: ClassVar[str] = "agent"
+    Params: ClassVar[type[AgentParams]] = AgentParams
+
+    def __init__(self, cfg: WorkloadConfig):
+        self.cfg = cfg
+        self.params = validate_params(self.Params, cfg.params, "workload.params")
+        self._tools = self.params.tools
+        self._choice = WeightedChoice({k: t.weight for k, t in self._tools.items()})
+
+    def generate(self, step: int, rng: random.Random) -> list[Trajectory]:
+        knobs = self._knobs(step)
+        out: list[Trajectory] = []
+        for i in range(self.cfg.prompts_per_step):
+            prompt = self.prompt(step, i, rng)
+            out.extend(
+                self._trajectory(prompt, step, j, knobs, rng) for j in range(self.cfg.samples_per_prompt)
+            )
+        return out
+
+    def _knobs(self, step: int) -> _StepKnobs:
+        p, f = self.params, drift_fraction(step, self.params.drift_steps)
+        return _StepKnobs(
+            log_lerp(p.output_tokens_start, p.output_tokens_end, f),
+            lerp(p.finish_logit_start, p.finish_logit_end, f),
+        )
+
+    def prompt(self, step: int, i: int, rng: random.Random) -> PromptTraits:
+        p = self.params
+        # A prompt may take at most half the context, so every sample has room to act.
+        tokens = min(
+            lognormal_int(rng, p.prompt_tokens_median, p.prompt_tokens_sigma), self.cfg.max_length // 2
+        )
+        return PromptTraits(
+            f"s{step}-p{i}",
+            tokens,
+            rng.gauss(0.0, p.difficulty_prompt_sigma),
+            rng.gauss(0.0, p.verbosity_prompt_sigma),
+        )
+
+    def _trajectory(self, prompt: PromptTraits, step: int, j: int, knobs: _StepKnobs, rng: random.Random):
+        p = self.params
+        difficulty = prompt.difficulty + rng.gauss(0.0, p.difficulty_sample_sigma)
+        verbosity = math.exp(prompt.log_verbosity + rng.gauss(0.0, p.verbosity_sample_sigma))
+        traj = Trajectory(f"{prompt.id}-{j}", prompt.id, step, prompt.tokens)
+        builder = TrajectoryBuilder(traj, self.cfg.max_length, p.max_turns)
+        finish_base = knobs.finish_logit - p.finish_difficulty_gain * difficulty
+        fail_base = p.fail_logit + p.fail_difficulty_gain * difficulty
+        out_median = knobs.output_median * math.exp(p.output_difficulty_gain * difficulty)
+        recent, failed, return_excess = 0.0, False, 0.0
+        while builder.add_output(
+            lognormal_int(
+                rng, out_median * math.exp(p.output_return_gain * return_excess), p.output_tokens_sigma
+            )
+        ):
+            k = builder.turns
+            if k >= p.min_turns:
+                logit = finish_base + p.finish_turn_slope * k
+                logit -= p.finish_failure_penalty * recent + p.finish_return_penalty * return_excess
+                if rng.random() < sigmoid(logit):
+                    break
+            name = self._choice.pick(rng)
+            tool = self._tools[name]
+            fail_logit = fail_base + tool.fail_logit_offset + (p.fail_repeat_gain if failed else 0.0)
+            status = self._status(tool, fail_logit, rng)
+            tokens, latency = self._tool_return(tool, status, verbosity, rng)
+            if not builder.add_tool(name, tokens, status, latency):
+                break
+            failed = status != ToolStatus.SUCCESS
+            recent = recent * p.failure_memory + failed
+            return_excess = max(0.0, math.log(max(tokens, 1) / p.return_ref_tokens))
+        return traj
+
+    @staticmethod
+    def _status(tool: ToolSpec, fail_logit: float, rng: random.Random) -> ToolStatus:
+        if rng.random() >= sigmoid(fail_logit):
+            return ToolStatus.SUCCESS
+        return ToolStatus.TIMEOUT if rng.random() < tool.timeout_share else ToolStatus.FAILURE
+
+    def _tool_return(self, tool: ToolSpec, status: ToolStatus, verbosity: float, rng: random.Random):
+        p = self.params
+        if status == ToolStatus.TIMEOUT:
+            return lognormal_int(rng, p.timeout_return_tokens, 0.5), p.timeout_s
+        median = tool.return_median if status == ToolStatus.SUCCESS else tool.failure_return_median
+        tokens = lognormal_int(rng, median * verbosity, tool.return_sigma, minimum=0)
+        return tokens, tool.latency_median_s * math.exp(rng.gauss(0.0, tool.latency_sigma))
