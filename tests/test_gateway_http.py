@@ -432,3 +432,23 @@ def test_1000_concurrent_sessions_complete(instant_factory, gateway_factory):  #
     assert (
         metric(text, "libra_gateway_active_sessions") == 0 and metric(text, "libra_gateway_outstanding") == 0
     )
+
+
+def test_a_yaml_config_with_overrides(instant_factory, gateway_factory, tmp_path):  # noqa: F811
+    be = instant_factory(ports=2)
+    cfg = tmp_path / "gateway.yaml"
+    cfg.write_text(
+        "router: cmlfq-paper\n"
+        "buckets:\n  - {name: long, tp: 4, max_context: 32768}\n  - {name: short, tp: 1, max_context: 4096}\n"
+        f"backends:\n  - {{url: '{be.urls[0]}', bucket: short, name: s1}}\n  - {{url: '{be.urls[1]}/v1', bucket: long, name: l1}}\n"
+        "health: {interval_s: 0.5}\n"
+    )  # fmt: skip
+    gw = gateway_factory(
+        "--config", str(cfg), "--set", "router=least-loaded", "--set", "models=[instant, alias]"
+    )
+    status, health = gw.get("/health")
+    assert status == 200 and health["router"] == "least-loaded"
+    assert [(b["name"], b["tp"]) for b in health["buckets"]] == [("short", 1), ("long", 4)]
+    assert [m["id"] for m in gw.get("/v1/models")[1]["data"]] == ["alias", "instant"]
+    instances = gw.get("/admin/instances")[1]["instances"]
+    assert [(i["id"], i["bucket"], i["url"]) for i in instances] == [("s1", "short", be.urls[0]), ("l1", "long", be.urls[1])]  # fmt: skip

@@ -50,7 +50,10 @@ def gateway(config_path, host, port, backends, router, tree_path, overrides, log
 
     from libra.rollout.registry import make_router
 
-    rt = make_router(cfg.router, cfg.bucket_list(), seed=cfg.seed, **cfg.router_params)
+    try:
+        rt = make_router(cfg.router, cfg.bucket_list(), seed=cfg.seed, **cfg.router_params)
+    except ConfigError as e:  # the registry names simulator fields (rollout.router); name ours
+        raise ConfigError(e.field.removeprefix("rollout."), e.value, e.allowed) from None
     import logging
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
