@@ -32,7 +32,8 @@ import random
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic.fields import FieldInfo
 
 from libra.core.trajectory import ToolStatus, Trajectory
 from libra.sim.workloads.base import WorkloadConfig, validate_params
@@ -107,6 +108,17 @@ class AgentParams(BaseModel):
         if not self.tools:
             raise ValueError("tools must name at least one tool")
         return self
+
+
+def with_defaults(name: str, doc: str, **defaults) -> type[AgentParams]:
+    """A subclass of AgentParams with other defaults; descriptions and bounds stay the base's."""
+    fields = {}
+    for key, value in defaults.items():
+        base = AgentParams.model_fields[key]
+        info = FieldInfo.merge_field_infos(base, default_factory=value) if callable(value) else (
+            FieldInfo.merge_field_infos(base, default=value))  # fmt: skip
+        fields[key] = (base.annotation, info)
+    return create_model(name, __base__=AgentParams, __doc__=doc, **fields)
 
 
 @dataclass(slots=True)
