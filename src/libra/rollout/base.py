@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Protocol, runtime_checkable
 
+from libra.core.errors import LibraError
+
 
 class PayloadSize(IntEnum):
     SMALL = 0
@@ -121,6 +123,14 @@ class Router(Protocol):
     def on_finish(self, traj: FinishedTrajectory) -> None: ...
 
     def on_step_end(self, step: int) -> None: ...
+
+
+class NoInstanceError(LibraError):
+    """`route` was given no healthy instance at all, so there is nowhere to send the request.
+
+    The caller keeps the request (queues it and retries when an instance is healthy again): a
+    router never drops a request and never names an unhealthy or absent instance.
+    """
 
 
 def bucket_for_length(buckets: Sequence[Bucket], tokens: float) -> int:

@@ -1,0 +1,70 @@
+"""The router registry: short names to router classes, and `make_router` to build one.
+
+The simulator's `router:NAME` systems and the live gateway both build their router here, from the
+scenario's `rollout.router` and `rollout.router_params`. A dotted path `pkg.mod:Class` plugs in an
+outside router with the same constructor: `Class(buckets, cost=None, seed=0, **params)`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+
+from libra.core.errors import ConfigError
+from libra.rollout.base import Bucket, Router
+from libra.rollout.cmlfq import PaperCMLFQRouter
+from libra.rollout.placement import MigrationCoster
+from libra.rollout.robust import ContextPriorRouter, RobustCMLFQRouter
+from libra.rollout.routers import (
+    ClassicMLFQRouter,
+    LeastLoadedRouter,
+    LengthPredictorRouter,
+    OracleRouter,
+    RoundRobinRouter,
+)
+
+ROUTERS: dict[str, type] = {
+    cls.name: cls
+    for cls in (
+        RobustCMLFQRouter,
+        PaperCMLFQRouter,
+        ClassicMLFQRouter,
+        LengthPredictorRouter,
+        LeastLoadedRouter,
+        RoundRobinRouter,
+        OracleRouter,
+        ContextPriorRouter,
+    )
+}
+
+
+def router_class(name: str) -> type:
+    if name in ROUTERS:
+        return ROUTERS[name]
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ConfigError("rollout.router", name, f"an importable pkg.module:Class ({e})") from None
+    raise ConfigError("rollout.router", name, sorted(ROUTERS) + ["pkg.module:Class"])
+
+
+def make_router(
+    name: str,
+    buckets: Sequence[Bucket],
+    cost: MigrationCoster | None = None,
+    seed: int = 0,
+    **params,
+) -> Router:
+    """Build the router `name` (a registered name or `pkg.mod:Class`) with validated params."""
+    cls = router_class(name)
+    try:
+        router = cls(buckets, cost=cost, seed=seed, **params)
+    except TypeError as e:  # an outside class with another constructor
+        raise ConfigError(
+            "rollout.router", name, f"a class taking (buckets, cost, seed, **params): {e}"
+        ) from None
+    if not isinstance(router, Router):
+        raise ConfigError("rollout.router", name, "a class with route, on_finish and on_step_end")
+    return router

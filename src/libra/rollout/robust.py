@@ -1,0 +1,357 @@
+"""Robust C-MLFQ (`cmlfq`) and the current-length prior (`context-prior`) it is measured against.
+
+Why the published design needs help: on long real agent trajectories the exact path of tool
+states is unique after a few turns, so the causal tree's lookup falls back to shallow nodes. An
+ancestor's remaining length was measured turns earlier, at a smaller context, over trajectories
+that have little in common with this one, and the prediction is no better than reacting to the
+current length. This router keeps the tree and the bucket semantics and changes three things.
+
+**What predicts the final length** (`predictor.py`): a distribution of log(final / context), so
+every prediction is conditioned on the current context, from these inputs (`features`):
+- `context`: the current context length;
+- `progress`: turns, failures, tool-return tokens and generated tokens so far — the aggregated
+  back-off of a path that has become unique;
+- `last`: the last tool return's size class and status (the recent suffix);
+- `siblings`: the GRPO group in this step (the finished siblings' lengths, the share of the group
+  finished, how far the longest running sibling has got) and the prompt's earlier final lengths.
+The causal tree contributes where it is trustworthy: the node of the *exact* path (global, and
+the prompt's own) is mixed in with weight n / (n + tree_prior); an ancestor is never used for a
+trajectory that has moved past it. The regression is refit after every step from the router's own
+past decisions, with the inputs exactly as it saw them then. Before the first fit (cold start) it
+routes like the paper, on the tree alone, and stays put when the tree is empty.
+
+**When to move** (`rule: gain`). The candidate is the bucket the trajectory most likely ends in.
+The move is made when the probability it adds to being in the right bucket, times the tokens still
+to come (predicted mean final minus context), is at least `move_cost` times the move's net cost:
+the context moved now, less the forced moves it saves (a trajectory that outgrows its bucket is
+moved anyway, later, with a bigger context). So a trajectory about to finish is left alone, a
+confident early prediction moves while the context is small, and a coin flip does not move.
+`move_cost` is the exchange rate between migrated tokens and tokens served in the right bucket.
+`rule: mean-p90` applies the paper's rule to this predictor instead, to measure the two apart.
+
+**Where to start** (`start: predicted`). A first turn has no KV cache, so placing it is free: it
+goes to the bucket it most likely ends in, by a small model of the prompt's length and history.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import ConfigDict, Field
+
+from libra.rollout.base import FinishedTrajectory, RouteRequest, Status
+from libra.rollout.cmlfq import TreeParams, TreeRouterBase, mean_p90_rule
+from libra.rollout.predictor import LogLinearModel, Prediction, RowBuffer
+from libra.rollout.tree import CausalTree
+
+FEATURE_GROUPS = ("context", "progress", "last", "tools", "siblings")
+TOOL_SLOTS = 16
+_GROUP_WIDTH = {"context": 2, "progress": 4, "last": 3, "tools": 2 * TOOL_SLOTS, "siblings": 6}
+START_WIDTH = 5
+MAX_PENDING = 200_000
+
+# ---- what the router knows about GRPO groups -----------------------------------------------------
+
+
+@dataclass(slots=True)
+class Group:
+    """The samples of one prompt in one step, as seen so far."""
+
+    running: dict[str, int] = field(default_factory=dict)  # traj_id -> latest context
+    finished: list[int] = field(default_factory=list)
+
+
+class SiblingBook:
+    """Groups by (prompt, step), and each prompt's final lengths in earlier steps; both bounded."""
+
+    __slots__ = ("groups", "history", "max_groups", "max_prompts")
+
+    def __init__(self, max_groups: int = 4096, max_prompts: int = 65536):
+        self.groups: dict[tuple[str, int], Group] = {}
+        self.history: dict[str, deque[int]] = {}
+        self.max_groups, self.max_prompts = max_groups, max_prompts
+
+    def group(self, prompt_id: str, step: int) -> Group:
+        key = (prompt_id, step)
+        g = self.groups.get(key)
+        if g is None:
+            if len(self.groups) >= self.max_groups:  # the oldest group's step is long over
+                self.groups.pop(next(iter(self.groups)))
+            g = self.groups[key] = Group()
+        return g
+
+    def seen(self, req: RouteRequest) -> Group:
+        g = self.group(req.prompt_id, req.step)
+        g.running[req.traj_id] = req.context_tokens
+        return g
+
+    def finish(self, traj: FinishedTrajectory) -> None:
+        g = self.group(traj.prompt_id, traj.step)
+        g.running.pop(traj.traj_id, None)
+        g.finished.append(traj.final_tokens)
+
+    def end_step(self, step: int) -> None:
+        """Groups of this step and earlier that are done become their prompt's history."""
+        for key in [k for k, g in self.groups.items() if k[1] <= step and not g.running]:
+            hist = self.history.get(key[0])
+            if hist is None:
+                if len(self.history) >= self.max_prompts:
+                    self.history.pop(next(iter(self.history)))
+                hist = self.history[key[0]] = deque(maxlen=32)
+            hist.extend(self.groups.pop(key).finished)
+
+
+# ---- feature rows --------------------------------------------------------------------------------
+
+
+class Featurizer:
+    """Turns a `RouteRequest`, and what the router knows, into the models' feature rows.
+
+    The `tools` group is the path as a bag: which tool the last return came from, and how often
+    each tool has been called so far. Tools get slots in the order they are first seen (the first
+    TOOL_SLOTS - 1; later ones share the last slot), so rows keep a fixed width and an unseen tool
+    is simply "another tool". Counts are kept per trajectory and extended by the new states only,
+    so a 100-turn path costs no more than a short one.
+    """
+
+    __slots__ = ("groups", "book", "width", "vocab", "tallies")
+
+    def __init__(self, groups: Sequence[str], book: SiblingBook):
+        self.groups = tuple(groups)
+        self.book = book
+        self.width = 1 + sum(_GROUP_WIDTH[g] for g in self.groups)
+        self.vocab: dict[str, int] = {}
+        self.tallies: dict[str, tuple[int, list[int]]] = {}
+
+    def slot(self, tool: str) -> int:
+        k = self.vocab.get(tool)
+        if k is None:
+            k = len(self.vocab) if len(self.vocab) < TOOL_SLOTS - 1 else TOOL_SLOTS - 1
+            if k < TOOL_SLOTS - 1:
+                self.vocab[tool] = k
+        return k
+
+    def forget(self, traj_id: str) -> None:
+        self.tallies.pop(traj_id, None)
+
+    def row(self, req: RouteRequest, g: Group) -> list[float]:
+        c = max(1, req.context_tokens)
+        x = [1.0]
+        for name in self.groups:
+            x += getattr(self, "_" + name)(req, c, g)
+        return x
+
+    def start_row(self, req: RouteRequest) -> list[float]:
+        """A first turn knows only its prompt: its length, and how long the prompt ran before."""
+        c = max(1, req.context_tokens)
+        lc = math.log(c)
+        return [1.0, lc, lc * lc, *self._history(req.prompt_id, c)]
+
+    def _context(self, req: RouteRequest, c: int, g: Group) -> list[float]:
+        lc = math.log(c)
+        return [lc, lc * lc]
+
+    def _progress(self, req: RouteRequest, c: int, g: Group) -> list[float]:
+        tool_tokens = max(0, req.context_tokens - req.prompt_tokens - req.generated_tokens)
+        fails = sum(1 for s in req.path if s.status != Status.SUCCESS)
+        return [
+            math.log1p(req.turn),
+            math.log1p(fails),
+            math.log1p(tool_tokens),
+            math.log1p(max(0, req.generated_tokens)),
+        ]
+
+    def _last(self, req: RouteRequest, c: int, g: Group) -> list[float]:
+        if not req.path:
+            return [0.0, 0.0, 0.0]
+        last = req.path[-1]
+        return [float(last.size), float(last.status == Status.FAILURE), float(last.status == Status.TIMEOUT)]
+
+    def _tools(self, req: RouteRequest, c: int, g: Group) -> list[float]:
+        seen, counts = self.tallies.get(req.traj_id, (0, None))
+        if counts is None or seen > len(req.path):
+            seen, counts = 0, [0] * TOOL_SLOTS
+        for state in req.path[seen:]:
+            counts[self.slot(state.tool)] += 1
+        if len(self.tallies) >= MAX_PENDING:
+            self.tallies.pop(next(iter(self.tallies)))
+        self.tallies[req.traj_id] = (len(req.path), counts)
+        last = [0.0] * TOOL_SLOTS
+        if req.path:
+            last[self.slot(req.path[-1].tool)] = 1.0
+        return last + [math.log1p(n) for n in counts]
+
+    def _siblings(self, req: RouteRequest, c: int, g: Group) -> list[float]:
+        fin = g.finished
+        others = [v for k, v in g.running.items() if k != req.traj_id]
+        out = [0.0, 0.0, 0.0, 0.0]
+        if fin:
+            out[0], out[1] = 1.0, math.log(max(1.0, sum(fin) / len(fin)) / c)
+            out[2] = len(fin) / (len(fin) + len(others) + 1)
+        if others:
+            out[3] = math.log(max(1, max(others)) / c)
+        return out + self._history(req.prompt_id, c)
+
+    def _history(self, prompt_id: str, c: int) -> list[float]:
+        """The prompt's mean final length in earlier steps, relative to the context."""
+        hist = self.book.history.get(prompt_id)
+        return [1.0, math.log(max(1.0, sum(hist) / len(hist)) / c)] if hist else [0.0, 0.0]
+
+
+# ---- the router ----------------------------------------------------------------------------------
+
+
+class RobustParams(TreeParams):
+    model_config = ConfigDict(extra="forbid")
+
+    features: list[Literal["context", "progress", "last", "tools", "siblings"]] = Field(
+        default=list(FEATURE_GROUPS), description="Input groups of the final-length model."
+    )
+    tree_prior: float = Field(
+        default=32.0, ge=0, description="n0: an exact-path node of n samples gets weight n/(n+n0); 0: off."
+    )
+    rule: Literal["gain", "mean-p90"] = "gain"
+    move_cost: float = Field(
+        default=0.25, ge=0, description="Tokens placed right that one moved token must buy (rule=gain)."
+    )
+    start: Literal["smallest", "predicted"] = "predicted"
+    ridge: float = Field(default=1e-3, ge=0, description="Ridge penalty per row (standardised features).")
+    residual_bins: int = Field(default=8, gt=0, description="Bins of predicted y for the residuals.")
+    min_rows: int = Field(default=40, gt=0, description="Decisions needed before a model's first fit.")
+    max_rows: int = Field(default=50_000, gt=0, description="Most recent decisions a fit uses.")
+
+
+class RobustCMLFQRouter(TreeRouterBase):
+    """C-MLFQ with a robust final-length predictor and a cost-aware move rule (module docstring)."""
+
+    name = "cmlfq"
+    Params = RobustParams
+
+    def __init__(self, buckets, cost=None, seed=0, **params):
+        super().__init__(buckets, cost, seed, **params)
+        p = self.params
+        self.book = SiblingBook()
+        self.featurizer = Featurizer(p.features, self.book)
+        # Two models: a first turn knows only its prompt, a tool return knows much more.
+        self.start_model, self.model = LogLinearModel(), LogLinearModel()
+        self.start_rows = RowBuffer(p.max_rows, START_WIDTH)
+        self.rows = RowBuffer(p.max_rows, self.featurizer.width)
+        self.pending: dict[str, list[tuple[list[float], int]]] = {}
+
+    # -- routing --
+
+    def target(self, req: RouteRequest, floor: int) -> tuple[int, float | None]:
+        if req.current_bucket is None:
+            return self._start(req)
+        x = self.featurizer.row(req, self.book.seen(req))
+        self._remember(req.traj_id, x, req.context_tokens)
+        if not self.model.fitted:
+            return self._cold(req, floor)
+        pred = self.model.predict(x, req.context_tokens)
+        self._mix_tree(req, pred)
+        cur = max(req.current_bucket, floor)
+        if self.params.rule == "mean-p90":
+            return mean_p90_rule(self.buckets, cur, pred.mean, pred.quantile(self.params.quantile)), pred.mean
+        return self._gain_rule(pred, cur, floor), pred.mean
+
+    def _start(self, req: RouteRequest) -> tuple[int, float | None]:
+        self.book.seen(req)
+        x = self.featurizer.start_row(req)
+        self._remember(req.traj_id, x, req.context_tokens)
+        if self.params.start == "smallest" or not self.start_model.fitted:
+            return 0, None
+        pred = self.start_model.predict(x, req.context_tokens)
+        probs = pred.bucket_probs(self.buckets)
+        return max(range(len(probs)), key=probs.__getitem__), pred.mean
+
+    def _mix_tree(self, req: RouteRequest, pred: Prediction) -> None:
+        n0 = self.params.tree_prior
+        if n0 <= 0:
+            return
+        for node in self.tree.exact(req.prompt_id, req.path):
+            if node is not None and len(node.samples) >= self.params.min_samples:
+                pred.nodes.append((len(node.samples) / (len(node.samples) + n0), node.sorted_samples()))
+
+    def _gain_rule(self, pred: Prediction, cur: int, floor: int) -> int:
+        probs = pred.bucket_probs(self.buckets)
+        best = max(range(floor, len(probs)), key=probs.__getitem__)
+        if best == cur:
+            return cur
+        gain = (probs[best] - probs[cur]) * max(0.0, pred.mean - pred.context)
+        return best if gain >= self.params.move_cost * self._net_cost(pred, cur, best) else cur
+
+    def _net_cost(self, pred: Prediction, cur: int, to: int) -> float:
+        """Tokens a move from `cur` to `to` costs now, less the forced moves it saves later.
+
+        Staying in a bucket the trajectory outgrows means moving it anyway when it crosses the
+        bucket's max_context, with a bigger context; moving up now pre-pays that. Moving down
+        risks exactly such a forced move back.
+        """
+        forced = 0.0
+        for i in range(min(cur, to), max(cur, to)):
+            cap = self.buckets[i].max_context
+            forced += (1.0 - pred.cdf(cap)) * cap
+        return pred.context - forced if to > cur else pred.context + forced
+
+    def _cold(self, req: RouteRequest, floor: int) -> tuple[int, float | None]:
+        """Before the first fit: the paper's rule on the exact-path tree (stay when it is empty)."""
+        cur = max(req.current_bucket, floor)
+        m = self.tree.lookup(req.prompt_id, req.path, 1) if self.params.tree_prior > 0 else None
+        if m is None:
+            return cur, None
+        mean = req.context_tokens + m.node.mean
+        upper = req.context_tokens + m.node.quantile(self.params.quantile)
+        return mean_p90_rule(self.buckets, cur, mean, upper), mean
+
+    def _remember(self, traj_id: str, x: list[float], context: int) -> None:
+        rows = self.pending.get(traj_id)
+        if rows is None:
+            if len(self.pending) >= MAX_PENDING:  # trajectories abandoned without on_finish
+                self.pending.pop(next(iter(self.pending)))
+            rows = self.pending[traj_id] = []
+        rows.append((x, context))
+
+    # -- learning --
+
+    def on_finish(self, traj: FinishedTrajectory) -> None:
+        super().on_finish(traj)
+        self.book.finish(traj)
+        self.featurizer.forget(traj.traj_id)
+        for k, (x, c) in enumerate(self.pending.pop(traj.traj_id, ())):
+            y = math.log(max(traj.final_tokens, c) / max(1, c))
+            (self.start_rows if k == 0 else self.rows).add(x, y)
+        if not self.model.fitted:
+            self._fit()
+
+    def on_step_end(self, step: int) -> None:
+        super().on_step_end(step)
+        self.book.end_step(step)
+        self._fit()
+
+    def _fit(self) -> None:
+        p = self.params
+        for model, rows in ((self.start_model, self.start_rows), (self.model, self.rows)):
+            if rows.n >= p.min_rows:
+                x, y = rows.arrays()
+                model.fit(x, y, p.ridge, p.residual_bins)
+
+
+class ContextPriorRouter(RobustCMLFQRouter):
+    """A prior that uses only the current length: the same model, rule and start as `cmlfq`, fed
+    nothing but the context and without the tree. The real-trace baseline, so that the comparison
+    measures what tool states, progress and siblings add, not a different rule."""
+
+    name = "context-prior"
+
+    def __init__(self, buckets, cost=None, seed=0, **params):
+        params.setdefault("features", ["context"])
+        params.setdefault("tree_prior", 0.0)
+        super().__init__(buckets, cost, seed, **params)
+
+
+# A CausalTree is part of the router's state; re-exported for callers that save or merge it.
+__all__ = ["CausalTree", "ContextPriorRouter", "RobustCMLFQRouter", "SiblingBook"]
