@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 import aiohttp
+from yarl import URL
 
 from libra.core.errors import ConfigError, LibraError
 from libra.rollout.base import Bucket, InstanceView
@@ -59,13 +60,18 @@ class Instance:
     models: tuple[str, ...] = ()
     last_error: str = ""
     changed_at: float = field(default_factory=time.monotonic)
-    # Precomputed once: the hot path must not format strings per request.
-    chat_url: str = ""
-    completions_url: str = ""
+    # Precomputed once, as parsed URLs and a ready header set: the hot path must not parse URLs or
+    # build these per request.
+    chat_url: URL | None = None
+    completions_url: URL | None = None
+    headers: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.chat_url = self.cfg.url + "/v1/chat/completions"
-        self.completions_url = self.cfg.url + "/v1/completions"
+        self.chat_url = URL(self.cfg.url + "/v1/chat/completions")
+        self.completions_url = URL(self.cfg.url + "/v1/completions")
+        self.headers = {"Content-Type": "application/json"}
+        if self.cfg.api_key:
+            self.headers["Authorization"] = "Bearer " + self.cfg.api_key
 
     @property
     def id(self) -> str:

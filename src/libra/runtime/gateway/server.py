@@ -285,12 +285,10 @@ class Gateway:
                 pass
 
     def _headers(self, request: web.Request, inst: Instance) -> dict:
-        h = {"Content-Type": "application/json"}
-        if inst.cfg.api_key:
-            h["Authorization"] = "Bearer " + inst.cfg.api_key
-        elif "Authorization" in request.headers:
-            h["Authorization"] = request.headers["Authorization"]
-        return h
+        auth = request.headers.get("Authorization")
+        if auth is None or inst.cfg.api_key:
+            return inst.headers
+        return {**inst.headers, "Authorization": auth}
 
     def _failed(self, inst: Instance, e: upstream.NoByteError) -> None:
         self.metrics.error(inst.id, e.kind)
