@@ -123,9 +123,23 @@ def test_logprobs_cover_every_generated_token(client):
     )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
-    assert all(lp.logprob <= 0 and len(lp.top_logprobs) == 3 for lp in content)
-    # Greedy picks the most likely allowed token, so no allowed token beats it.
-    assert all(lp.logprob >= lp.top_logprobs[-1].logprob for lp in content)
+    for lp in content:
+        top = [t.logprob for t in lp.top_logprobs]
+        assert len(top) == 3 and top == sorted(top, reverse=True) and lp.logprob <= top[0] + 1e-6 <= 1e-6
+        for t in lp.top_logprobs:  # the same token has the same log-probability in both places
+            if t.bytes == lp.bytes:
+                assert abs(t.logprob - lp.logprob) < 1e-5
+    # Streamed, no token's log-probability goes missing, not even for the first bytes of a
+    # multi-byte character, whose text only arrives with its last byte.
+    kw = dict(model="tiny", messages=[USER], max_tokens=60, temperature=1.0, seed=3, logprobs=True)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    streamed = [
+        lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content
+    ]
+    assert len(streamed) == chunks[-1].usage.completion_tokens
+    assert b"".join(bytes(lp.bytes) for lp in streamed if len(lp.bytes) == 1).decode() == "".join(
+        c.choices[0].delta.content or "" for c in chunks if c.choices
+    )
 
 
 # ---- tool calls ------------------------------------------------------------------------------------

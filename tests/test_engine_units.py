@@ -342,3 +342,20 @@ def test_config_rejects_bad_values_naming_the_field(fields, field):
     with pytest.raises(ConfigError) as e:
         build(EngineConfig, fields)
     assert e.value.field == field
+
+
+def test_merge_folds_queued_events_per_choice_in_order():
+    from libra.runtime.engine.server import merge
+
+    evs = [
+        SeqEvent(0, text="a"),
+        SeqEvent(1, tool_call=("call_1", "f")),
+        SeqEvent(0, text="b"),
+        SeqEvent(1, tool_args='{"x": '),
+        SeqEvent(1, tool_args="1}", finish=FinishReason.TOOL_CALLS, prompt_tokens=5, completion_tokens=9),
+    ]
+    first, second = merge(evs)
+    assert (first.index, first.text, first.finish) == (0, "ab", None)
+    assert second.tool_call == ("call_1", "f") and second.tool_args == '{"x": 1}'
+    assert (second.finish, second.prompt_tokens, second.completion_tokens) == (FinishReason.TOOL_CALLS, 5, 9)
+    assert evs[0].text == "a", "merging must not change the queued events"

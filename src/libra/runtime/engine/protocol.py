@@ -91,7 +91,7 @@ class StreamOptions(_Model):
     include_usage: bool = False
 
 
-class _Sampling(_Model):
+class SamplingRequest(_Model):
     """Fields shared by chat and completions requests."""
 
     model: str
@@ -109,7 +109,7 @@ class _Sampling(_Model):
     ignore_eos: bool = False
 
     @model_validator(mode="after")
-    def _supported(self) -> _Sampling:
+    def _supported(self) -> SamplingRequest:
         if isinstance(self.stop, list) and len(self.stop) > 4:
             raise ValueError("at most 4 stop sequences")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -121,7 +121,7 @@ class _Sampling(_Model):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(SamplingRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[ToolDef] | None = None
@@ -137,7 +137,7 @@ class ChatRequest(_Sampling):
         return self.max_completion_tokens or self.max_tokens
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[str] = Field(min_length=1)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False

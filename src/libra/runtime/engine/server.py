@@ -8,7 +8,8 @@ behind. A client that disconnects cancels its handler (aiohttp's handler cancell
 handler's `finally` aborts its sequences, which frees their KV blocks at the next step.
 
 Every error is JSON in OpenAI's shape: 400 for bad fields, 404 for an unknown model or route,
-413 for an oversize body, 500 only for a bug (logged with its traceback).
+413 for an oversize body, 503 for requests still running when a shutdown's grace period ends,
+500 only for a bug (logged with its traceback).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import secrets
 import signal
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from aiohttp import web
 
@@ -87,8 +88,8 @@ class ChatFormat:
             delta["tool_calls"] = [p.tool_call(ev.tool_call, ev.tool_args, index=0)]
         elif ev.tool_args:
             delta["tool_calls"] = [{"index": 0, "function": {"arguments": ev.tool_args}}]
-        if not delta and not ev.finish:
-            return None
+        if not delta and not ev.finish and not (self.logprobs and ev.logprobs):
+            return None  # e.g. bytes held back as a possible stop string: nothing to send yet
         lps = (
             {"content": [p.chat_logprob(lp) for lp in ev.logprobs]} if self.logprobs and ev.logprobs else None
         )
@@ -96,6 +97,9 @@ class ChatFormat:
 
     def body(self, states: list[p.ChoiceState], prompt_tokens: int) -> dict:
         return p.chat_body(self.rid, self.created, self.model, states, prompt_tokens, self.logprobs)
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return {**self._chunk({}), "choices": [], "usage": usage}
 
     def _chunk(self, choice: dict) -> dict:
         return {"id": self.rid, "object": self.object_chunk, "created": self.created, "model": self.model, "choices": [choice]}  # fmt: skip
@@ -110,7 +114,7 @@ class CompletionFormat(ChatFormat):
         return None
 
     def chunk(self, ev: SeqEvent) -> dict | None:
-        if not ev.text and not ev.finish:
+        if not ev.text and not ev.finish and not (self.logprobs and ev.logprobs):
             return None
         lps = p.completion_logprobs(ev.logprobs) if self.logprobs and ev.logprobs else None
         return self._chunk({"index": ev.index, "text": ev.text, "logprobs": lps, "finish_reason": ev.finish})
@@ -125,8 +129,7 @@ def merge(events: list[SeqEvent]) -> list[SeqEvent]:
     for ev in events:
         m = out.get(ev.index)
         if m is None:
-            out[ev.index] = SeqEvent(ev.index, ev.text, ev.tool_call, ev.tool_args, list(ev.logprobs),
-                                     ev.finish, ev.prompt_tokens, ev.completion_tokens, ev.error)  # fmt: skip
+            out[ev.index] = replace(ev, logprobs=list(ev.logprobs))  # a copy: merged into below
             continue
         m.text += ev.text
         m.tool_call = m.tool_call or ev.tool_call
@@ -258,7 +261,7 @@ class EngineServer:
 
     # ---- request plumbing -----------------------------------------------------------------------
 
-    async def _parse(self, request: web.Request, model: type[p._Sampling]) -> p._Sampling:
+    async def _parse(self, request: web.Request, model: type[p.SamplingRequest]) -> p.SamplingRequest:
         raw = await request.read()
         try:
             data = json.loads(raw)
@@ -285,7 +288,9 @@ class EngineServer:
             return self.cfg.max_tokens_default
         return max(self.cfg.max_tokens_default, ToolOutput(tools).constraint.min_left() + TOOL_HEADROOM)
 
-    def _params(self, req: p._Sampling, max_tokens: int, i: int, logprobs: bool, top: int) -> SamplingParams:
+    def _params(
+        self, req: p.SamplingRequest, max_tokens: int, i: int, logprobs: bool, top: int
+    ) -> SamplingParams:
         seed = req.seed + i if req.seed is not None else self._seeds.getrandbits(63)
         return SamplingParams(max_tokens, req.temperature, req.top_p, req.stops(), seed, logprobs, top)
 
@@ -297,7 +302,7 @@ class EngineServer:
         self._jobs.add(job)
         return job
 
-    async def _respond(self, request: web.Request, job: Job, fmt: ChatFormat, req: p._Sampling) -> web.StreamResponse:  # fmt: skip
+    async def _respond(self, request: web.Request, job: Job, fmt: ChatFormat, req: p.SamplingRequest) -> web.StreamResponse:  # fmt: skip
         try:
             if req.stream:
                 usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -342,9 +347,7 @@ class EngineServer:
                 await resp.write(b"".join(sse(c) for c in map(fmt.chunk, events) if c))
             job.done = True
             if usage:
-                await resp.write(
-                    sse({**fmt._chunk({}), "choices": [], "usage": p.usage(states, job.prompt_tokens)})
-                )
+                await resp.write(sse(fmt.usage_chunk(p.usage(states, job.prompt_tokens))))
             await resp.write(sse("[DONE]"))
             await resp.write_eof()
         except ConnectionResetError:  # the client left; `_respond` aborts the sequences
