@@ -1,0 +1,82 @@
+"""Configuration of the live actions service: one YAML file (`--config`), validated at start.
+
+Every limit a request can ask for has a ceiling here, so no request can raise its own limits past
+what the operator allows. The defaults suit one machine: all of its cores, the service's own
+Python inside the sandbox (so packages such as pytest are there), and bounded output.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from libra.actions.quota import QuotaSpec
+
+
+class SandboxConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    python: str | None = Field(
+        None, description="Interpreter inside the sandbox (default: the service's own)."
+    )
+    ro_binds: list[str] = Field(default_factory=list, description="Extra host paths visible read-only.")
+    memory_mb: int = Field(1024, ge=16, description="Default address-space limit of an action.")
+    max_memory_mb: int = Field(8192, ge=16, description="The most an action may ask for.")
+    nproc: int = Field(256, ge=8, description="Processes (and threads) one action may run.")
+    fsize_mb: int = Field(256, ge=1, description="Largest file an action may write.")
+    nofile: int = Field(1024, ge=16, description="Open files per process.")
+    tmp_size_mb: int = Field(256, ge=1, description="Size of the private /tmp (RAM-backed).")
+    output_limit_bytes: int = Field(
+        1_000_000, ge=1024, description="Per stream; the rest is counted and dropped."
+    )
+    default_timeout_s: float = Field(10.0, gt=0)
+    max_timeout_s: float = Field(900.0, gt=0)
+    uid_base: int = Field(61000, ge=1000, description="First uid of the range sandboxes run under.")
+    uid_count: int = Field(4096, ge=2, description="Uids in the range (sessions plus concurrent runs).")
+    workdir_root: str | None = Field(
+        None, description="Where sandboxes' work dirs live (default: a temp dir)."
+    )
+
+    @field_validator("ro_binds")
+    @classmethod
+    def _absolute(cls, v: list[str]) -> list[str]:
+        bad = [p for p in v if not p.startswith("/")]
+        if bad:
+            raise ValueError(f"paths must be absolute: {bad}")
+        return v
+
+
+class HttpToolConfig(BaseModel):
+    """A quota-limited HTTP tool: POSTs the caller's JSON to `url`, within the quota's limits."""
+
+    model_config = ConfigDict(extra="forbid")
+    url: str = Field(pattern=r"^https?://")
+    quota: str = Field(description="Name of a quota under `quotas`.")
+    tokens_per_call: float = Field(1.0, gt=0, description="Tokens a call spends when it gives none.")
+    timeout_s: float = Field(30.0, gt=0)
+    max_response_bytes: int = Field(1_000_000, ge=1024)
+
+
+class ServiceConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    cores: list[int] | None = Field(
+        None, description="CPU ids to run actions on (default: all this process may use)."
+    )
+    numa: list[list[int]] | None = Field(
+        None, description="Cores grouped by NUMA domain (default: from /sys)."
+    )
+    memory_gib: float | None = Field(None, gt=0, description="Memory for sandboxes (default: 3/4 of RAM).")
+    session_memory_mb: int = Field(1024, ge=16, description="Memory a session reserves while it lives.")
+    max_sessions: int = Field(1024, ge=1)
+    max_queue: int = Field(10_000, ge=1, description="Waiting actions beyond this are refused with 503.")
+    max_body_bytes: int = Field(16 * 2**20, ge=1024, description="Largest request body.")
+    max_code_bytes: int = Field(4 * 2**20, ge=16, description="Largest `code` or `command`.")
+    max_parallel: int = Field(64, ge=1, description="The most cores one action may be granted.")
+    warm_pool: int = Field(4, ge=0, description="Python sandboxes kept started for /run_code (0: none).")
+    parallel_profile: dict = Field(
+        default_factory=lambda: {"amdahl": 0.05, "units": [1, 2, 4, 8, 16, 32, 64]},
+        description="Efficiency of actions with a `parallel` hint (measure yours; see docs).",
+    )
+    sandbox: SandboxConfig = SandboxConfig()
+    quotas: dict[str, QuotaSpec] = Field(default_factory=dict)
+    http_tools: dict[str, HttpToolConfig] = Field(default_factory=dict)

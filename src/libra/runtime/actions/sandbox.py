@@ -1,0 +1,298 @@
+"""The sandbox executor: run one command under real Linux isolation, bounded in every dimension.
+
+Each execution is a chain of small exec wrappers, so nothing runs Python code between fork and
+exec in the service (which would be unsafe with threads):
+
+    taskset -c CORES            the cores the scheduler granted (per-action CPU affinity)
+    bwrap ...                   new PID, network, IPC and UTS namespaces; a read-only view of the
+                                system; a private writable /workspace and a size-limited /tmp
+    setpriv --reuid UID ...     drop to an unprivileged uid of the sandbox range, no capabilities,
+                                no_new_privs (root in the sandbox could read /etc/shadow)
+    prlimit --as --cpu ...      rlimits on memory, CPU time, processes, file size, open files
+    COMMAND
+
+The process tree dies with its action: bwrap's init is PID 1 of the namespace and
+--die-with-parent ties it to the outer process, so killing that one (on timeout) or the command
+exiting (children left running) tears the whole namespace down. A scan for leftover processes of
+the sandbox uid follows every run as a second line of defence.
+
+Without bwrap (or root) the service refuses to start unless told `--insecure-no-sandbox`; then
+commands run with the same rlimits and affinity but no namespaces and as the service's user.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+from pathlib import Path
+
+from libra.runtime.actions.config import SandboxConfig
+
+WORKSPACE = "/workspace"
+TRUNCATION_MARKER = "\n[... truncated {n} bytes of output ...]\n"
+# Executables the wrapper chain needs on the host.
+TOOLS = ("bwrap", "setpriv", "prlimit", "taskset")
+
+
+class RunStatus(IntEnum):
+    FINISHED = 0  # exited by itself (any return code)
+    TIMEOUT = 1  # killed at the wall-clock limit
+    ERROR = 2  # could not be run (the sandbox itself failed)
+
+
+@dataclass(slots=True)
+class ExecResult:
+    status: RunStatus
+    return_code: int | None
+    stdout: str
+    stderr: str
+    wall_s: float
+    truncated: int = 0  # bytes of output dropped beyond the limit
+    leftovers_killed: int = 0
+    message: str = ""
+
+
+@dataclass(slots=True)
+class Limits:
+    """Per-execution limits; the service fills them from the request and its configuration."""
+
+    timeout_s: float
+    memory_mb: int
+    cpu_s: int
+    nproc: int
+    fsize_mb: int
+    nofile: int
+    output_bytes: int
+
+
+@dataclass(slots=True)
+class Isolation:
+    """What the host offers: bwrap isolation, or nothing (insecure mode)."""
+
+    sandboxed: bool
+    reason: str = ""
+    static_args: list[str] = field(default_factory=list)
+
+
+def probe(cfg: SandboxConfig) -> Isolation:
+    """Check that bubblewrap isolation really works here; say why when it does not."""
+    missing = [t for t in TOOLS if shutil.which(t) is None]
+    if missing:
+        pkg = {
+            "bwrap": "bubblewrap",
+            "setpriv": "util-linux",
+            "prlimit": "util-linux",
+            "taskset": "util-linux",
+        }
+        need = sorted({pkg[m] for m in missing})
+        return Isolation(
+            False, f"missing {', '.join(missing)} (install the Debian package(s) {', '.join(need)})"
+        )
+    if os.geteuid() != 0:
+        return Isolation(False, "the sandbox runs actions under their own uids, which needs root")
+    iso = Isolation(True, static_args=bwrap_args(cfg))
+    try:
+        r = subprocess.run(
+            ["bwrap", *iso.static_args, "--", "setpriv", "--reuid", str(cfg.uid_base), "--regid",
+             str(cfg.uid_base), "--clear-groups", "--", "/bin/true"],
+            capture_output=True, text=True, timeout=20,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return Isolation(False, f"bwrap could not start a sandbox: {e}")
+    if r.returncode != 0:
+        return Isolation(False, f"bwrap could not start a sandbox: {r.stderr.strip()[:300]}")
+    return iso
+
+
+def _mirror_root(args: list[str]) -> None:
+    """/bin, /lib ... as the host has them: symlinks into /usr (merged /usr) or read-only binds."""
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        p = Path(top)
+        if p.is_symlink():
+            args += ["--symlink", os.readlink(p), top]
+        elif p.is_dir():
+            args += ["--ro-bind", top, top]
+
+
+def _ro_bind_with_parents(args: list[str], path: str, made: set[str]) -> None:
+    """Bind `path` read-only, first creating its parents world-traversable: bwrap would copy the
+    host's modes (root's 0700 home would hide a pyenv interpreter from the sandbox uid)."""
+    parts = Path(path).parts
+    for i in range(2, len(parts)):
+        parent = str(Path(*parts[:i]))
+        if parent not in made and not parent.startswith("/usr"):
+            args += ["--perms", "0755", "--dir", parent]
+            made.add(parent)
+    args += ["--ro-bind", path, path]
+
+
+def interpreter_paths() -> list[str]:
+    """What the service's own Python needs to run inside the sandbox (venv and base install)."""
+    paths = {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix)}
+    paths.add(str(Path(os.path.realpath(sys.executable)).parent.parent))
+    return sorted(p for p in paths if not p.startswith("/usr") and Path(p).exists())
+
+
+def bwrap_args(cfg: SandboxConfig) -> list[str]:
+    args = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+            "--die-with-parent", "--new-session", "--hostname", "sandbox",
+            "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP",
+            "--ro-bind", "/usr", "/usr"]  # fmt: skip
+    _mirror_root(args)
+    args += ["--ro-bind", "/etc", "/etc"]
+    for secret in ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-"):
+        if Path(secret).exists():
+            args += ["--ro-bind", "/dev/null", secret]
+    made: set[str] = set()
+    extra = interpreter_paths() if cfg.python is None else []
+    for p in [*extra, *cfg.ro_binds]:
+        _ro_bind_with_parents(args, p, made)
+    for hidden in _service_paths():
+        if any(hidden.startswith(p.rstrip("/") + "/") for p in [*extra, *cfg.ro_binds]):
+            args += ["--tmpfs", hidden]  # the service's own code is not the sandbox's business
+    args += ["--proc", "/proc", "--dev", "/dev"]
+    args += ["--size", str(cfg.tmp_size_mb * 2**20), "--perms", "1777", "--tmpfs", "/tmp"]
+    # The sandbox's python (and what its environment installed, e.g. pytest) comes first on PATH.
+    path = f"{Path(python_executable(cfg)).parent}:/usr/local/bin:/usr/bin:/bin"
+    args += ["--clearenv", "--setenv", "PATH", path, "--setenv", "HOME", WORKSPACE,
+             "--setenv", "TMPDIR", "/tmp", "--setenv", "LANG", "C.UTF-8",
+             "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "PYTHONUNBUFFERED", "1"]  # fmt: skip
+    return args
+
+
+def _service_paths() -> list[str]:
+    import libra
+
+    return [str(Path(libra.__file__).resolve().parent)]
+
+
+def python_executable(cfg: SandboxConfig) -> str:
+    return cfg.python or sys.executable
+
+
+def build_command(iso: Isolation, argv: Sequence[str], workdir: Path, uid: int, cores: Sequence[int],
+                  lim: Limits) -> list[str]:  # fmt: skip
+    rl = ["prlimit", f"--as={lim.memory_mb * 2**20}", f"--cpu={lim.cpu_s}", f"--nproc={lim.nproc}",
+          f"--fsize={lim.fsize_mb * 2**20}", f"--nofile={lim.nofile}", "--core=0", "--"]  # fmt: skip
+    aff = ["taskset", "-c", ",".join(map(str, cores))] if cores else []
+    if not iso.sandboxed:
+        return [*aff, *rl, *argv]
+    drop = ["setpriv", "--reuid", str(uid), "--regid", str(uid), "--clear-groups", "--inh-caps=-all",
+            "--bounding-set=-all", "--no-new-privs", "--"]  # fmt: skip
+    ws = ["--bind", str(workdir), WORKSPACE, "--chdir", WORKSPACE]
+    return [*aff, "bwrap", *iso.static_args, *ws, "--", *drop, *rl, *argv]
+
+
+async def spawn(iso: Isolation, argv: Sequence[str], workdir: Path, uid: int, cores: Sequence[int],
+                lim: Limits, pass_fds: Sequence[int] = ()) -> asyncio.subprocess.Process | ExecResult:  # fmt: skip
+    """Start the wrapped command; an ExecResult (ERROR) when it cannot even start."""
+    cmd = build_command(iso, argv, workdir, uid, cores, lim)
+    try:
+        return await asyncio.create_subprocess_exec(
+            *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            start_new_session=True, cwd=str(workdir) if not iso.sandboxed else None, pass_fds=tuple(pass_fds),
+        )  # fmt: skip
+    except OSError as e:
+        return ExecResult(RunStatus.ERROR, None, "", "", 0.0, message=f"could not start: {e}")
+
+
+async def execute(iso: Isolation, argv: Sequence[str], workdir: Path, uid: int, cores: Sequence[int],
+                  lim: Limits, stdin: bytes = b"") -> ExecResult:  # fmt: skip
+    """Run one command to completion or its time limit; never raises for what the command does."""
+    t0 = time.monotonic()
+    proc = await spawn(iso, argv, workdir, uid, cores, lim)
+    if isinstance(proc, ExecResult):
+        return proc
+    return await supervise(iso, proc, uid, lim, stdin, t0)
+
+
+async def supervise(iso: Isolation, proc: asyncio.subprocess.Process, uid: int, lim: Limits, stdin: bytes,
+                    t0: float) -> ExecResult:  # fmt: skip
+    """Feed stdin, capture bounded output, enforce the wall-clock limit, then make sure nothing
+    of the action is left running."""
+    out, err = _Capture(lim.output_bytes), _Capture(lim.output_bytes)
+    io = asyncio.gather(out.drain(proc.stdout), err.drain(proc.stderr), _feed(proc, stdin))
+    status = RunStatus.FINISHED
+    try:
+        await asyncio.wait_for(asyncio.shield(proc.wait()), timeout=lim.timeout_s)
+    except TimeoutError:
+        status = RunStatus.TIMEOUT
+        _kill(proc)
+        await proc.wait()
+    finally:
+        if proc.returncode is None:  # cancelled: never leave a sandbox behind
+            _kill(proc)
+            await proc.wait()
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(io, timeout=5.0)  # the pipes close when the namespace is gone
+    wall = time.monotonic() - t0
+    leftovers = reap_uid(uid) if iso.sandboxed else 0
+    code = proc.returncode if status == RunStatus.FINISHED else None
+    return ExecResult(status, code, out.text(), err.text(), wall, out.dropped + err.dropped, leftovers)
+
+
+def _kill(proc: asyncio.subprocess.Process) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+async def _feed(proc: asyncio.subprocess.Process, data: bytes) -> None:
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        if data:
+            proc.stdin.write(data)
+            await proc.stdin.drain()
+        proc.stdin.close()
+
+
+class _Capture:
+    """Keeps the first `limit` bytes of a stream and counts the rest, reading to the end so the
+    writer never blocks on a full pipe."""
+
+    def __init__(self, limit: int):
+        self.limit, self.buf, self.dropped = limit, bytearray(), 0
+
+    async def drain(self, stream: asyncio.StreamReader) -> None:
+        while chunk := await stream.read(1 << 16):
+            room = self.limit - len(self.buf)
+            if room > 0:
+                self.buf += chunk[:room]
+            self.dropped += max(0, len(chunk) - max(room, 0))
+
+    def text(self) -> str:
+        s = self.buf.decode("utf-8", errors="replace")
+        return s + TRUNCATION_MARKER.format(n=self.dropped) if self.dropped else s
+
+
+def reap_uid(uid: int) -> int:
+    """SIGKILL any process still running as `uid` (there should be none) and count them."""
+    killed = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat().st_uid == uid:
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed += 1
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return killed
+
+
+def processes_of(uids: range) -> list[int]:
+    """PIDs running under any of `uids` (tests use it to check nothing outlives its action)."""
+    out = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(FileNotFoundError):
+                if entry.stat().st_uid in uids:
+                    out.append(int(entry.name))
+    return out

@@ -1,0 +1,86 @@
+"""Request and response shapes of the actions service.
+
+`/run_code` speaks SandboxFusion's shape, so its clients work unchanged: unknown request fields
+(compile_timeout, for example) are accepted and ignored, and responses carry the same keys
+(status Success / Failed / SandboxError; run_result with Finished / TimeLimitExceeded / Error).
+The session and tool endpoints are Libra's own, in the same style.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+LANGUAGES = ("python", "bash")
+TOOLS = ("python_tests",)
+
+
+class RunCodeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    code: str
+    language: str = "python"
+    compile_timeout: float = 10.0
+    run_timeout: float = Field(10.0, gt=0)
+    memory_limit_MB: int = Field(-1, description="-1: the service's default")
+    stdin: str | None = None
+    files: dict[str, str | None] = Field(default_factory=dict)
+    fetch_files: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check(self) -> RunCodeRequest:
+        if self.language not in LANGUAGES:
+            raise ValueError(f"language {self.language!r} is not supported; allowed: {', '.join(LANGUAGES)}")
+        if self.memory_limit_MB != -1 and self.memory_limit_MB < 16:
+            raise ValueError("memory_limit_MB must be -1 (default) or at least 16")
+        return self
+
+
+class SessionCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    memory_mb: int | None = Field(None, ge=16)
+    files: dict[str, str | None] = Field(default_factory=dict)
+
+
+class SessionAction(BaseModel):
+    """A command (`{parallel}` is replaced by the cores granted) or a ready tool."""
+
+    model_config = ConfigDict(extra="forbid")
+    command: str | None = None
+    tool: str | None = None
+    path: str | None = Field(None, description="python_tests: the test file or directory")
+    args: list[str] = Field(default_factory=list, description="python_tests: extra pytest arguments")
+    parallel: int | None = Field(None, ge=1, description="The most cores the action can use")
+    timeout: float | None = Field(None, gt=0)
+    stdin: str | None = None
+    files: dict[str, str | None] = Field(default_factory=dict)
+    fetch_files: list[str] = Field(default_factory=list)
+    kind: str | None = Field(None, max_length=64, description="Groups durations the scheduler learns")
+
+    @model_validator(mode="after")
+    def _one_of(self) -> SessionAction:
+        if (self.command is None) == (self.tool is None):
+            raise ValueError("give exactly one of `command` and `tool`")
+        if self.tool is not None and self.tool not in TOOLS:
+            raise ValueError(f"tool {self.tool!r} is not known; allowed: {', '.join(TOOLS)}")
+        if self.tool == "python_tests" and not self.path:
+            raise ValueError("python_tests needs `path`, the test file or directory")
+        return self
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    payload: Any = None
+    tokens: float | None = Field(None, gt=0)
+
+
+def run_result(
+    status: str, execution_time: float | None, return_code: int | None, stdout: str, stderr: str
+) -> dict:
+    return {"status": status, "execution_time": execution_time, "return_code": return_code,
+            "stdout": stdout, "stderr": stderr}  # fmt: skip
+
+
+def run_code_response(status: str, message: str, result: dict | None, files: dict[str, str]) -> dict:
+    return {"status": status, "message": message, "compile_result": None, "run_result": result,
+            "executor_pod_name": None, "files": files}  # fmt: skip

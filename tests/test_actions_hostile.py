@@ -1,0 +1,157 @@
+"""The hostile suite: real attacks on the real sandbox service, each contained and reported with the
+right status, the service still serving, and no process of any sandbox uid left afterwards.
+Then 500 concurrent /run_code requests: every one answered, none lost."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from libra.runtime.actions.client import ServiceProcess
+from libra.runtime.actions.config import SandboxConfig
+from libra.runtime.actions.sandbox import processes_of
+from tests.test_actions_service import needs_sandbox, sandbox_available
+
+UIDS = range(SandboxConfig().uid_base, SandboxConfig().uid_base + SandboxConfig().uid_count)
+SOURCE = __import__("libra.runtime.actions.service", fromlist=["x"]).__file__
+
+HOSTILE = {
+    "fork bomb": (
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+        2,
+    ),
+    "memory bomb": ("chunks = []\nwhile True:\n    chunks.append(bytearray(50 * 2**20))", 5),
+    "infinite loop": ("while True:\n    pass", 1),
+    "ignores SIGTERM": (
+        "import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nwhile True:\n    pass",
+        1,
+    ),
+    "network": ("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=3)\nprint('CONNECTED')", 5),
+    "loopback service": (
+        "import socket\nsocket.create_connection(('127.0.0.1', PORT), timeout=3)\nprint('CONNECTED')",
+        5,
+    ),
+    "read shadow": ("print(open('/etc/shadow').read())", 5),
+    "read own source": (f"print(open({SOURCE!r}).read())", 5),
+    "write outside": ("open('/usr/evil', 'w').write('x')", 5),
+    "write tmp outside": ("open('/etc/evil', 'w').write('x')", 5),
+    "100 MB stdout": (
+        "import sys\nblock = 'x' * 2**20\nfor _ in range(100):\n    sys.stdout.write(block)",
+        20,
+    ),
+    "orphan child": ("import subprocess\nsubprocess.Popen(['sleep', '600'])\nprint('parent done')", 5),
+    "daemonized child": (
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(600)\nprint('parent done')",
+        5,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    if sandbox_available():
+        pytest.skip(sandbox_available())
+    cfg = tmp_path_factory.mktemp("hostile") / "actions.yaml"
+    cfg.write_text(
+        json.dumps({"warm_pool": 2, "sandbox": {"memory_mb": 512, "nproc": 64, "output_limit_bytes": 64_000}})
+    )
+    with ServiceProcess(str(cfg)) as svc:
+        yield svc
+
+
+def run_all(url: str, codes: dict[str, tuple[str, float]]) -> dict[str, dict]:
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            rs = await asyncio.gather(*[c.post("/run_code", json={"code": code, "run_timeout": t})
+                                        for code, t in codes.values()])  # fmt: skip
+            return {name: r.json() for name, r in zip(codes, rs, strict=True)}
+
+    return asyncio.run(main())
+
+
+def leftovers() -> list[str]:
+    """Command lines of sandbox-uid processes, except the warm pool's idle zygotes (pre-started
+    for future requests, they belong to no action yet)."""
+    out = []
+    for pid in processes_of(UIDS):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "_libra_zygote" not in cmd:
+            out.append(cmd[:120])
+    return out
+
+
+def settle(deadline_s: float = 10.0) -> list[str]:
+    """Leftovers, after giving the kernel a moment to tear namespaces down."""
+    end = time.monotonic() + deadline_s
+    while (left := leftovers()) and time.monotonic() < end:
+        time.sleep(0.1)
+    return left
+
+
+@needs_sandbox
+def test_hostile_programs_are_contained_and_reported(service):
+    port = int(service.url.rsplit(":", 1)[1])
+    codes = {k: (c.replace("PORT", str(port)), t) for k, (c, t) in HOSTILE.items()}
+    t0 = time.monotonic()
+    r = run_all(service.url, codes)
+    elapsed = time.monotonic() - t0
+
+    def status(name):
+        return r[name]["status"], (r[name]["run_result"] or {}).get("status")
+
+    assert status("fork bomb") == ("Failed", "TimeLimitExceeded")
+    assert r["memory bomb"]["status"] == "Failed"  # MemoryError at the address-space limit, or the time limit
+    assert (
+        "MemoryError" in r["memory bomb"]["run_result"]["stderr"]
+        or status("memory bomb")[1] == "TimeLimitExceeded"
+    )
+    assert status("infinite loop") == ("Failed", "TimeLimitExceeded")
+    assert status("ignores SIGTERM") == ("Failed", "TimeLimitExceeded")
+    for name in ("network", "loopback service"):
+        assert r[name]["status"] == "Failed" and "CONNECTED" not in r[name]["run_result"]["stdout"]
+        assert "OSError" in r[name]["run_result"]["stderr"] or "Error" in r[name]["run_result"]["stderr"]
+    assert "PermissionError" in r["read shadow"]["run_result"]["stderr"]
+    assert "FileNotFoundError" in r["read own source"]["run_result"]["stderr"]
+    for name in ("write outside", "write tmp outside"):
+        assert r[name]["status"] == "Failed" and "Read-only file system" in r[name]["run_result"]["stderr"]
+    big = r["100 MB stdout"]
+    assert big["status"] == "Success" and len(big["run_result"]["stdout"]) < 100_000
+    assert "truncated" in big["run_result"]["stdout"] and "truncated" in big["message"]
+    for name in ("orphan child", "daemonized child"):
+        assert r[name]["status"] == "Success" and r[name]["run_result"]["stdout"] == "parent done\n"
+        assert r[name]["run_result"]["execution_time"] < 30  # nobody waited for the 600 s sleeper
+    assert elapsed < 90
+    assert settle() == []  # no process outlives its action
+    health = httpx.get(f"{service.url}/health").json()
+    assert health["status"] == "ok" and health["running"] == 0 and health["cores_busy"] == 0
+    ok = httpx.post(f"{service.url}/run_code", json={"code": "print('still serving')"}).json()
+    assert ok["run_result"]["stdout"] == "still serving\n"
+
+
+@needs_sandbox
+def test_500_concurrent_requests_are_all_answered(service):
+    async def main():
+        limits = httpx.Limits(max_connections=500, max_keepalive_connections=500)
+        async with httpx.AsyncClient(base_url=service.url, timeout=300, limits=limits) as c:
+            rs = await asyncio.gather(
+                *[c.post("/run_code", json={"code": f"print({i} * 3)"}) for i in range(500)]
+            )
+            return [(r.status_code, r.json()) for r in rs]
+
+    t0 = time.monotonic()
+    results = asyncio.run(main())
+    assert len(results) == 500
+    for i, (code, body) in enumerate(results):
+        assert code == 200 and body["status"] == "Success", body
+        assert body["run_result"]["stdout"] == f"{i * 3}\n"  # each answer is its own request's
+    assert time.monotonic() - t0 < 60
+    metrics = httpx.get(f"{service.url}/metrics").text
+    assert "libra_actions_queue_length 0.0" in metrics
+    assert settle() == []

@@ -1,0 +1,270 @@
+"""The live actions service, as a real process on loopback: SandboxFusion's /run_code, sessions with
+persistent files and elastic cores, the python test runner, a quota-limited HTTP tool calling a
+real loopback server, reward functions, health, metrics, and 4xx answers for bad requests."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from libra.runtime.actions.client import ActionsClient, ServiceProcess
+from libra.runtime.actions.rewards import judge_reward, unit_test_reward
+
+
+def sandbox_available() -> str | None:
+    missing = [t for t in ("bwrap", "setpriv", "prlimit", "taskset") if shutil.which(t) is None]
+    if missing:
+        return f"{', '.join(missing)} not installed (Debian: apt-get install bubblewrap util-linux)"
+    if os.geteuid() != 0:
+        return "the sandbox needs root (it runs actions under their own uids)"
+    return None
+
+
+needs_sandbox = pytest.mark.skipif(sandbox_available() is not None, reason=str(sandbox_available()))
+
+
+class Judge:
+    """A real HTTP scoring server on loopback; it records how many calls overlap and when."""
+
+    def __init__(self):
+        from aiohttp import web
+
+        self.active, self.peak, self.times = 0, 0, []
+        self.loop = asyncio.new_event_loop()
+        app = web.Application()
+        app.add_routes([web.post("/score", self.score)])
+        self.runner = web.AppRunner(app)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.port = site._server.sockets[0].getsockname()[1]
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+    async def score(self, request):
+        from aiohttp import web
+
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+        self.times.append(time.monotonic())
+        body = await request.json()
+        await asyncio.sleep(0.2)
+        self.active -= 1
+        return web.json_response({"score": len(str(body.get("answer", ""))) / 10})
+
+    def close(self):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@pytest.fixture(scope="module")
+def judge():
+    j = Judge()
+    yield j
+    j.close()
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory, judge):
+    if sandbox_available():
+        pytest.skip(sandbox_available())
+    cfg = tmp_path_factory.mktemp("svc") / "actions.yaml"
+    cfg.write_text(json.dumps({
+        "warm_pool": 2, "max_body_bytes": 2**20, "max_code_bytes": 2**18,
+        "sandbox": {"default_timeout_s": 5, "max_timeout_s": 30, "output_limit_bytes": 100_000, "max_memory_mb": 4096},
+        "quotas": {"judge": {"max_concurrency": 2, "tokens_per_period": 6, "period_s": 2}},
+        "http_tools": {"judge": {"url": f"http://127.0.0.1:{judge.port}/score", "quota": "judge"}},
+    }))  # fmt: skip
+    with ServiceProcess(str(cfg)) as svc:
+        yield svc
+
+
+@pytest.fixture(scope="module")
+def http(service):
+    with httpx.Client(base_url=service.url, timeout=120) as c:
+        yield c
+
+
+def b64(s: str) -> str:
+    return base64.b64encode(s.encode()).decode()
+
+
+# ---- /run_code ---------------------------------------------------------------------------------
+
+
+@needs_sandbox
+def test_run_code_speaks_sandboxfusion(http):
+    r = http.post("/run_code", json={"code": "import sys\nprint(input()[::-1])\nprint('err', file=sys.stderr)",
+                                     "language": "python", "stdin": "olleh", "compile_timeout": 10})  # fmt: skip
+    assert r.status_code == 200
+    body = r.json()
+    assert set(body) >= {"status", "message", "compile_result", "run_result", "files"}
+    assert body["status"] == "Success"
+    rr = body["run_result"]
+    assert rr["status"] == "Finished" and rr["return_code"] == 0
+    assert rr["stdout"] == "hello\n" and rr["stderr"] == "err\n" and rr["execution_time"] > 0
+    fail = http.post("/run_code", json={"code": "raise ValueError('no')", "language": "python"}).json()
+    assert fail["status"] == "Failed" and fail["run_result"]["return_code"] == 1
+    assert (
+        fail["run_result"]["stderr"].startswith("Traceback")
+        and "ValueError: no" in fail["run_result"]["stderr"]
+    )
+    bash = http.post("/run_code", json={"code": "echo $((6*7)); exit 3", "language": "bash"}).json()
+    assert bash["run_result"]["stdout"] == "42\n" and bash["run_result"]["return_code"] == 3
+
+
+@needs_sandbox
+def test_run_code_files_in_and_out(http):
+    r = http.post("/run_code", json={
+        "code": "data = open('in/data.txt').read()\nopen('out.txt', 'w').write(data.upper())",
+        "files": {"in/data.txt": b64("abc")}, "fetch_files": ["out.txt", "missing.txt"],
+    }).json()  # fmt: skip
+    assert r["status"] == "Success"
+    assert base64.b64decode(r["files"]["out.txt"]) == b"ABC" and "missing.txt" not in r["files"]
+
+
+@needs_sandbox
+def test_run_code_timeout_is_reported(http):
+    r = http.post("/run_code", json={"code": "import time; time.sleep(30)", "run_timeout": 1}).json()
+    assert r["status"] == "Failed" and r["run_result"]["status"] == "TimeLimitExceeded"
+    assert r["run_result"]["return_code"] is None and 1 <= r["run_result"]["execution_time"] < 8
+
+
+# ---- sessions --------------------------------------------------------------------------------------
+
+
+@needs_sandbox
+def test_session_files_persist_and_cores_are_granted_per_action(http):
+    sid = http.post("/sessions", json={"files": {"notes.txt": b64("one\n")}}).json()["session_id"]
+    a = http.post(f"/sessions/{sid}/actions", json={"command": "echo two >> notes.txt; cat notes.txt"}).json()
+    assert a["status"] == "Success" and a["run_result"]["stdout"] == "one\ntwo\n"
+    assert a["parallel"] == 1 and len(a["cores"]) == 1
+    # A parallel hint: `{parallel}` becomes the cores granted, and the action is pinned to them.
+    b = http.post(f"/sessions/{sid}/actions", json={
+        "command": "python3 -c 'import os; print(len(os.sched_getaffinity(0)))'; echo {parallel}", "parallel": 2,
+    }).json()  # fmt: skip
+    granted = b["parallel"]
+    assert 1 <= granted <= 2 and b["run_result"]["stdout"].split() == [str(granted), str(granted)]
+    c = http.post(f"/sessions/{sid}/actions", json={"command": "cat notes.txt; ls"}).json()
+    assert c["run_result"]["stdout"].startswith("one\ntwo\n")  # the work dir outlives actions
+    assert http.delete(f"/sessions/{sid}").status_code == 200
+    gone = http.post(f"/sessions/{sid}/actions", json={"command": "true"})
+    assert gone.status_code == 404 and gone.json()["error"] == "no such session"
+
+
+@needs_sandbox
+def test_python_test_runner_shards_over_granted_cores(http):
+    solution = "def add(a, b):\n    return a + b\n"
+    tests = "\n".join(f"from solution import add\ndef test_{i}():\n    assert add({i}, 1) == {i + 1 if i % 4 else 0}\n"
+                      for i in range(8))  # fmt: skip
+    sid = http.post(
+        "/sessions", json={"files": {"solution.py": b64(solution), "test_s.py": b64(tests)}}
+    ).json()["session_id"]
+    try:
+        r = http.post(
+            f"/sessions/{sid}/actions",
+            json={"tool": "python_tests", "path": "test_s.py", "parallel": 2, "timeout": 30},
+        ).json()
+    finally:
+        http.delete(f"/sessions/{sid}")
+    t = r["tests"]
+    assert t["tests"] == 8 and t["failures"] == 2 and t["passed"] == 6  # test_0 and test_4 assert wrongly
+    assert t["workers"] == r["parallel"] and r["status"] == "Failed"
+    assert sorted(t["failed_tests"]) == ["test_s::test_0", "test_s::test_4"]
+
+
+# ---- the quota-limited HTTP tool and the reward functions ------------------------------------------
+
+
+@needs_sandbox
+def test_http_tool_respects_concurrency_and_tokens_per_period(service, judge):
+    async def main():
+        async with httpx.AsyncClient(base_url=service.url, timeout=60) as c:
+            return await asyncio.gather(
+                *[c.post("/tools/judge", json={"payload": {"answer": "x" * i}}) for i in range(8)]
+            )
+
+    judge.peak, judge.times = 0, []
+    t0 = time.monotonic()
+    rs = asyncio.run(main())
+    assert all(r.status_code == 200 and r.json()["status"] == "Success" for r in rs)
+    assert judge.peak <= 2  # max_concurrency
+    # 6 tokens per 2 s window, one per call: 8 calls need a second window.
+    assert time.monotonic() - t0 >= 0.5 and max(judge.times) - min(judge.times) > 0.3
+    assert sorted(r.json()["body"]["score"] for r in rs) == [i / 10 for i in range(8)]
+    over = httpx.post(f"{service.url}/tools/judge", json={"payload": {}, "tokens": 100})
+    assert over.status_code == 422 and "tokens_per_period" in over.json()["allowed"]
+    assert httpx.post(f"{service.url}/tools/nope", json={}).status_code == 404
+
+
+@needs_sandbox
+def test_reward_functions_use_the_real_tools(service):
+    async def main():
+        async with ActionsClient(service.url) as c:
+            good = await unit_test_reward(c, "def f(x):\n    return 2 * x\n",
+                                          "from solution import f\ndef test_a():\n    assert f(2) == 4\n"
+                                          "def test_b():\n    assert f(0) == 1\n")  # fmt: skip
+            crash = await unit_test_reward(
+                c, "import sys; sys.exit(1)", "from solution import f\ndef test_a(): pass\n"
+            )
+            judged = await judge_reward(c, "judge", {"answer": "abcde"})
+            return good, crash, judged
+
+    good, crash, judged = asyncio.run(main())
+    assert good == 0.5 and crash == 0.0 and judged == pytest.approx(0.5)
+
+
+# ---- health, metrics, bad requests -----------------------------------------------------------------
+
+
+@needs_sandbox
+def test_health_and_metrics(http):
+    h = http.get("/health").json()
+    assert h["status"] == "ok" and h["isolation"] == "bwrap" and h["cores"] >= 1
+    http.post("/run_code", json={"code": "pass"})
+    text = http.get("/metrics").text
+    for name in ("libra_actions_queue_length", "libra_actions_act_seconds_bucket", "libra_actions_cores_busy",
+                 'libra_actions_total{endpoint="run_code",status="success"}'):  # fmt: skip
+        assert name in text
+
+
+@needs_sandbox
+def test_bad_requests_get_4xx_with_json(http):
+    cases = [
+        (http.post("/run_code", content=b"{not json"), 400),
+        (http.post("/run_code", content=b"[1, 2]"), 400),
+        (http.post("/run_code", json={"code": "x", "language": "cobol"}), 422),
+        (http.post("/run_code", json={"code": "x", "run_timeout": -1}), 422),
+        (http.post("/run_code", json={"code": "x", "run_timeout": 10_000}), 422),
+        (http.post("/run_code", json={"code": "x", "memory_limit_MB": 10**6}), 422),
+        (http.post("/run_code", json={"code": "x" * (2**18 + 1)}), 422),
+        (http.post("/run_code", content=b'{"code": "' + b"x" * (3 * 2**20) + b'"}'), 400),
+        (http.post("/run_code", json={"code": "x", "files": {"../escape": b64("x")}}), 422),
+        (http.post("/run_code", json={"code": "x", "files": {"a": "***"}}), 422),
+        (http.post("/sessions/none/actions", json={"command": "true"}), 404),
+        (http.post("/sessions", json={"memory_mb": 1}), 422),
+        (http.get("/nowhere"), 404),
+    ]
+    for r, status in cases:
+        assert r.status_code == status, (r.request.url, r.text[:200])
+        assert "error" in r.json()
+    detail = cases[2][0].json()["detail"][0]
+    assert "cobol" in detail["allowed"] and "python" in detail["allowed"]
+    assert http.get("/health").json()["status"] == "ok"
+
+
+def test_refuses_to_start_without_a_sandbox(tmp_path):
+    env = {**os.environ, "PATH": str(tmp_path)}  # no bwrap on PATH
+    r = subprocess.run([sys.executable, "-m", "libra", "serve", "actions", "--port", "0"], env=env,
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2 and "sandbox unavailable" in r.stderr and "--insecure-no-sandbox" in r.stderr
+    assert "Traceback" not in r.stderr
