@@ -141,7 +141,7 @@ def test_an_engine_killed_mid_run_loses_no_session(engines, engine_factory, gate
             base_url=gw.base_url, api_key="x", max_retries=0, timeout=120
         ) as client:
             tasks = [
-                asyncio.create_task(agent_session(client, sid, returns, answer_tokens=200)) for sid in sids
+                asyncio.create_task(agent_session(client, sid, returns, answer_tokens=100)) for sid in sids
             ]
             await asyncio.to_thread(kill_when_busy, gw, a)
             return await asyncio.gather(*tasks)
@@ -181,3 +181,24 @@ def kill_when_busy(gw, victim, after_turns: int = 24, timeout: float = 90.0) -> 
             return
         time.sleep(0.01)
     raise AssertionError("instance a never had requests in flight late enough in the run")
+
+
+def test_a_client_that_leaves_mid_stream_frees_the_engine(engines, gateway_factory):  # noqa: F811
+    short, long_ = engines
+    gw = gateway_factory(*backend_arg(short.url, "short", 1, SHORT), *backend_arg(long_.url, "long", 2, LONG))
+    with openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0, timeout=60) as client:
+        stream = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Write a long story."}], max_tokens=8000,
+            stream=True, extra_body={"ignore_eos": True}, user="leaver",
+        )  # fmt: skip
+        first = [next(iter(stream)) for _ in range(3)]
+        assert first[0].choices[0].delta.role == "assistant"
+        stream.close()
+    # 8000 tokens take far longer than this to generate on a CPU: only an abort frees it in time.
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline:
+        busy = sum(i["outstanding"] for i in gw.get("/admin/instances")[1]["instances"])
+        if busy == 0 and short.get("/health")["running"] == 0:
+            break
+        time.sleep(0.05)
+    assert busy == 0 and short.get("/health")["running"] == 0  # the generation was aborted, not left running

@@ -417,7 +417,7 @@ async def _drive_sessions(url: str, n: int) -> list[tuple[int, ...]]:
 
 
 def test_1000_concurrent_sessions_complete(instant_factory, gateway_factory):  # noqa: F811
-    be = instant_factory("--delay-ms", "1000", ports=2)
+    be = instant_factory("--delay-ms", "500", ports=2)
     gw = gateway_factory(
         *backend_arg(be.urls[0], "short", 1, SHORT), *backend_arg(be.urls[1], "long", 2, LONG)
     )
@@ -452,3 +452,38 @@ def test_a_yaml_config_with_overrides(instant_factory, gateway_factory, tmp_path
     assert [m["id"] for m in gw.get("/v1/models")[1]["data"]] == ["alias", "instant"]
     instances = gw.get("/admin/instances")[1]["instances"]
     assert [(i["id"], i["bucket"], i["url"]) for i in instances] == [("s1", "short", be.urls[0]), ("l1", "long", be.urls[1])]  # fmt: skip
+
+
+def test_completions_pass_through_streamed_or_not(gw):
+    openai = pytest.importorskip("openai")
+    with openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0) as client:
+        r = client.completions.create(model="instant", prompt="x" * 400, user="cmpl-1")
+        assert r.choices[0].text == "Done." and r.usage.prompt_tokens == 100
+        chunks = list(
+            client.completions.create(model="instant", prompt=["a", "b"], stream=True, user="cmpl-1")
+        )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "Done."
+    turns = gw.get("/sessions/cmpl-1")[1]["turns"]
+    assert [t["context_tokens"] for t in turns] == [100, 100]  # the first from chars, then usage-anchored
+
+
+def test_a_backend_dying_mid_stream_ends_the_stream_with_an_error_and_the_session_goes_on(instant_factory, gateway_factory):  # noqa: F811  # fmt: skip
+    openai = pytest.importorskip("openai")
+    dying, alive = instant_factory("--exit-mid-stream"), instant_factory()
+    gw = gateway_factory(*backend_arg(dying.url, "short", 1, SHORT, name="dying"), *backend_arg(alive.url, "long", 2, LONG, name="alive"),
+                         "--set", "health.interval_s=60")  # fmt: skip
+    with openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0) as client:
+        stream = client.chat.completions.create(
+            model="instant", messages=conversation(""), stream=True, user="mid"
+        )
+        with pytest.raises(openai.APIError, match="failed mid-stream"):
+            for _ in stream:
+                pass
+        r = client.chat.completions.with_raw_response.create(
+            model="instant", messages=conversation(""), user="mid"
+        )
+    assert r.headers["X-Libra-Instance"] == "alive" and r.parse().choices[0].message.content == "Done."
+    assert (
+        metric(gw.metrics(), "libra_gateway_upstream_errors_total", instance="dying", kind="mid_stream") == 1
+    )
+    assert gw.get("/health")[1]["routable"] == 1

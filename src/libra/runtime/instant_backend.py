@@ -17,7 +17,9 @@ It speaks enough of the API to be a faithful stand-in:
   (`/health_generate`, `/get_model_info`, `/get_server_info`);
 - `GET /stats`: how many requests it answered (and, with a delay, the most it held at once), so
   tests can count what reached the backends;
-- `--delay-ms` holds every answer that long (to make requests overlap in tests).
+- `--delay-ms` holds every answer that long (to make requests overlap in tests);
+- `--exit-mid-stream` makes the process crash after the first event of a chat stream, so tests
+  can see a backend die halfway through a response.
 
 Run: `python -m libra.runtime.instant_backend --port 0 [--port 0 ...] --model NAME`. One process
 can listen on several ports (each prints `listening on http://HOST:PORT`), which saves a core when
@@ -29,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import signal
 import socket
 import time
@@ -89,8 +92,8 @@ def _tool_to_call(data: dict, rounds: int) -> str | None:
 
 
 class InstantBackend:
-    def __init__(self, model: str, reply: str, delay_s: float, tool_rounds: int, max_context: int):
-        self.model, self.reply, self.delay_s = model, reply, delay_s
+    def __init__(self, model: str, reply: str, delay_s: float, tool_rounds: int, max_context: int, exit_mid_stream: bool = False):  # fmt: skip
+        self.model, self.reply, self.delay_s, self.exit_mid_stream = model, reply, delay_s, exit_mid_stream
         self.tool_rounds, self.max_context = tool_rounds, max_context
         self.ids = itertools.count()
         self.counts = {"chat": 0, "completions": 0, "inflight": 0, "peak_inflight": 0}
@@ -208,8 +211,11 @@ class InstantBackend:
         if isinstance(opts, dict) and opts.get("include_usage"):
             parts.append(_sse({**base, "choices": [], "usage": usage}))
         parts.append(b"data: [DONE]\n\n")
-        for p in parts:  # one write per event, as a real server streams them
+        for k, p in enumerate(parts):  # one write per event, as a real server streams them
             await resp.write(p)
+            if self.exit_mid_stream and k == 0:
+                await asyncio.sleep(0.05)  # let the first event leave, then die as a crash would
+                os._exit(1)
         await resp.write_eof()
         return resp
 
@@ -256,8 +262,9 @@ async def _serve(backend: InstantBackend, socks: list[socket.socket]) -> None:
 @click.option("--reply", default="Done.", show_default=True, help="The text every answer holds.")
 @click.option("--delay-ms", default=0.0, show_default=True, type=click.FloatRange(min=0), help="Hold every answer this long.")  # fmt: skip
 @click.option("--tool-rounds", default=1, show_default=True, type=click.IntRange(min=0), help="Tool calls an 'auto' turn makes before answering.")  # fmt: skip
+@click.option("--exit-mid-stream", is_flag=True, help="Crash (exit at once) after the first event of a chat stream, to test failures.")  # fmt: skip
 @click.option("--max-context", default=32768, show_default=True, type=click.IntRange(min=1), help="Reported in /v1/models.")  # fmt: skip
-def main(host: str, ports: tuple[int, ...], model: str, reply: str, delay_ms: float, tool_rounds: int, max_context: int) -> None:  # fmt: skip
+def main(host: str, ports: tuple[int, ...], model: str, reply: str, delay_ms: float, tool_rounds: int, exit_mid_stream: bool, max_context: int) -> None:  # fmt: skip
     """A minimal, instant OpenAI-compatible backend (for benchmarks and tests)."""
     try:
         socks = [socket.create_server((host, p), backlog=4096) for p in ports]
@@ -265,7 +272,7 @@ def main(host: str, ports: tuple[int, ...], model: str, reply: str, delay_ms: fl
         raise click.BadParameter(
             f"cannot listen on {host}:{ports} ({e.strerror})", param_hint="--port"
         ) from None
-    backend = InstantBackend(model, reply, delay_ms / 1000.0, tool_rounds, max_context)
+    backend = InstantBackend(model, reply, delay_ms / 1000.0, tool_rounds, max_context, exit_mid_stream)
     asyncio.run(_serve(backend, socks))
 
 
