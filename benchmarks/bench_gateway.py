@@ -286,13 +286,17 @@ def main() -> None:
             print("note: sglang-router is not installed (pip install sglang-router); comparison skipped", file=sys.stderr)  # fmt: skip
         wait_http(gw_port, "/v1/chat/completions")
         rounds: dict[str, list[dict]] = {"direct": [], "libra": [], "sglang": []}
+        load_before = os.getloadavg()[0]
         for r in range(args.rounds):
             print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
             rounds["direct"].append(measure("direct", ports[0], None, args, others))
             rounds["libra"].append(measure("libra-gateway", gw_port, gw.pid, args, others))
             if sgl is not None:
                 rounds["sglang"].append(measure("sglang-router", sgl_port, sgl.pid, args, others))
-        report("gateway", summarise(rounds, args, router_core, others))
+        figures = summarise(rounds, args, router_core, others)
+        # Other work on the machine steals time from the pinned router: say how busy it was.
+        figures["loadavg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+        report("gateway", figures)
     finally:
         for p in reversed(procs):
             stop(p)
