@@ -44,17 +44,34 @@ def _libra_zygote():
     sys.modules["__main__"] = main
     with open(path, "rb") as f:
         code = compile(f.read(), path, "exec")
+    status = 0
     try:
         exec(code, main.__dict__)
-    except SystemExit:
-        raise
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            status = (e.code or 0) & 0xFF
+        else:
+            print(e.code, file=sys.stderr)
+            status = 1
     except BaseException as e:
         import traceback
         tb = e.__traceback__
         while tb is not None and tb.tb_frame.f_code.co_filename != path:
             tb = tb.tb_next
         traceback.print_exception(type(e), e, tb)
-        sys.exit(1)
+        status = 1
+    # What interpreter shutdown would do for the program (threads, atexit, flushing), without
+    # tearing down every module, which costs more than the trivial program itself.
+    if "threading" in sys.modules:
+        sys.modules["threading"]._shutdown()
+    import atexit
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(status)
 _libra_zygote()
 """
 
@@ -108,8 +125,7 @@ class WarmPool:
         while self._ready:
             sb = self._ready.popleft()
             if sb.proc.returncode is None:
-                self.refill()
-                return sb
+                return sb  # refilled when it is done, so start-up does not compete with its run
             os.close(sb.ctl)
             self._discard(sb.uid, sb.workdir)
         self.refill()
@@ -130,6 +146,7 @@ class WarmPool:
             return res, self.ws.fetch(sb.workdir, fetch, fetch_max)
         finally:
             self._discard(sb.uid, sb.workdir)
+            self.refill()
 
     def _discard(self, uid: int, workdir: Path) -> None:
         self.ws.remove(workdir)
