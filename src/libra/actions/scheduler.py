@@ -9,11 +9,18 @@ knows about, by three steps on a snapshot:
 2. For each key-resource pool, split the units exactly among the admitted actions (the topology
    operator's DP), then evict admitted actions from the back one at a time, handing their units
    to the rest, while the estimated total ACT improves.
-3. The estimate is that DP plus a completion heap that plays out the queued actions at their
-   minimum as units come free. `depth` bounds how many waves of the queue it plays out (a wave
-   is the set of actions started by releases of the previous wave); actions beyond it are charged
-   the time the next wave would begin. Two waves are where an eviction's effect is visible; past
-   that every candidate shifts the rest of the queue alike, so the bound saves time, not quality.
+3. The estimate is that DP plus a completion heap that plays out the queued actions as units
+   come free. `depth` bounds how many waves of the queue it plays out (a wave is the set of
+   actions started by releases of the previous wave); actions beyond are worked through as a
+   fluid at the pool's full capacity from the next wave on, so every action stays counted. Two
+   waves are where an eviction's effect is visible; past that every candidate shifts the rest of
+   the queue alike, so the bound saves time, not quality.
+
+The playout behaves as the scheduler will: nothing queued starts before the next release (the
+next decision), and an elastic action starts at the release that finishes it first, so "wait a
+moment and start wider" can beat "start now on one core". A pool may price work
+(`work_price`): the split then minimises duration x (1 + price x units), which keeps elastic
+actions narrow while the pool is busy and lets them go wide when it is idle.
 
 Pure: the snapshot is an input, the decision an output; no clock, no I/O, no mutation of inputs.
 """

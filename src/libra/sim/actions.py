@@ -88,7 +88,7 @@ def run(
     names = _system_names(sc, systems)
     n_steps = steps or sc.steps
     progress = progress or (lambda label, frac: None)
-    setup = _Setup(sc, profile)
+    setup = SETUPS[sc.workload](sc, profile)
     results, records, per_step = {}, {}, {}
     for name in names:
         res, recs = simulate_system(setup, name, sc.systems[name], n_steps, seed, progress)
@@ -96,7 +96,7 @@ def run(
         results[name], records[name] = res, recs
     out = {"scenario": sc.name, "kind": "tangram", "workload": sc.workload, "steps": n_steps, "seed": seed}
     out["systems"] = results
-    if sc.workload == "mopd" and sc.equal_act is not None:
+    if setup.sweeps_gpus and sc.equal_act is not None:
         out.update(equal_act_sweep(setup, sc, results, n_steps, seed, progress))
     out["per_step"] = per_step
     if out_dir is not None:
@@ -112,50 +112,64 @@ def _system_names(sc: TangramScenario, systems: list[str] | None) -> list[str]:
     return names
 
 
-class _Setup:
-    """Everything built once per scenario and shared by its systems: the workload and hardware."""
+class CodingSetup:
+    """CPU sandboxes: the coding workload on `cluster.nodes` nodes of cores."""
+
+    sweeps_gpus = False
 
     def __init__(self, sc: TangramScenario, profile):
-        self.sc = sc
-        profiles = load_profiles(sc.profiles)
-        c = sc.cluster
-        if sc.workload == "coding":
-            self.workload = CodingWorkload(sc.coding or CodingParams(), profiles)
-            nodes = [CpuNode.uniform(c.cores_per_node, c.numa_per_node, c.memory_gib_per_node, first=i * c.cores_per_node) for i in range(c.nodes)]  # fmt: skip
-            self.resources = lambda gpus=None: Resources(cpu_nodes=nodes, quota=self._quota())
-        else:
-            if sc.mopd is None:
-                raise ConfigError("mopd", None, "a `mopd:` mapping for workload mopd")
-            eff = profile.rollout if profile is not None else None
-            self.workload = MopdWorkload(sc.mopd, load_catalog(), c.hardware, eff)
-            hw = self.workload.hw
-            self.services = {
-                s: GpuService(name=s, state_gib=self.workload.state_gib(s), workspace_gib=sc.mopd.workspace_gib,
-                              restore_gbps=sc.mopd.restore_gbps, restore_fixed_s=sc.mopd.restore_fixed_s)
-                for s in self.workload.models
-            }  # fmt: skip
-            self.dops = {s: v.dops(hw.memory_gib, hw.gpus_per_node) for s, v in self.services.items()}
-            for s, d in self.dops.items():
-                if not d:
-                    raise ConfigError(
-                        f"mopd.services.{s}", s, f"a model that fits on {hw.gpus_per_node} x {hw.name}"
-                    )
-            self.resources = self._gpu_resources
+        self.sc, c = sc, sc.cluster
+        self.params = sc.coding or CodingParams()
+        self.workload = CodingWorkload(self.params, load_profiles(sc.profiles))
+        self.env_memory_gib = self.params.env_memory_gib
+        self.nodes = [CpuNode.uniform(c.cores_per_node, c.numa_per_node, c.memory_gib_per_node, first=i * c.cores_per_node) for i in range(c.nodes)]  # fmt: skip
 
-    def _quota(self) -> QuotaManager | None:
-        return QuotaManager(self.sc.quotas) if self.sc.quotas else None
-
-    def _gpu_resources(self, gpus: int | None = None) -> Resources:
-        hw = self.workload.hw
-        total = gpus or self.sc.cluster.gpus or 4 * len(self.services)
-        return Resources(gpu_nodes=split_nodes(total, hw.gpus_per_node), gpu_memory_gib=hw.memory_gib,
-                         services=self.services, quota=self._quota())  # fmt: skip
+    def resources(self, gpus: int | None = None) -> Resources:
+        return Resources(cpu_nodes=self.nodes, quota=_quota(self.sc))
 
     def plans(self, step: int, seed: int) -> list[TrajPlan]:
-        rng = random.Random(f"{seed}:{step}")
-        if self.sc.workload == "coding":
-            return self.workload.step(step, rng)
-        return self.workload.step(step, rng, self.dops)
+        return self.workload.step(step, random.Random(f"{seed}:{step}"))
+
+
+class MopdSetup:
+    """GPU services: teacher / reward models on a GPU type, scored per GRPO group."""
+
+    sweeps_gpus = True
+    env_memory_gib = 0.0
+
+    def __init__(self, sc: TangramScenario, profile):
+        if sc.mopd is None:
+            raise ConfigError("mopd", None, "a `mopd:` mapping for workload mopd")
+        self.sc, m = sc, sc.mopd
+        eff = profile.rollout if profile is not None else None
+        self.workload = MopdWorkload(m, load_catalog(), sc.cluster.hardware, eff)
+        self.hw = hw = self.workload.hw
+        self.services = {
+            s: GpuService(name=s, state_gib=self.workload.state_gib(s), workspace_gib=m.workspace_gib,
+                          restore_gbps=m.restore_gbps, restore_fixed_s=m.restore_fixed_s)
+            for s in self.workload.models
+        }  # fmt: skip
+        self.dops = {s: v.dops(hw.memory_gib, hw.gpus_per_node) for s, v in self.services.items()}
+        for s, d in self.dops.items():
+            if not d:
+                raise ConfigError(
+                    f"mopd.services.{s}", s, f"a model that fits on {hw.gpus_per_node} x {hw.name}"
+                )
+
+    def resources(self, gpus: int | None = None) -> Resources:
+        total = gpus or self.sc.cluster.gpus or 4 * len(self.services)
+        return Resources(gpu_nodes=split_nodes(total, self.hw.gpus_per_node), gpu_memory_gib=self.hw.memory_gib,
+                         services=self.services, quota=_quota(self.sc))  # fmt: skip
+
+    def plans(self, step: int, seed: int) -> list[TrajPlan]:
+        return self.workload.step(step, random.Random(f"{seed}:{step}"), self.dops)
+
+
+SETUPS = {"coding": CodingSetup, "mopd": MopdSetup}
+
+
+def _quota(sc: TangramScenario) -> QuotaManager | None:
+    return QuotaManager(sc.quotas) if sc.quotas else None
 
 
 def split_nodes(gpus: int, per_node: int) -> list[int]:
@@ -170,7 +184,9 @@ def split_nodes(gpus: int, per_node: int) -> list[int]:
     return nodes
 
 
-def simulate_system(setup: _Setup, name: str, spec: dict, steps: int, seed: int, progress, overrides=None):
+def simulate_system(
+    setup: CodingSetup | MopdSetup, name: str, spec: dict, steps: int, seed: int, progress, overrides=None
+):
     k = Kernel(seed)
     res = setup.resources(overrides.get("gpus") if overrides else None)
     system = make_system(name, spec, res, k, overrides)
@@ -193,8 +209,10 @@ def simulate_system(setup: _Setup, name: str, spec: dict, steps: int, seed: int,
     return out, records
 
 
-def _run_step(k: Kernel, system, plans: list[TrajPlan], records: list, setup: _Setup) -> None:
-    memory = setup.sc.coding.env_memory_gib if setup.sc.workload == "coding" and setup.sc.coding else 0.0
+def _run_step(
+    k: Kernel, system, plans: list[TrajPlan], records: list, setup: CodingSetup | MopdSetup
+) -> None:
+    memory = setup.env_memory_gib
 
     def advance(plan: TrajPlan, seg: int) -> None:
         if seg >= len(plan.segments):
@@ -268,7 +286,7 @@ def _pct(sorted_xs: list[float], q: float) -> float:
 
 
 def equal_act_sweep(
-    setup: _Setup, sc: TangramScenario, results: dict, steps: int, seed: int, progress
+    setup: CodingSetup | MopdSetup, sc: TangramScenario, results: dict, steps: int, seed: int, progress
 ) -> dict:
     """The fewest pooled GPUs whose mean ACT is no worse than the static baseline's."""
     eq = sc.equal_act
