@@ -16,6 +16,7 @@ admitted actions' part of the total ACT), exactly.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -41,16 +42,16 @@ class SplitItem:
     weight: float = 0.0
 
 
-class TopologyOperator:
+class TopologyOperator(ABC):
     """Base: usage and capacity are tuples compared element-wise; index 0 is total units."""
 
     name = "abstract"
 
-    def zero(self) -> tuple[int, ...]:
-        raise NotImplementedError
+    @abstractmethod
+    def zero(self) -> tuple[int, ...]: ...
 
-    def charge(self, usage: tuple[int, ...], size: int) -> tuple[int, ...]:
-        raise NotImplementedError
+    @abstractmethod
+    def charge(self, usage: tuple[int, ...], size: int) -> tuple[int, ...]: ...
 
     def sizes(self, options: Sequence[int]) -> tuple[int, ...]:
         """The subset of an action's feasible unit counts this topology can grant."""
@@ -60,8 +61,8 @@ class TopologyOperator:
     def fits(usage: tuple[int, ...], capacity: tuple[int, ...]) -> bool:
         return all(u <= c for u, c in zip(usage, capacity, strict=True))
 
-    def split(self, items: Sequence[SplitItem], capacity: tuple[int, ...]) -> tuple[float, list[int]]:
-        raise NotImplementedError
+    @abstractmethod
+    def split(self, items: Sequence[SplitItem], capacity: tuple[int, ...]) -> tuple[float, list[int]]: ...
 
 
 class Fungible(TopologyOperator):

@@ -16,6 +16,7 @@ never reads anything but the kernel's clock.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ class Resources:
     quota: QuotaManager | None = None
 
 
-class ActionSystem:
+class ActionSystem(ABC):
     """Base of the registered system types."""
 
     Params: type[BaseModel]
@@ -75,13 +76,16 @@ class ActionSystem:
         """A trajectory begins; call `ready()` when it may start generating."""
         ready()
 
-    def traj_end(self, traj: str) -> None: ...
+    def traj_end(self, traj: str) -> None:  # noqa: B027 - most systems keep nothing per trajectory
+        """The trajectory ended: free what it held."""
 
+    @abstractmethod
     def submit(self, a: SimAction) -> None:
-        raise NotImplementedError
+        """Take an action; call `a.finish(now)` when it is done."""
 
+    @abstractmethod
     def capacity(self) -> dict:
-        raise NotImplementedError
+        """{"cpu_cores": N} or {"gpus": N}: what the system runs on."""
 
     def restore_busy_s(self) -> float:
         return 0.0
