@@ -263,6 +263,7 @@ def test_decisions_respect_capacity_fcfs_and_feasible_sets(snap):
     free = max(0, cores - used)
     d = ElasticScheduler().decide(view(acts, cores=free, releases=running))
     assert sum(g.units for g in d.grants) <= free
+    assert d.admitted_at_min == len(d.grants) + d.evicted  # evicted ones were admitted, then held back
     ids = [g.action.id for g in d.grants]
     assert ids == [a.id for a in acts[: len(ids)]]  # one pool: always a prefix
     for g in d.grants:

@@ -177,10 +177,6 @@ class GpuManager:
             self._busy[entry.node][g] = None
         entry.last_used = now
 
-    def resident(self) -> list[tuple[str, int, int, int]]:
-        """(service, dop, node, first GPU) of every loaded entry, for reports and tests."""
-        return [(e.service, e.dop, e.node, e.start) for e in self._entries]
-
 
 def _overlaps(e: _Entry, start: int, size: int) -> bool:
     return e.start < start + size and start < e.start + e.dop
