@@ -30,6 +30,9 @@ class Action:
     seq: int = 0
     service: str | None = None  # a GPU service (reward model, teacher) the action runs on
     _options: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
+    # (pool shape, (units, duration) at the minimum): the scheduler's per-pool cache, kept here
+    # because a waiting action is looked at again on every decision until it starts.
+    _at_min: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
     def key(self) -> str | None:

@@ -287,7 +287,16 @@ class _PoolCtx:
         return self.pool.cost(a, m) if self.pool.cost is not None else a.duration(m)
 
     def quick(self, a: Action) -> tuple[int, float]:
-        """(units at minimum, duration at minimum): all the playout needs of a queued action."""
+        """(units at minimum, duration at minimum): all the playout needs of a queued action.
+        Where the duration depends on the action alone it is cached on the action itself."""
+        if self.pool.cost is None:
+            shape = (type(self.pool.operator), self.total)
+            cached = a._at_min
+            if cached is not None and cached[0] == shape:
+                return cached[1]
+            need = self.sizes(a)[0]
+            a._at_min = (shape, (need, a.duration(need)))
+            return a._at_min[1]
         q = self._quick.get(a.id)
         if q is None:
             need = self.sizes(a)[0]
