@@ -23,10 +23,12 @@ $(STAMP_TEST): pyproject.toml | $(BIN)/python
 demo: $(STAMP_CORE)
 	$(BIN)/libra simulate
 
+# The actions service sandboxes with bubblewrap and uses util-linux's setpriv/prlimit/taskset.
 sysdeps:
-	@command -v bwrap >/dev/null 2>&1 || { \
+	@{ command -v bwrap && command -v setpriv && command -v prlimit; } >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    (apt-get update -qq && apt-get install -y -qq bubblewrap) >/dev/null 2>&1 || echo "warning: could not install bubblewrap"; \
+	    (apt-get update -qq && apt-get install -y -qq bubblewrap util-linux) >/dev/null 2>&1 \
+	      || echo "warning: could not install bubblewrap/util-linux"; \
 	  else echo "note: bubblewrap (bwrap) is not installed; sandbox tests will be skipped"; fi; }
 
 test: $(STAMP_TEST) sysdeps
