@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from libra.rollout.routers import LeastLoadedRouter
+
 LISTENING = re.compile(r"listening on (http://[^\s:]+:(\d+))")
 
 
@@ -164,6 +166,22 @@ def gateway_factory(tmp_path):
     yield make
     for p in started:
         p.stop()
+
+
+class ExplodingRouter(LeastLoadedRouter):
+    """A router with a bug: it raises for sessions whose id starts with 'boom' (plugged into a
+    gateway as `--router tests.test_gateway_fixtures:ExplodingRouter`)."""
+
+    name = "exploding"
+
+    def route(self, req, instances):
+        if req.traj_id.startswith("boom"):
+            raise RuntimeError("router bug")
+        return super().route(req, instances)
+
+    def on_finish(self, traj) -> None:
+        if traj.traj_id.startswith("boom"):
+            raise RuntimeError("router bug")
 
 
 # ---- the instant backend answers like an OpenAI server ------------------------------------------

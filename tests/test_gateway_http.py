@@ -487,3 +487,17 @@ def test_a_backend_dying_mid_stream_ends_the_stream_with_an_error_and_the_sessio
         metric(gw.metrics(), "libra_gateway_upstream_errors_total", instance="dying", kind="mid_stream") == 1
     )
     assert gw.get("/health")[1]["routable"] == 1
+
+
+def test_a_router_bug_costs_no_turn_and_no_session(instant_factory, gateway_factory):  # noqa: F811
+    be = instant_factory(ports=2)
+    gw = gateway_factory(*backend_arg(be.urls[0], "short", 1, SHORT), *backend_arg(be.urls[1], "long", 2, LONG),
+                         "--router", "tests.test_gateway_fixtures:ExplodingRouter")  # fmt: skip
+    for turn in ("", "F"):
+        status, _, headers = chat(gw, "boom-1", conversation(turn))
+        assert status == 200 and headers["X-Libra-Bucket"] == "short"  # kept where it is
+    assert gw.post("/sessions/boom-1/finish")[0] == 200
+    assert chat(gw, "fine-1", conversation(""))[0] == 200
+    text = gw.metrics()
+    assert metric(text, "libra_gateway_upstream_errors_total", instance="router", kind="exception") == 2
+    assert metric(text, "libra_gateway_upstream_errors_total", instance="router", kind="on_finish") == 1

@@ -91,7 +91,7 @@ class _Handlers:
         inst = self.gw.pool.add(cfg)
         await self.gw.health.check(inst, threshold=1)
         self.gw.pool.refresh()
-        self.gw._refresh_models()
+        self.gw.refresh_models()
         return web.json_response(inst.describe(), status=201)
 
     async def drain(self, request: web.Request) -> web.Response:
@@ -113,7 +113,7 @@ class _Handlers:
             msg = f"instance {inst.id!r} has {inst.view.outstanding} outstanding requests; drain it and wait, or pass force=true"  # fmt: skip
             raise ApiError(409, msg, "force", "instance_busy")
         self.gw.pool.remove(inst)
-        self.gw._refresh_models()
+        self.gw.refresh_models()
         return web.json_response(inst.describe())
 
     # ---- sessions and steps -------------------------------------------------------------------

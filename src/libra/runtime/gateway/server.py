@@ -98,7 +98,7 @@ class Gateway:
         self.http = aiohttp.ClientSession(connector=conn, cookie_jar=aiohttp.DummyCookieJar(), skip_auto_headers=("User-Agent",))  # fmt: skip
         self.health = HealthChecker(self.pool, self.cfg.health, self.http, self._health_changed)
         await self.health.check_all()  # serve knowing which backends are up
-        self._refresh_models()
+        self.refresh_models()
         self._tasks = [asyncio.create_task(_forever(f)) for f in (self.health.run, self._sweep)]
         if self.tree is not None:
             self._tasks.append(asyncio.create_task(_forever(self.tree.run)))
@@ -115,9 +115,9 @@ class Gateway:
         await self.http.close()
 
     def _health_changed(self, inst: Instance, up: bool) -> None:
-        self._refresh_models()
+        self.refresh_models()
 
-    def _refresh_models(self) -> None:
+    def refresh_models(self) -> None:
         if not self.cfg.models:
             self.known_models = frozenset(self.pool.models())
 
@@ -131,11 +131,18 @@ class Gateway:
                 self.metrics.session_finished(reason)
 
     def feed(self, traj) -> None:
-        """A finished trajectory goes to the router (its tree learns from it)."""
-        if traj.turn_contexts:
+        """A finished trajectory goes to the router (its tree learns from it). A router bug here is
+        logged and counted; the session is finished either way."""
+        if not traj.turn_contexts:
+            return
+        try:
             self.router.on_finish(traj)
-            if self.tree is not None:
-                self.tree.changed()
+        except Exception:
+            log.exception("router %s failed to learn from session %r", getattr(self.router, "name", "?"), traj.traj_id)  # fmt: skip
+            self.metrics.error("router", "on_finish")
+            return
+        if self.tree is not None:
+            self.tree.changed()
 
     # ---- the OpenAI endpoints -------------------------------------------------------------------
 
@@ -297,7 +304,7 @@ class Gateway:
         if e.refused:
             if self.pool.mark_down(inst, e.detail):
                 log.warning("instance %s taken out: %s", inst.id, e.detail)
-                self._refresh_models()
+                self.refresh_models()
         else:  # a reset can be a stale pooled connection: let a health check decide
             self.health.probe_soon(inst)
 
