@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from libra.rollout.base import Bucket, FinishedTrajectory, RouteRequest, bucket_for_length
 from libra.rollout.routers import BaseRouter
-from libra.rollout.tree import CausalTree, TrajectoryLog
+from libra.rollout.tree import CausalTree, CursorTable, Match, TrajectoryLog, best_match
 
 
 def mean_p90_rule(buckets: Sequence[Bucket], current: int, mean_final: float, p90_final: float) -> int:
@@ -50,11 +50,22 @@ class TreeRouterBase(BaseRouter):
         p = self.params
         self.tree = CausalTree(p.window, p.max_depth, p.per_prompt)
         self.log = TrajectoryLog(p.history)
+        self.cursors = CursorTable()
         self.steps_seen = 0
+        self.uses_tree = True  # a subclass that ignores the tree skips its upkeep
+
+    def walks(self, req: RouteRequest):
+        """The trajectory's walks down the global and its prompt's tree, extended incrementally."""
+        return self.cursors.walks(self.tree, req.traj_id, req.prompt_id, req.path)
+
+    def match(self, req: RouteRequest, min_samples: int) -> Match | None:
+        return best_match(*self.walks(req), min_samples)
 
     def on_finish(self, traj: FinishedTrajectory) -> None:
-        self.tree.insert_finished(traj)
-        self.log.add(traj)
+        self.cursors.forget(traj.traj_id)
+        if self.uses_tree:
+            self.tree.insert_finished(traj)
+            self.log.add(traj)
 
     def on_step_end(self, step: int) -> None:
         self.steps_seen += 1
@@ -75,7 +86,7 @@ class PaperCMLFQRouter(TreeRouterBase):
     def target(self, req: RouteRequest, floor: int) -> tuple[int, float | None]:
         if req.current_bucket is None:
             return 0, None
-        match = self.tree.lookup(req.prompt_id, req.path, self.params.min_samples)
+        match = self.match(req, self.params.min_samples)
         if match is None:  # cold start: nothing learned yet, so no reason to move
             return req.current_bucket, None
         mean = req.context_tokens + match.node.mean

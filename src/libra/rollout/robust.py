@@ -41,17 +41,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
 from pydantic import ConfigDict, Field
 
 from libra.rollout.base import FinishedTrajectory, RouteRequest, Status
 from libra.rollout.cmlfq import TreeParams, TreeRouterBase, mean_p90_rule
-from libra.rollout.predictor import LogLinearModel, Prediction, RowBuffer
-from libra.rollout.tree import CausalTree
+from libra.rollout.predictor import (
+    LogLinearModel,
+    Prediction,
+    RowBuffer,
+    select_and_fit,
+)
+from libra.rollout.tree import exact_nodes
 
 FEATURE_GROUPS = ("context", "progress", "last", "tools", "siblings")
 TOOL_SLOTS = 16
 _GROUP_WIDTH = {"context": 2, "progress": 4, "last": 3, "tools": 2 * TOOL_SLOTS, "siblings": 6}
 START_WIDTH = 5
+START, TOOL_RETURN = 0, 1  # kinds of remembered decisions
 MAX_PENDING = 200_000
 
 # ---- what the router knows about GRPO groups -----------------------------------------------------
@@ -126,6 +133,14 @@ class Featurizer:
         self.width = 1 + sum(_GROUP_WIDTH[g] for g in self.groups)
         self.vocab: dict[str, int] = {}
         self.tallies: dict[str, tuple[int, list[int]]] = {}
+
+    def candidates(self) -> list[np.ndarray]:
+        """Column masks of nested input sets: the first group alone, then one group more each time."""
+        out, cols = [], [True]
+        for name in self.groups:
+            cols = cols + [True] * _GROUP_WIDTH[name]
+            out.append(np.array(cols + [False] * (self.width - len(cols))))
+        return out
 
     def slot(self, tool: str) -> int:
         k = self.vocab.get(tool)
@@ -234,13 +249,17 @@ class RobustCMLFQRouter(TreeRouterBase):
     def __init__(self, buckets, cost=None, seed=0, **params):
         super().__init__(buckets, cost, seed, **params)
         p = self.params
+        self.uses_tree = p.tree_prior > 0
         self.book = SiblingBook()
         self.featurizer = Featurizer(p.features, self.book)
         # Two models: a first turn knows only its prompt, a tool return knows much more.
         self.start_model, self.model = LogLinearModel(), LogLinearModel()
         self.start_rows = RowBuffer(p.max_rows, START_WIDTH)
         self.rows = RowBuffer(p.max_rows, self.featurizer.width)
-        self.pending: dict[str, list[tuple[list[float], int]]] = {}
+        self.pending: dict[str, list[tuple[int, list[float], int]]] = {}
+        self.candidates = self.featurizer.candidates()
+        self.chosen = 0  # index of the input set the last fit selected
+        self._fitted_rows = 0
 
     # -- routing --
 
@@ -248,7 +267,7 @@ class RobustCMLFQRouter(TreeRouterBase):
         if req.current_bucket is None:
             return self._start(req)
         x = self.featurizer.row(req, self.book.seen(req))
-        self._remember(req.traj_id, x, req.context_tokens)
+        self._remember(req.traj_id, TOOL_RETURN, x, req.context_tokens)
         if not self.model.fitted:
             return self._cold(req, floor)
         pred = self.model.predict(x, req.context_tokens)
@@ -261,7 +280,7 @@ class RobustCMLFQRouter(TreeRouterBase):
     def _start(self, req: RouteRequest) -> tuple[int, float | None]:
         self.book.seen(req)
         x = self.featurizer.start_row(req)
-        self._remember(req.traj_id, x, req.context_tokens)
+        self._remember(req.traj_id, START, x, req.context_tokens)
         if self.params.start == "smallest" or not self.start_model.fitted:
             return 0, None
         pred = self.start_model.predict(x, req.context_tokens)
@@ -272,7 +291,8 @@ class RobustCMLFQRouter(TreeRouterBase):
         n0 = self.params.tree_prior
         if n0 <= 0:
             return
-        for node in self.tree.exact(req.prompt_id, req.path):
+        depth = min(len(req.path), self.tree.max_depth)
+        for node in exact_nodes(*self.walks(req), depth):
             if node is not None and len(node.samples) >= self.params.min_samples:
                 pred.nodes.append((len(node.samples) / (len(node.samples) + n0), node.sorted_samples()))
 
@@ -300,20 +320,20 @@ class RobustCMLFQRouter(TreeRouterBase):
     def _cold(self, req: RouteRequest, floor: int) -> tuple[int, float | None]:
         """Before the first fit: the paper's rule on the exact-path tree (stay when it is empty)."""
         cur = max(req.current_bucket, floor)
-        m = self.tree.lookup(req.prompt_id, req.path, 1) if self.params.tree_prior > 0 else None
+        m = self.match(req, 1) if self.params.tree_prior > 0 else None
         if m is None:
             return cur, None
         mean = req.context_tokens + m.node.mean
         upper = req.context_tokens + m.node.quantile(self.params.quantile)
         return mean_p90_rule(self.buckets, cur, mean, upper), mean
 
-    def _remember(self, traj_id: str, x: list[float], context: int) -> None:
+    def _remember(self, traj_id: str, kind: int, x: list[float], context: int) -> None:
         rows = self.pending.get(traj_id)
         if rows is None:
             if len(self.pending) >= MAX_PENDING:  # trajectories abandoned without on_finish
                 self.pending.pop(next(iter(self.pending)))
             rows = self.pending[traj_id] = []
-        rows.append((x, context))
+        rows.append((kind, x, context))
 
     # -- learning --
 
@@ -321,10 +341,12 @@ class RobustCMLFQRouter(TreeRouterBase):
         super().on_finish(traj)
         self.book.finish(traj)
         self.featurizer.forget(traj.traj_id)
-        for k, (x, c) in enumerate(self.pending.pop(traj.traj_id, ())):
+        for kind, x, c in self.pending.pop(traj.traj_id, ()):
             y = math.log(max(traj.final_tokens, c) / max(1, c))
-            (self.start_rows if k == 0 else self.rows).add(x, y)
-        if not self.model.fitted:
+            (self.start_rows if kind == START else self.rows).add(x, y, c)
+        # Refit when the data has doubled since the last fit: a long step (or a whole trace replayed
+        # as one step) does not wait for its end to learn, and the cost stays O(log n) fits.
+        if self.rows.n >= max(self.params.min_rows, 2 * self._fitted_rows):
             self._fit()
 
     def on_step_end(self, step: int) -> None:
@@ -334,10 +356,15 @@ class RobustCMLFQRouter(TreeRouterBase):
 
     def _fit(self) -> None:
         p = self.params
-        for model, rows in ((self.start_model, self.start_rows), (self.model, self.rows)):
-            if rows.n >= p.min_rows:
-                x, y = rows.arrays()
-                model.fit(x, y, p.ridge, p.residual_bins)
+        caps = [b.max_context for b in self.buckets]
+        if self.start_rows.n >= p.min_rows:
+            x, y, _ = self.start_rows.arrays()
+            self.start_model.fit(x, y, p.ridge, p.residual_bins)
+        if self.rows.n < p.min_rows:
+            return
+        x, y, c = self.rows.arrays()
+        self.chosen, self.model = select_and_fit(x, y, c, self.candidates, caps, p.ridge, p.residual_bins)
+        self._fitted_rows = self.rows.n
 
 
 class ContextPriorRouter(RobustCMLFQRouter):
@@ -351,7 +378,3 @@ class ContextPriorRouter(RobustCMLFQRouter):
         params.setdefault("features", ["context"])
         params.setdefault("tree_prior", 0.0)
         super().__init__(buckets, cost, seed, **params)
-
-
-# A CausalTree is part of the router's state; re-exported for callers that save or merge it.
-__all__ = ["CausalTree", "ContextPriorRouter", "RobustCMLFQRouter", "SiblingBook"]

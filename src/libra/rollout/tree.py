@@ -163,27 +163,21 @@ class CausalTree:
             nodes.append(node)
         return nodes
 
+    def walks(self, prompt_id: str, path: Sequence[ToolState]) -> tuple[list[Node], list[Node]]:
+        """Nodes along `path` from the global root and from the prompt's root (empty if none)."""
+        proot = self.prompts.get(prompt_id) if self.per_prompt else None
+        return self.walk(self.root, path), (self.walk(proot, path) if proot is not None else [])
+
     def lookup(self, prompt_id: str, path: Sequence[ToolState], min_samples: int = 1) -> Match | None:
         """The deepest node on `path` with at least `min_samples`, the prompt's tree winning ties.
 
         None only when the tree is empty (cold start) or no node on the path has enough samples.
         """
-        best = deepest(self.walk(self.root, path), min_samples)
-        best = Match(best[0], best[1], False) if best else None
-        proot = self.prompts.get(prompt_id) if self.per_prompt else None
-        if proot is not None:
-            mine = deepest(self.walk(proot, path), min_samples)
-            if mine and (best is None or mine[1] >= best.depth):
-                return Match(mine[0], mine[1], True)
-        return best
+        return best_match(*self.walks(prompt_id, path), min_samples)
 
     def exact(self, prompt_id: str, path: Sequence[ToolState]) -> tuple[Node | None, Node | None]:
         """The global and the prompt's node for exactly `path` (None where the path is unseen)."""
-        depth = min(len(path), self.max_depth)
-        g = self.walk(self.root, path)
-        proot = self.prompts.get(prompt_id) if self.per_prompt else None
-        p = self.walk(proot, path) if proot is not None else []
-        return (g[-1] if len(g) == depth + 1 else None, p[-1] if len(p) == depth + 1 else None)
+        return exact_nodes(*self.walks(prompt_id, path), min(len(path), self.max_depth))
 
     def node_count(self) -> int:
         return self.root.size() + sum(r.size() for r in self.prompts.values())
@@ -229,6 +223,84 @@ class CausalTree:
         except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
             raise LibraError(f"causal tree {path}: cannot be read as JSON ({e})") from None
         return cls.from_dict(data)
+
+
+class Cursor:
+    """A trajectory's walk down one root, kept between its turns.
+
+    A trajectory's path only grows, so the walk of turn k+1 is the walk of turn k plus the new
+    state: caching it makes a lookup O(1) per turn instead of O(depth), which is what keeps a
+    decision on a 100-turn SWE trajectory inside the latency budget. Nodes are never replaced
+    except by a rebuild or a load (the tree's generation changes), so cached nodes stay valid, and
+    a walk that stopped at an unseen state retries that one state each turn, in case a finished
+    sibling has added it since.
+    """
+
+    __slots__ = ("generation", "nodes")
+
+    def __init__(self) -> None:
+        self.generation = -1
+        self.nodes: list[Node] = []
+
+    def advance(self, tree: CausalTree, root: Node, path: Sequence[ToolState]) -> list[Node]:
+        nodes = self.nodes
+        if (
+            self.generation != tree.generation
+            or not nodes
+            or nodes[0] is not root
+            or len(nodes) > len(path) + 1
+        ):
+            self.generation, nodes = tree.generation, [root]
+            self.nodes = nodes
+        limit = min(len(path), tree.max_depth)
+        node = nodes[-1]
+        while len(nodes) <= limit:
+            node = node.child(path[len(nodes) - 1])
+            if node is None:
+                break
+            nodes.append(node)
+        return nodes
+
+
+class CursorTable:
+    """Cursors of running trajectories (global and per-prompt walk), bounded in number."""
+
+    __slots__ = ("cursors", "limit")
+
+    def __init__(self, limit: int = 200_000):
+        self.cursors: dict[str, tuple[Cursor, Cursor]] = {}
+        self.limit = limit
+
+    def walks(self, tree: CausalTree, traj_id: str, prompt_id: str, path: Sequence[ToolState]):
+        """(global nodes, prompt nodes) along `path`; the prompt's list is empty without a tree."""
+        pair = self.cursors.get(traj_id)
+        if pair is None:
+            if len(self.cursors) >= self.limit:  # trajectories abandoned without on_finish
+                self.cursors.pop(next(iter(self.cursors)))
+            pair = self.cursors[traj_id] = (Cursor(), Cursor())
+        g = pair[0].advance(tree, tree.root, path)
+        proot = tree.prompts.get(prompt_id) if tree.per_prompt else None
+        return g, (pair[1].advance(tree, proot, path) if proot is not None else [])
+
+    def forget(self, traj_id: str) -> None:
+        self.cursors.pop(traj_id, None)
+
+
+def best_match(glob: Sequence[Node], mine: Sequence[Node], min_samples: int) -> Match | None:
+    """From two walks: the deepest node with `min_samples`, the prompt's walk winning ties."""
+    g = deepest(glob, min_samples)
+    p = deepest(mine, min_samples)
+    if p is not None and (g is None or p[1] >= g[1]):
+        return Match(p[0], p[1], True)
+    return Match(g[0], g[1], False) if g is not None else None
+
+
+def exact_nodes(glob: Sequence[Node], mine: Sequence[Node], depth: int) -> tuple[Node | None, Node | None]:
+    """From two walks: the nodes at exactly `depth`, where the walks got that far."""
+    return (
+        glob[depth] if len(glob) > depth else None,
+        mine[depth] if len(mine) > depth else None,
+    )
 
 
 def deepest(nodes: Sequence[Node], min_samples: int) -> tuple[Node, int] | None:
