@@ -331,12 +331,36 @@ def main() -> None:
                 rounds["sglang"].append(measure("sglang-router", sgl_port, sgl.pid, args, placement))
         figures = summarise(rounds, args, router_core, others)
         figures.update(gateway_overhead(gw_port))
+        figures["libra_policy_us_per_turn"] = round(policy_cost(args.router), 1)
         # Other work on the machine steals time from the pinned router: say how busy it was.
         figures["loadavg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
         report("gateway", figures)
     finally:
         for p in reversed(procs):
             stop(p)
+
+
+def policy_cost(router_name: str, turns: int = 4000) -> float:
+    """CPU microseconds per turn of the gateway's own work, in process and without HTTP: decoding
+    the body, tracking the session (tool-state classification included) and the router's decision."""
+    from libra.rollout.base import Bucket, InstanceView
+    from libra.rollout.registry import make_router
+    from libra.rollout.tool_state import SizeThresholds
+    from libra.runtime.gateway.config import SessionConfig
+    from libra.runtime.gateway.sessions import SessionTracker
+
+    buckets = [Bucket("short", 1, 8192), Bucket("long", 2, 32768)]
+    router = make_router(router_name, buckets)
+    views = [InstanceView("a", 0, 1, 0, 256, True), InstanceView("b", 1, 2, 0, 256, True)]
+    tracker = SessionTracker(SessionConfig(), SizeThresholds())
+    raw = turn_bodies()
+    bodies = [raw[k % 4].replace(PROMPT_SLOT, b"%08d" % (k // 4 // GROUP)) for k in range(turns)]
+    t0 = time.process_time()
+    for k, body in enumerate(bodies):
+        s = tracker.open(f"s{k // 4}", None, 0)
+        req = tracker.begin_turn(s, json.loads(body)["messages"])
+        tracker.routed(s, req, router.route(req, views))
+    return (time.process_time() - t0) / turns * 1e6
 
 
 def gateway_overhead(port: int) -> dict:
