@@ -101,6 +101,9 @@ def _load_scenario(name: str) -> dict:
 
 def build_problem(sc: dict, gpus: int | None, catalogs, profile) -> PlanningProblem:
     cluster, wl, ro = _section(sc, "cluster"), _section(sc, "workload"), _section(sc, "rollout")
+    staleness = _section(sc, "pipeline").get("staleness", 1)
+    if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+        raise ConfigError("pipeline.staleness", staleness, "an integer >= 0")
     cat = load_catalog(catalogs)
     hw = cat.hardware(str(cluster.get("hardware")), "cluster.hardware")
     model = cat.model(str(sc.get("model")), "model")
@@ -118,7 +121,7 @@ def build_problem(sc: dict, gpus: int | None, catalogs, profile) -> PlanningProb
         max_length=_int(wl, "workload.max_length", 40960),
         max_num_seqs=_int(ro, "rollout.max_num_seqs", 256),
         max_num_batched_tokens=_int(ro, "rollout.max_num_batched_tokens", 8192),
-        profile=load_profile(profile),
+        profile=load_profile(profile), staleness=staleness,
     )  # fmt: skip
 
 

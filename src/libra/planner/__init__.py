@@ -31,6 +31,7 @@ from libra.planner.plan import (
     check_plan,
     diff,
     pack,
+    pipeline_period,
     place,
     reconfig_cost_s,
 )
@@ -53,5 +54,5 @@ __all__ = [
     "JoinReplica", "JoinState", "ParallelismSelector", "ParallelismSwitch", "PipelineSignals", "Plan",
     "Placement", "PlanDecision", "PlanDiff", "PlannerConfig", "PlanningProblem", "ReleaseReplica", "Role",
     "SelectorConfig", "TransitionError", "Trigger", "WorkloadStats", "check_plan", "check_triggers",
-    "diff", "make_planner", "make_pool", "pack", "phase_seconds", "place", "reconfig_cost_s", "should_apply",
+    "diff", "make_planner", "make_pool", "pack", "phase_seconds", "pipeline_period", "place", "reconfig_cost_s", "should_apply",
 ]  # fmt: skip

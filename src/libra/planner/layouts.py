@@ -52,15 +52,26 @@ class RolloutEvaluator:
             )
         count = np.bincount(k, None, m) * s
         prefill = np.bincount(k, a["prefill"], m) * s
-        return RangeArrays(count, gen, prefill, ctx, lines_g, lines_t, present, edges)
+        kv_ctx = np.bincount(k, a["final"], m) * s / np.maximum(count, 1e-9)
+        tool = np.bincount(k, a["tool"], m) * s / np.maximum(count, 1e-9)
+        return RangeArrays(count, gen, prefill, ctx, kv_ctx, tool, lines_g, lines_t, present, edges)
 
     def bucket_times(self, buckets: Sequence[BucketPlan]) -> np.ndarray:
         r = self.groups([b.max_context for b in buckets])
         ti = np.asarray([self._tp_index(b.tp) for b in buckets])
         n = np.asarray([b.instances for b in buckets], dtype=np.int64)
         pf = np.asarray([self.tables.prefill_per_token(t, r.ctx[i : i + 1])[0] for i, t in enumerate(ti)])
-        times = self.tables.range_cost(ti, n, r, pf, self.tables.batch_cap(ti, r.ctx))
+        times = self.tables.range_cost(ti, n, r, pf, self.tables.batch_cap(ti, r.kv_ctx))
         return np.where(r.count > 0, times, 0.0)
+
+    def work(self, buckets: Sequence[BucketPlan]) -> float:
+        """The busiest bucket's engine time per batch (the work bound alone)."""
+        r = self.groups([b.max_context for b in buckets])
+        ti = np.asarray([self._tp_index(b.tp) for b in buckets])
+        n = np.asarray([b.instances for b in buckets], dtype=np.int64)
+        pf = np.asarray([self.tables.prefill_per_token(t, r.ctx[i : i + 1])[0] for i, t in enumerate(ti)])
+        work = self.tables.range_work(ti, n, r, pf, self.tables.batch_cap(ti, r.kv_ctx))
+        return float(np.where(r.count > 0, work, 0.0).max()) if buckets else 0.0
 
     def makespan(self, buckets: Sequence[BucketPlan]) -> float:
         return float(self.bucket_times(buckets).max()) if buckets else float("inf")

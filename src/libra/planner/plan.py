@@ -46,15 +46,16 @@ class Plan:
     train: TrainParallel
     buckets: tuple[BucketPlan, ...]
     t_train_s: float
-    t_rollout_s: float
+    t_rollout_s: float  # makespan of one batch's rollout
     context_bound: int
     hybrid_replicas: int = 0
     planner: str = ""
+    rollout_work_s: float = 0.0  # the busiest bucket's engine time per batch: a throughput floor
+    staleness: int = 1
 
     @property
     def step_time_s(self) -> float:
-        """The asynchronous pipeline overlaps the two stages, so a step takes the slower one."""
-        return max(self.t_train_s, self.t_rollout_s)
+        return pipeline_period(self.t_train_s, self.t_rollout_s, self.rollout_work_s, self.staleness)
 
     @property
     def idle_gpus(self) -> int:
@@ -89,10 +90,26 @@ class Plan:
             "t_train_s": round(self.t_train_s, 3),
             "t_rollout_s": round(self.t_rollout_s, 3),
             "step_time_s": round(self.step_time_s, 3),
+            "rollout_work_s": round(self.rollout_work_s, 3),
+            "staleness": self.staleness,
             "context_bound": self.context_bound,
             "hybrid_replicas": self.hybrid_replicas,
             "planner": self.planner,
         }
+
+
+def pipeline_period(t_train: float, t_rollout: float, work: float = 0.0, staleness: int = 1) -> float:
+    """Seconds per step of the asynchronous pipeline in steady state.
+
+    With staleness s, rollout of step k+s+1 starts when training of step k ends, and training of
+    step k starts when its rollout ends (and step k-1 has trained). When rollout is the slower
+    stage, s+1 step periods therefore hold one rollout makespan plus one training step:
+    (s+1) P = T_rollout + T_train. Training alone bounds P from below (it runs one step at a
+    time), and so does the rollout engines' busy time per batch (they cannot overlap more work
+    than they can do). s = 0 gives the sequential T_rollout + T_train; a large s gives
+    max(T_train, work): the "max(T_train, T_rollout)" of a fully overlapped pipeline.
+    """
+    return max(t_train, (t_rollout + t_train) / (staleness + 1), work)
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from libra.core.errors import ConfigError, InfeasibleError
 from libra.planner.config import ElasticConfig, PlannerConfig, SelectorConfig
 from libra.planner.layouts import LAYOUTS, RolloutEvaluator, fill_leftover
-from libra.planner.plan import BucketPlan, Plan, check_plan, diff, reconfig_cost_s
+from libra.planner.plan import BucketPlan, Plan, check_plan, diff, pipeline_period, reconfig_cost_s
 from libra.planner.problem import PlanningProblem
 from libra.planner.rollout_dp import EngineTables, fit_boundaries
 from libra.planner.selector import ParallelismSelector
@@ -72,7 +72,7 @@ class GlobalPlanner:
         self.selector = ParallelismSelector(problem, selector, self.config)
         self.train_search = TrainSearch(problem, self.config)
         all_tps = [1 << k for k in range(problem.hw.gpus_per_node.bit_length())]
-        self.tables = EngineTables(problem, all_tps, self.config.tail_fraction)
+        self.tables = EngineTables(problem, all_tps, self.config.tail_fraction, self.config.kv_headroom)
         self._layouts: dict[tuple, object] = {}
 
     # ---- search ----------------------------------------------------------------------------
@@ -124,7 +124,7 @@ class GlobalPlanner:
         if not self.config.memoise:  # the no-memo baseline: solve each split's rollout side afresh
             layout = LAYOUTS[self.layout](self.tables, self.problem, stats, self.config)
         t_roll = layout.best(rollout_gpus)
-        return (max(c.time_s, t_roll), c.time_s + t_roll)
+        return (pipeline_period(c.time_s, t_roll, 0.0, self.problem.staleness), c.time_s + t_roll)
 
     def _build(self, c: TrainChoice, layout, stats: WorkloadStats, bound: int) -> Plan | None:
         gpus = self.problem.gpus - c.par.gpus
@@ -140,7 +140,7 @@ class GlobalPlanner:
             total_gpus=self.problem.gpus, train_gpus=c.par.gpus, rollout_gpus=used, train=c.par,
             buckets=buckets, t_train_s=c.time_s, t_rollout_s=max(b.predicted_s for b in buckets),
             context_bound=bound, hybrid_replicas=int(self.config.hybrid_fraction * used // replica_gpus),
-            planner=self.name,
+            planner=self.name, rollout_work_s=ev.work(buckets), staleness=self.problem.staleness,
         )  # fmt: skip
 
     def _no_rollout_message(self, trains: dict[int, TrainChoice]) -> str:
@@ -165,9 +165,8 @@ class GlobalPlanner:
             t_train = float("inf")
         ev = RolloutEvaluator(self.tables, self.problem, stats)
         buckets = ev.with_times(plan.buckets)
-        return replace(
-            plan, t_train_s=t_train, t_rollout_s=max(b.predicted_s for b in buckets), buckets=buckets
-        )
+        t_roll, work = max(b.predicted_s for b in buckets), ev.work(plan.buckets)
+        return replace(plan, t_train_s=t_train, t_rollout_s=t_roll, buckets=buckets, rollout_work_s=work)
 
     def retune(self, plan: Plan, stats: WorkloadStats) -> Plan:
         """`plan` with the bucket boundaries that suit `stats` best; engines and split unchanged."""

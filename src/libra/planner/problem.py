@@ -28,12 +28,16 @@ class PlanningProblem:
     max_num_batched_tokens: int = 8192
     gpu_memory_utilization: float = 0.9
     profile: Profile = field(default_factory=Profile)
+    staleness: int = 1  # rollout may run this many steps ahead of training (scenario pipeline.staleness)
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "prompts_per_step", "samples_per_prompt", "max_length", "max_num_seqs"):
+        for name in ("nodes", "prompts_per_step", "samples_per_prompt", "max_length", "max_num_seqs",
+                     "max_num_batched_tokens"):  # fmt: skip
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(name, v, "an integer >= 1")
+        if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) or self.staleness < 0:
+            raise ConfigError("staleness", self.staleness, "an integer >= 0")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("gpu_memory_utilization", self.gpu_memory_utilization, "a number in (0, 1]")
 

@@ -49,10 +49,14 @@ INF = float("inf")
 class EngineTables:
     """Per allowed TP: KV capacity, decode-step coefficients and prefill cost per token."""
 
-    __slots__ = ("tps", "kvcap", "A", "K", "_pf_grid", "_pf", "max_num_seqs", "tail_fraction")
+    __slots__ = ("tps", "kvcap", "A", "K", "_pf_grid", "_pf", "max_num_seqs", "tail_fraction", "kv_headroom",
+                 "inflight")  # fmt: skip
 
-    def __init__(self, problem: PlanningProblem, tps: list[int], tail_fraction: float = 0.25):
-        self.tail_fraction = tail_fraction
+    def __init__(
+        self, problem: PlanningProblem, tps: list[int], tail_fraction: float = 0.25, kv_headroom: float = 0.7
+    ):
+        self.tail_fraction, self.kv_headroom = tail_fraction, kv_headroom
+        self.inflight = problem.staleness + 1  # batches the rollout engines may hold at once
         self.tps = np.asarray([t for t in tps if problem.tp_allowed(t)], dtype=np.int64)
         self.max_num_seqs = problem.max_num_seqs
         models = [problem.rollout_model(int(t)) for t in self.tps]
@@ -72,24 +76,55 @@ class EngineTables:
     def prefill_per_token(self, ti: int, ctx: np.ndarray) -> np.ndarray:
         return np.interp(ctx, self._pf_grid, self._pf[ti])
 
-    def batch_cap(self, ti: np.ndarray, ctx: np.ndarray) -> np.ndarray:
-        """Sequences an engine runs at once: max_num_seqs, capped by KV capacity at the mean context."""
-        return np.clip(np.floor(self.kvcap[ti] / np.maximum(ctx, 1.0)), 1, self.max_num_seqs)
+    def batch_cap(self, ti: np.ndarray, kv_ctx: np.ndarray) -> np.ndarray:
+        """Trajectories an engine keeps going at once: max_num_seqs, capped by KV capacity.
+
+        An agent's KV stays resident between its turns (evicting it means prefilling the whole
+        context again), so each trajectory is charged its final length, not its mean context.
+        """
+        return np.clip(np.floor(self.kvcap[ti] / np.maximum(kv_ctx, 1.0)), 1, self.max_num_seqs)
 
     def range_cost(self, ti, n, r: RangeArrays, pf, bcap) -> np.ndarray:
         """Makespan of ranges `r` on n engines of TP index ti (all arrays broadcast together)."""
-        n_eff = np.minimum(n, np.maximum(1.0, np.ceil(r.count)))  # an engine with no work adds nothing
-        b = np.clip(np.ceil(r.count / n_eff), 1, bcap).astype(np.int64)
-        x = self.A[ti, b] + self.K[ti] * b * r.ctx
-        work = (r.gen * x / b + r.prefill * pf) / n_eff
-        bt = np.maximum(1, (b * self.tail_fraction).astype(np.int64))
-        x_tail = self.A[ti, bt] + self.K[ti] * bt * r.ctx
-        full = (r.line_gen * x[..., None, None] + r.line_tool).max(axis=-1)  # slowest per step, full batch
+        work, x_busy, x_tail, b = self._work(ti, n, r, pf, bcap)
+        full = (r.line_gen * x_busy[..., None, None] + r.line_tool).max(axis=-1)  # slowest per step, busy
         tail = (r.line_gen * x_tail[..., None, None] + r.line_tool).max(axis=-1)  # ... once the batch drained
         w = work[..., None]
         drained = np.where(full > w, w + (1 - w / np.maximum(full, 1e-12)) * tail, full)
         floor = (drained * r.present).sum(axis=-1) / np.maximum(r.present.sum(axis=-1), 1.0)
-        return np.maximum(work, floor)
+        # The trajectories an engine carries keep their KV between turns; if together they outgrow
+        # the cache the engine preempts and recomputes over and over (vLLM admits on the blocks
+        # free now, not on those a sequence will need). In the simulator, a load of k times the
+        # headroom made a range roughly k^2 slower than this estimate (k = 1.2: 1.55x; k = 2: 4.3x;
+        # k = 10: 10x), so the estimate is scaled by k^2 past the headroom: the search steers clear
+        # of such layouts but still ranks them when nothing else fits.
+        # With staleness s the engines hold up to s + 1 batches: the next batch starts while this
+        # one's trajectories still run. How much they overlap is how long a typical trajectory
+        # lives against the range's makespan: agents that mostly wait on tools live as long as the
+        # batch (their KV doubles up); short reasoning finishes early and frees its KV.
+        makespan = np.maximum(work, floor)
+        n_eff = np.minimum(n, np.maximum(1.0, np.ceil(r.count)))
+        lives = r.gen / np.maximum(r.count, 1e-9) * x_busy + r.tool
+        overlap = 1 + (self.inflight - 1) * np.clip(lives / np.maximum(makespan, 1e-12), 0, 1)
+        demand = overlap * np.ceil(r.count / n_eff) * r.kv_ctx
+        over = np.maximum(1.0, demand / (self.kv_headroom * self.kvcap[ti]))
+        return makespan * over * over
+
+    def range_work(self, ti, n, r: RangeArrays, pf, bcap) -> np.ndarray:
+        """The work bound alone: the seconds the engines are busy with the range's tokens."""
+        return self._work(ti, n, r, pf, bcap)[0]
+
+    def _work(self, ti, n, r: RangeArrays, pf, bcap):
+        n_eff = np.minimum(n, np.maximum(1.0, np.ceil(r.count)))  # an engine with no work adds nothing
+        b = np.clip(np.ceil(r.count / n_eff), 1, bcap).astype(np.int64)
+        x = self.A[ti, b] + self.K[ti] * b * r.ctx
+        work = (r.gen * x / b + r.prefill * pf) / n_eff
+        # While the engine is busy, each decode iteration also carries its share of the other
+        # trajectories' prefill chunks (prompts, tool returns): the iteration a straggler sees.
+        x_busy = x + r.prefill * pf * b / np.maximum(r.gen, 1.0)
+        bt = np.maximum(1, (b * self.tail_fraction).astype(np.int64))
+        x_tail = self.A[ti, bt] + self.K[ti] * bt * r.ctx
+        return work, x_busy, x_tail, b
 
 
 def _prefill_per_token(model, ctx: float) -> float:
@@ -105,7 +140,9 @@ class RangeArrays:
     count: np.ndarray
     gen: np.ndarray
     prefill: np.ndarray
-    ctx: np.ndarray
+    ctx: np.ndarray  # generated-token weighted mean context while decoding: attention cost
+    kv_ctx: np.ndarray  # mean final length: the KV each trajectory holds by its end
+    tool: np.ndarray  # mean tool seconds per trajectory
     line_gen: np.ndarray  # (ranges, steps, LINES): champion trajectories' generated tokens ...
     line_tool: np.ndarray  # ... and their tool seconds (stats.champion_lines)
     present: np.ndarray  # (ranges, steps): 1 where the step has a trajectory in the range
@@ -121,7 +158,7 @@ def all_ranges(bins: LengthBins, max_length: int) -> tuple[np.ndarray, np.ndarra
     jj, ii = np.triu_indices(B + 1, k=1)
     cs = {
         k: np.concatenate([[0.0], np.cumsum(getattr(bins, k))])
-        for k in ("count", "gen", "prefill", "gen_ctx")
+        for k in ("count", "gen", "prefill", "gen_ctx", "final", "tool")
     }
     seg = {k: cs[k][ii] - cs[k][jj] for k in cs}
     # Per step, each line's champion over the range is the bin whose champion scores highest on it.
@@ -139,11 +176,12 @@ def all_ranges(bins: LengthBins, max_length: int) -> tuple[np.ndarray, np.ndarra
     # The last range is the catch-all bucket: it must hold anything up to the length limit.
     maxctx = np.where(ii == B, float(max_length), bins.final_max[ii - 1])
     ctx = seg["gen_ctx"] / np.maximum(seg["gen"], 1e-9)
-    return (
-        jj,
-        ii,
-        RangeArrays(seg["count"], seg["gen"], seg["prefill"], ctx, line_gen, line_tool, present, maxctx),
+    kv_ctx = seg["final"] / np.maximum(seg["count"], 1e-9)
+    tool = seg["tool"] / np.maximum(seg["count"], 1e-9)
+    arrays = RangeArrays(
+        seg["count"], seg["gen"], seg["prefill"], ctx, kv_ctx, tool, line_gen, line_tool, present, maxctx
     )
+    return jj, ii, arrays
 
 
 def _range_argmax(values: np.ndarray, jj: np.ndarray, ii: np.ndarray) -> np.ndarray:
@@ -201,7 +239,7 @@ class LayoutDP:
         for t in range(self.T):
             sel = self.ti == t
             self.pf[sel] = tables.prefill_per_token(t, self.r.ctx[sel])
-        self.bcap = tables.batch_cap(self.ti, self.r.ctx)
+        self.bcap = tables.batch_cap(self.ti, self.r.kv_ctx)
         self.cross = np.ones(len(self.ti), dtype=np.int64)  # per element: the last row's crossing n
         key = self.ii * self.T + self.ti
         self.seg_start = np.flatnonzero(np.r_[True, key[1:] != key[:-1]]) if len(key) else np.zeros(0, int)
@@ -357,7 +395,7 @@ def fit_boundaries(
             return None
         ti = np.full(len(jj), hits[0])
         cost = tables.range_cost(
-            ti, np.full(len(jj), n), r, _pf(tables, ti, r.ctx), tables.batch_cap(ti, r.ctx)
+            ti, np.full(len(jj), n), r, _pf(tables, ti, r.ctx), tables.batch_cap(ti, r.kv_ctx)
         )
         last = ii == B
         ok = tables.kvcap[ti] >= min_concurrent * r.max_context

@@ -36,6 +36,8 @@ class LengthBins:
     gen: np.ndarray
     prefill: np.ndarray
     gen_ctx: np.ndarray
+    final: np.ndarray  # summed final lengths: the KV a bin's trajectories hold at their peak
+    tool: np.ndarray  # summed tool seconds
     final_max: np.ndarray
     line_gen: np.ndarray  # (bins, steps, LINES)
     line_tool: np.ndarray  # (bins, steps, LINES)
@@ -196,13 +198,26 @@ class WorkloadStats:
         a = self.arrays(batch_size)
         groups = np.array_split(np.arange(self.size), min(n_bins, self.size))
         scale, n_steps = batch_size / self.size, int(a["step"].max()) + 1
-        keys = ("count", "gen", "prefill", "gen_ctx", "final_max", "line_gen", "line_tool", "present")
+        keys = (
+            "count",
+            "gen",
+            "prefill",
+            "gen_ctx",
+            "final",
+            "tool",
+            "final_max",
+            "line_gen",
+            "line_tool",
+            "present",
+        )
         agg = {k: [] for k in keys}
         for g in groups:
             agg["count"].append(len(g) * scale)
             agg["gen"].append(a["gen"][g].sum() * scale)
             agg["prefill"].append(a["prefill"][g].sum() * scale)
             agg["gen_ctx"].append((a["gen"][g] * a["ctx"][g]).sum() * scale)
+            agg["final"].append(a["final"][g].sum() * scale)
+            agg["tool"].append(a["tool"][g].sum() * scale)
             agg["final_max"].append(a["final"][g].max())
             lg, lt, present = champion_lines(a["gen"][g], a["tool"][g], a["step"][g], n_steps)
             agg["line_gen"].append(lg)
