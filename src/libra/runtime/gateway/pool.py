@@ -33,6 +33,10 @@ from libra.runtime.gateway.config import BackendConfig, HealthConfig
 log = logging.getLogger("libra.gateway")
 
 
+# The OpenAI endpoints the gateway forwards, by the kind of request.
+ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
 class AdminState(IntEnum):
     ACTIVE = 0
     DRAINING = 1
@@ -62,13 +66,11 @@ class Instance:
     changed_at: float = field(default_factory=time.monotonic)
     # Precomputed once, as parsed URLs and a ready header set: the hot path must not parse URLs or
     # build these per request.
-    chat_url: URL | None = None
-    completions_url: URL | None = None
+    urls: dict[str, URL] = field(default_factory=dict)  # by endpoint kind: "chat", "completions"
     headers: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.chat_url = URL(self.cfg.url + "/v1/chat/completions")
-        self.completions_url = URL(self.cfg.url + "/v1/completions")
+        self.urls = {kind: URL(self.cfg.url + path) for kind, path in ENDPOINTS.items()}
         self.headers = {"Content-Type": "application/json"}
         if self.cfg.api_key:
             self.headers["Authorization"] = "Bearer " + self.cfg.api_key

@@ -233,7 +233,7 @@ class Gateway:
         inst = self.pool.instances[dec.instance]
         stream = data.get("stream") is True
         for attempt in (0, 1):
-            url = inst.chat_url if kind == "chat" else inst.completions_url
+            url = inst.urls[kind]
             inst.view.outstanding += 1
             t_up = perf()
             try:
