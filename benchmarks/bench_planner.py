@@ -1,15 +1,19 @@
-"""Global planner search time: the whole search (split, training parallelism, bucket DP) from cold.
+"""Global planner: search time, and how its predictions and plans fare in the simulator.
 
-Goals: <= 1 s at 128 GPUs and <= 10 s at 1024 GPUs. Published (Libra): 12.3 s at 128 GPUs
-without memoisation, 1.9 s with it; the same two variants are timed here side by side.
-Cases: R2E-Gym, Qwen3-14B on 16 x 8 A800 (128 GPUs, GRPO 32 x 16), and the shipped
-`scale-1024gpu` scenario (Qwen3-32B on 128 x 8 H100, GRPO 512 x 16). The history is the
-scenario workload generator's step 0. Each figure is the median of fresh planners (no warm cache).
-Also measured: the rollout estimate's error against the simulator (`libra.sim`), per scenario
-and layout, as MAPE and mean bias over 8 steps: the planner's `evaluate` of the very layout the
-simulator ran (static-uniform: one TP4 bucket; router:oracle: the scenario's TP1/TP2/TP4 buckets,
-routed by true length, which is what the estimate assumes) on that step's trajectories.
-Run: .venv/bin/python benchmarks/bench_planner.py [--no-accuracy]
+Search time: the whole search (split, training parallelism, bucket DP) from cold, median of fresh
+planners. Goals: <= 1 s at 128 GPUs and <= 10 s at 1024 GPUs. Published (Libra): 12.3 s at 128
+GPUs without memoisation, 1.9 s with it; both variants are timed side by side. Cases: R2E-Gym,
+Qwen3-14B on 16 x 8 A800 (128 GPUs, GRPO 32 x 16), and the shipped `scale-1024gpu` scenario
+(Qwen3-32B on 128 x 8 H100, GRPO 512 x 16); history: the workload generator's step 0.
+
+Against the simulator (`libra.sim`, 8 steps, seed 0) on the three 48-GPU paper scenarios, four
+layouts each: the scenario's static-uniform split (one TP4 bucket), its three-bucket layout
+(TP1/TP2/TP4, routed by true length), and the planner's homogeneous and heterogeneous plans made
+from steps 0-2 (the heterogeneous one routed by true length, the routing the estimate assumes).
+- `step_time`: predicted pipeline period (`Plan.step_time_s` from `GlobalPlanner.evaluate` on
+  each step's trajectories, averaged) against the simulated mean step time of steps 1-7;
+- `throughput_tok_s`: simulated generated tokens per second of each layout.
+Run: .venv/bin/python benchmarks/bench_planner.py [--no-sim]
 """
 
 from __future__ import annotations
@@ -25,21 +29,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import report  # noqa: E402
 from libra.costmodel.catalog import load_catalog  # noqa: E402
 from libra.costmodel.training import TrainParallel  # noqa: E402
-from libra.planner import BucketPlan, GlobalPlanner, Plan, PlannerConfig, PlanningProblem, WorkloadStats  # noqa: E402
-from libra.sim.pipeline import run as simulate  # noqa: E402
+from libra.planner import (  # noqa: E402
+    BucketPlan,
+    GlobalPlanner,
+    HomogeneousPlanner,
+    Plan,
+    PlannerConfig,
+    PlanningProblem,
+    WorkloadStats,
+    place,
+)
+from libra.rollout.base import Bucket  # noqa: E402
+from libra.sim.pipeline import Batches, RLSim  # noqa: E402
+from libra.sim.rl_config import parse_rl  # noqa: E402
 from libra.sim.scenarios import load_scenario  # noqa: E402
+from libra.sim.systems import InstanceSpec, Setup, System  # noqa: E402
 from libra.sim.workloads import WorkloadConfig, make_workload  # noqa: E402
 
 
-def case(scenario: str, nodes: int | None) -> tuple[PlanningProblem, WorkloadStats]:
-    sc, cat = load_scenario(scenario), load_catalog()
-    wl = sc["workload"]
-    problem = PlanningProblem(
+def problem_of(sc: dict, nodes: int | None = None) -> PlanningProblem:
+    cat, wl = load_catalog(), sc["workload"]
+    return PlanningProblem(
         cat.hardware(sc["cluster"]["hardware"]), nodes or sc["cluster"]["nodes"], cat.model(sc["model"]),
         wl["prompts_per_step"], wl["samples_per_prompt"], wl["max_length"],
+        staleness=sc.get("pipeline", {}).get("staleness", 1),
     )  # fmt: skip
-    trajs = make_workload(WorkloadConfig(**wl)).generate(0, random.Random(0))
-    return problem, WorkloadStats.from_trajectories(trajs)
 
 
 def search_s(problem: PlanningProblem, stats: WorkloadStats, repeats: int, memoise: bool = True) -> dict:
@@ -59,55 +73,97 @@ def search_s(problem: PlanningProblem, stats: WorkloadStats, repeats: int, memoi
     }
 
 
-def accuracy(scenario: str, steps: int = 8) -> dict:
-    """Predicted vs simulated rollout makespan of two fixed layouts, step by step."""
-    sc = load_scenario(scenario)
-    problem, _ = case(scenario, None)
-    planner, wl = GlobalPlanner(problem), make_workload(WorkloadConfig(**sc["workload"]))
+def search_figures() -> dict:
+    out = {}
+    for label, name, nodes, runs in (
+        ("128_gpus", "libra-r2e-48gpu", 16, 5),
+        ("1024_gpus", "scale-1024gpu", None, 3),
+    ):
+        sc = load_scenario(name)
+        trajs = make_workload(WorkloadConfig(**sc["workload"])).generate(0, random.Random(0))
+        problem, stats = problem_of(sc, nodes), WorkloadStats.from_trajectories(trajs)
+        out[f"search_{label}"] = search_s(problem, stats, runs)
+        if label == "128_gpus":
+            out["search_128_gpus_no_memo"] = search_s(problem, stats, 3, memoise=False)
+    return out
+
+
+class PlanSystem(System):
+    """A simulated system that runs one fixed plan (placed with `place`), with a given router."""
+
+    def __init__(self, plan: Plan, router: str, name: str):
+        self.plan, self.router, self.name = plan, router, name
+
+    def setup(self, sc, hw):
+        where = place(self.plan, hw.gpus_per_node)
+        engines = [
+            InstanceSpec(b.tp, k, node)
+            for k, (b, nodes) in enumerate(zip(self.plan.buckets, where.engines, strict=True))
+            for node in nodes
+        ]
+        buckets = [Bucket(f"b{k}", b.tp, b.max_context) for k, b in enumerate(self.plan.buckets)]
+        return Setup(False, self.plan.train_gpus, engines, buckets, self.router, self.plan.train)
+
+
+def scenario_layouts(sc: dict, problem: PlanningProblem) -> dict[str, Plan]:
     tr, ro, t = sc["split"]["train_gpus"], sc["split"]["rollout_gpus"], sc["train"]
     par = TrainParallel(t["tp"], t["pp"], tr // (t["tp"] * t["pp"] * t["cp"]), t["cp"], t["micro_batch"])
-    per_node = problem.hw.gpus_per_node
-    hetero = {}
+    per_node, counts = problem.hw.gpus_per_node, {}
     for tp in sc["rollout"]["layout_per_node"]:
-        hetero[tp] = hetero.get(tp, 0) + ro // per_node
-    layouts = {
-        "static-uniform": [(sc["rollout"]["homogeneous_tp"], ro // sc["rollout"]["homogeneous_tp"])],
-        "router:oracle": sorted(hetero.items()),
+        counts[tp] = counts.get(tp, 0) + ro // per_node
+    three = tuple(BucketPlan(b["tp"], counts[b["tp"]], b["max_context"]) for b in sc["rollout"]["buckets"])
+    uniform = (
+        BucketPlan(
+            sc["rollout"]["homogeneous_tp"], ro // sc["rollout"]["homogeneous_tp"], problem.max_length
+        ),
+    )
+    return {
+        "static-uniform": Plan(problem.gpus, tr, ro, par, uniform, 0.0, 0.0, problem.max_length),
+        "scenario-3-buckets": Plan(problem.gpus, tr, ro, par, three, 0.0, 0.0, problem.max_length),
     }
-    out = {}
-    for system, engines in layouts.items():
-        tops = (
-            [b["max_context"] for b in sc["rollout"]["buckets"]] if len(engines) > 1 else [problem.max_length]
+
+
+def against_sim(name: str, steps: int = 8) -> dict:
+    sc_raw, cat = load_scenario(name), load_catalog()
+    sc, problem = parse_rl(sc_raw, cat), problem_of(sc_raw)
+    batches = Batches(sc, 0)
+    history = WorkloadStats.from_trajectories([t for s in range(3) for t in batches.get(s)])
+    layouts = scenario_layouts(sc_raw, problem)
+    layouts["planner-homogeneous"] = HomogeneousPlanner(problem).plan(history)
+    layouts["planner-heterogeneous"] = GlobalPlanner(problem).plan(history)
+    evaluator, out = GlobalPlanner(problem), {}
+    for label, plan in layouts.items():
+        router = "oracle" if len(plan.buckets) > 1 else "least-loaded"
+        sim = RLSim(sc, PlanSystem(plan, router, label), batches, steps, 0)
+        summary, per_step = sim.run(), sim.per_step()
+        simulated = statistics.mean(p["step_time_s"] for p in per_step[1:])
+        predicted = statistics.mean(
+            evaluator.evaluate(plan, WorkloadStats.from_trajectories(batches.get(s))).step_time_s
+            for s in range(steps)
         )
-        buckets = tuple(BucketPlan(tp, n, top) for (tp, n), top in zip(engines, tops, strict=True))
-        plan = Plan(problem.gpus, tr, ro, par, buckets, 0.0, 0.0, problem.max_length)
-        sim = simulate(sc, [system], steps, 0, None, lambda *_: None)["per_step"][system]
-        errs = []
-        for r in sim:
-            trajs = wl.generate(r["step"], random.Random(r["step"]))  # the simulator's batch (seed 0)
-            est = planner.evaluate(plan, WorkloadStats.from_trajectories(trajs)).t_rollout_s
-            errs.append(est / r["rollout_makespan_s"] - 1)
-        out[system] = {
-            "mape_pct": round(100 * statistics.mean(abs(e) for e in errs), 1),
-            "bias_pct": round(100 * statistics.mean(errs), 1),
+        out[label] = {
+            "split": f"{plan.train_gpus}/{plan.rollout_gpus}",
+            "buckets": [f"TP{b.tp}x{b.instances}<={b.max_context}" for b in plan.buckets],
+            "step_time_sim_s": round(simulated, 1),
+            "step_time_predicted_s": round(predicted, 1),
+            "throughput_tok_s": round(summary["throughput_tokens_per_s"], 1),
+            "preemptions": summary["preemptions"],
         }
+    errors = [abs(v["step_time_predicted_s"] / v["step_time_sim_s"] - 1) for v in out.values()]
+    out["step_time_mape_pct"] = round(100 * statistics.mean(errors), 1)
     return out
 
 
 def main() -> None:
-    p128, s128 = case("libra-r2e-48gpu", nodes=16)
-    p1024, s1024 = case("scale-1024gpu", nodes=None)
     figures = {
-        "search_128_gpus": search_s(p128, s128, 5),
-        "search_128_gpus_no_memo": search_s(p128, s128, 3, memoise=False),
-        "search_1024_gpus": search_s(p1024, s1024, 3),
+        **search_figures(),
         "goal_128_s": 1.0,
         "goal_1024_s": 10.0,
         "published_128_s": {"memoised": 1.9, "no_memo": 12.3},
     }
-    if "--no-accuracy" not in sys.argv:
+    if "--no-sim" not in sys.argv:
         names = ("libra-r2e-48gpu", "libra-searchr1-48gpu", "libra-dapo-48gpu")
-        figures["rollout_estimate_vs_sim"] = {n: accuracy(n) for n in names}
+        figures["against_simulator"] = {n: against_sim(n) for n in names}
     report("planner", figures)
 
 

@@ -40,9 +40,9 @@ class PlannerConfig(BaseModel):
     # fraction of the full batch. Calibrated against the simulator (docs/planner.md, "Accuracy").
     tail_fraction: float = Field(0.25, gt=0, le=1)
     # The share of the KV cache a bucket's trajectories per engine may fill, each charged its final
-    # context. Past it engines preempt and recompute, and the estimate grows with the square of the
-    # overload (see rollout_dp.EngineTables.range_cost).
-    kv_headroom: float = Field(0.7, gt=0, le=1)
+    # context. Past it engines preempt and recompute, and the estimate grows with the fourth power
+    # of the overload (see rollout_dp.EngineTables.range_cost).
+    kv_headroom: float = Field(0.75, gt=0, le=1)
     # Keep the DP table across the splits of one search and across searches on the same stats.
     # Off only to measure what memoisation buys (benchmarks/bench_planner.py).
     memoise: bool = True
