@@ -55,6 +55,7 @@ def instance_lists(draw):
                 cap=draw(st.integers(1, 6)),
                 healthy=draw(st.booleans()),
                 node=draw(st.integers(0, 2)),
+                kv_usage=draw(st.sampled_from([0.0, 0.5, 0.95, 1.0])),
             )
         )
     return out

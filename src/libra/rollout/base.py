@@ -18,6 +18,9 @@ from typing import Protocol, runtime_checkable
 
 from libra.core.errors import LibraError
 
+# An instance whose KV cache is this full takes no new work while another instance has room.
+KV_SATURATED = 0.9
+
 
 class PayloadSize(IntEnum):
     SMALL = 0
@@ -58,10 +61,13 @@ class InstanceView:
     cap: int = 256
     healthy: bool = True
     node: int = 0
+    # Fraction of the instance's KV cache in use (0 when the mechanism does not report it). The
+    # request cap alone cannot see that a small-TP engine is full of long contexts.
+    kv_usage: float = 0.0
 
     @property
     def saturated(self) -> bool:
-        return not self.healthy or self.outstanding >= self.cap
+        return not self.healthy or self.outstanding >= self.cap or self.kv_usage >= KV_SATURATED
 
 
 class MigrationMethod(IntEnum):

@@ -92,16 +92,19 @@ def choose_instance(
 ) -> InstanceView:
     """The instance for a trajectory whose router chose bucket `target` (see the module doc).
 
-    Inside a bucket: the current instance (it holds the prefix) if it is there and not saturated,
-    else the one with the fewest outstanding requests, ties to the earliest in the list.
+    Inside a bucket: the current instance (it holds the prefix) if it is there and under its
+    request cap, else the one with the fewest outstanding requests among those not saturated
+    (request cap or KV cache), ties to the earliest in the list.
     """
     best: dict[int, InstanceView] = {}
     keep: InstanceView | None = None
     for inst in instances:
+        if inst.id == current and inst.healthy and inst.outstanding < inst.cap:
+            # Its KV cache already holds this trajectory: a full cache is no reason to move it
+            # (the engine evicts or preempts); only the request cap is.
+            keep = inst
         if inst.saturated:
             continue
-        if inst.id == current:
-            keep = inst
         b = best.get(inst.bucket)
         if b is None or inst.outstanding < b.outstanding:
             best[inst.bucket] = inst

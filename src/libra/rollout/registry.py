@@ -59,12 +59,14 @@ def make_router(
 ) -> Router:
     """Build the router `name` (a registered name or `pkg.mod:Class`) with validated params."""
     cls = router_class(name)
+    if not isinstance(cls, type) or not all(hasattr(cls, m) for m in ("route", "on_finish", "on_step_end")):
+        raise ConfigError("rollout.router", name, "a class with route, on_finish and on_step_end")
     try:
         router = cls(buckets, cost=cost, seed=seed, **params)
     except TypeError as e:  # an outside class with another constructor
         raise ConfigError(
             "rollout.router", name, f"a class taking (buckets, cost, seed, **params): {e}"
         ) from None
-    if not isinstance(router, Router):
-        raise ConfigError("rollout.router", name, "a class with route, on_finish and on_step_end")
+    if not isinstance(router, Router):  # e.g. no `name` attribute
+        raise ConfigError("rollout.router", name, "a Router (name, route, on_finish, on_step_end)")
     return router

@@ -231,7 +231,7 @@ class RobustParams(TreeParams):
     )
     rule: Literal["gain", "mean-p90"] = "gain"
     move_cost: float = Field(
-        default=0.25, ge=0, description="Tokens placed right that one moved token must buy (rule=gain)."
+        default=0.1, ge=0, description="Tokens placed right that one moved token must buy (rule=gain)."
     )
     start: Literal["smallest", "predicted"] = "predicted"
     ridge: float = Field(default=1e-3, ge=0, description="Ridge penalty per row (standardised features).")

@@ -3,10 +3,10 @@
 The simulator has its own calibrated workload generators; these two exist so that `libra.rollout`
 can be tested and benchmarked on its own, on two regimes that matter for C-MLFQ:
 
-- `search_like`: short Search-R1-style agents with few tool types. Paths repeat across prompts, and
-  what a search returns changes what happens next (an empty result makes the agent search again, a
-  long document usually ends the search), so the exact path is informative. The published C-MLFQ
-  works here.
+- `search_like`: Search-R1-style agents with two tools. Paths repeat across prompts, and the
+  path says where the agent is: its first call reveals a short or a multi-hop plan, and a whole
+  document (a large return) means the answer comes next. The exact path is informative, and the
+  published C-MLFQ works here.
 - `swe_like`: long software-engineering agents (tens of turns, a dozen tools, large and varied
   returns). Paths are unique after a few turns, and the final length depends on how hard the task
   is and how verbose the repository is, which shows up in the context's growth rather than in the
@@ -46,12 +46,16 @@ def search_like(
 ) -> list[Trajectory]:
     """Search-R1-style trajectories: `steps` x `prompts` x `samples` (GRPO groups).
 
-    Prompts are drawn from a pool of `prompt_pool` (default 4x prompts per step) so some recur in
-    later steps, as in multi-epoch training.
+    A question needs some number of retrieval hops (more for harder prompts). The agent's first
+    call reveals its plan: `lookup` (snippets) for one- or two-hop questions, `search` (result
+    pages) for multi-hop ones; every hop but the last returns snippets or a page, the last returns
+    the whole document (a large return) and the agent answers next; a failed call is retried. So
+    the path of states says how far along the agent is. Prompts come from a pool of `prompt_pool`
+    (default 4x prompts per step), so some recur in later steps, as in multi-epoch training.
     """
     rng = random.Random(seed)
     pool = prompt_pool or 4 * prompts
-    hardness = [rng.betavariate(2, 3) for _ in range(pool)]
+    hardness = [rng.random() for _ in range(pool)]
     plen = [int(_lognormal(rng, 300, 0.4)) + 50 for _ in range(pool)]
     out = []
     for step in range(steps):
@@ -63,39 +67,21 @@ def search_like(
 
 
 def _search_turns(rng: random.Random, hard: float) -> list[Turn]:
+    hops = max(1, min(6, round(1 + 5 * hard + rng.gauss(0.0, 0.8))))
+    tool = SEARCH_TOOLS[1] if hops <= 2 else SEARCH_TOOLS[0]
+    hop_return = 250 if tool == "lookup" else 1000
     turns: list[Turn] = []
-    for _ in range(12):
-        think = int(_lognormal(rng, 180 + 300 * hard, 0.5))
-        if len(turns) >= 1 and rng.random() < _stop_prob(turns, hard):
-            turns.append(Turn(int(_lognormal(rng, 150 + 400 * hard, 0.4))))
-            return turns
-        tool = SEARCH_TOOLS[0] if rng.random() < 0.8 else SEARCH_TOOLS[1]
-        turns.append(_search_return(rng, tool, think, hard))
+    done = 0
+    while done < hops and len(turns) < 12:
+        think = int(_lognormal(rng, 200, 0.4))
+        if rng.random() < 0.1:  # the retriever errored out: the agent retries the hop
+            turns.append(Turn(think, tool, int(_lognormal(rng, 30, 0.3)), ToolStatus.FAILURE))
+            continue
+        done += 1
+        size = 6500 if done == hops else hop_return
+        turns.append(Turn(think, tool, int(_lognormal(rng, size, 0.15)), ToolStatus.SUCCESS))
     turns.append(Turn(int(_lognormal(rng, 300, 0.4))))
     return turns
-
-
-def _search_return(rng: random.Random, tool: str, think: int, hard: float) -> Turn:
-    r = rng.random()
-    if r < 0.08 + 0.1 * hard:  # the search service errored out
-        return Turn(think, tool, int(_lognormal(rng, 30, 0.3)), ToolStatus.FAILURE)
-    if r < 0.35 + 0.2 * hard:  # nothing useful: a few snippets
-        return Turn(think, tool, int(_lognormal(rng, 250, 0.3)), ToolStatus.SUCCESS)
-    if r < 0.9:  # a page of results
-        return Turn(think, tool, int(_lognormal(rng, 1500, 0.4)), ToolStatus.SUCCESS)
-    return Turn(think, tool, int(_lognormal(rng, 7000, 0.3)), ToolStatus.SUCCESS)  # a whole document
-
-
-def _stop_prob(turns: list[Turn], hard: float) -> float:
-    """Answer after a big page of results, keep searching after failures and empty results."""
-    last = turns[-1]
-    if last.tool_status != ToolStatus.SUCCESS:
-        return 0.05
-    if last.tool_return_tokens > 5000:
-        return 0.85
-    if last.tool_return_tokens > 500:
-        return 0.55 - 0.3 * hard
-    return 0.15
 
 
 def swe_like(

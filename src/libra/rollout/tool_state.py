@@ -14,6 +14,7 @@ Both size classes come from the same `SizeThresholds`, so live and simulated sta
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from libra.core.config import build
 from libra.core.trajectory import ToolStatus, Trajectory, Turn
 from libra.rollout.base import PayloadSize, Status, ToolState
 
@@ -86,6 +88,15 @@ class SizeThresholds(BaseModel):
 
 
 DEFAULT_THRESHOLDS = SizeThresholds()
+
+
+@functools.lru_cache(maxsize=64)
+def thresholds(small_max: int = 500, medium_max: int = 5000, unit: str = "tokens") -> SizeThresholds:
+    """Validated thresholds (cached: `classify` runs on every tool return). Bad values raise a
+    one-line ConfigError naming the field."""
+    return build(
+        SizeThresholds, {"small_max": small_max, "medium_max": medium_max, "unit": unit}, "tool_state"
+    )
 
 
 def tool_name(tool: object) -> str:
@@ -206,7 +217,12 @@ def classify(
     text (bytes as decoded, structures as compact JSON), converted to tokens at 4 characters each
     when `unit` is tokens.
     """
-    th = SizeThresholds(small_max=small_max, medium_max=medium_max, unit=unit)
+    try:
+        th = thresholds(small_max, medium_max, unit)
+    except TypeError:  # unhashable values cannot be cached; validate them to get the ConfigError
+        th = build(
+            SizeThresholds, {"small_max": small_max, "medium_max": medium_max, "unit": unit}, "tool_state"
+        )
     text = _as_text(content)
     status = status_from_hint(status_hint)
     if status is None and isinstance(content, dict):

@@ -209,7 +209,7 @@ class CausalTree:
             tree = cls(int(data["window"]), int(data["max_depth"]), bool(data["per_prompt"]))
             tree.root = _node_from_dict(data["global"])
             tree.prompts = {str(p): _node_from_dict(n) for p, n in data["prompts"].items()}
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
             raise LibraError(f"causal tree: malformed node data ({type(e).__name__}: {e})") from None
         return tree
 
@@ -346,32 +346,33 @@ def state_from_key(key: str) -> ToolState:
     return ToolState(tool, PayloadSize(int(size)), Status(int(status)))
 
 
-def _node_to_dict(root: Node) -> dict:
-    """Encode iteratively: paths can be deeper than Python's recursion limit."""
-    out: dict = {}
-    stack = [(root, out)]
+def _node_to_dict(root: Node) -> list:
+    """A flat list of [parent index, state key, count, window], root first (parent -1).
+
+    Flat on purpose: a nested encoding of a path hundreds of states deep overflows the JSON
+    encoder's and decoder's recursion limits.
+    """
+    out: list = [[-1, None, root.count, list(root.samples)]]
+    stack = [(root, 0)]
     while stack:
-        node, rec = stack.pop()
-        rec["n"], rec["w"] = node.count, list(node.samples)
-        if node.children:
-            rec["c"] = {}
-            for state, child in node.children.items():
-                rec["c"][state_key(state)] = sub = {}
-                stack.append((child, sub))
+        node, index = stack.pop()
+        for state, child in (node.children or {}).items():
+            out.append([index, state_key(state), child.count, list(child.samples)])
+            stack.append((child, len(out) - 1))
     return out
 
 
-def _node_from_dict(d: dict) -> Node:
-    root = Node()
-    stack = [(root, d)]
-    while stack:
-        node, rec = stack.pop()
-        node.samples = [int(x) for x in rec["w"]]
+def _node_from_dict(rows: list) -> Node:
+    nodes: list[Node] = []
+    for parent, key, count, samples in rows:
+        node = Node() if parent < 0 else nodes[parent].child_or_new(state_from_key(key))
+        node.samples = [int(x) for x in samples]
         node.total = sum(node.samples)
-        node.count = int(rec["n"])
-        for key, child in (rec.get("c") or {}).items():
-            stack.append((node.child_or_new(state_from_key(key)), child))
-    return root
+        node.count = int(count)
+        nodes.append(node)
+    if not nodes:
+        raise ValueError("a tree needs its root")
+    return nodes[0]
 
 
 class TrajectoryLog:

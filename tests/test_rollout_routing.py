@@ -1,0 +1,294 @@
+"""The bucket rule, instance choice, migration pricing, and each router's own behaviour."""
+
+from __future__ import annotations
+
+import pytest
+
+from libra.core.errors import ConfigError
+from libra.rollout.base import (
+    Bucket,
+    FinishedTrajectory,
+    InstanceView,
+    MigrationMethod,
+    PayloadSize,
+    RouteRequest,
+    Status,
+    ToolState,
+)
+from libra.rollout.cmlfq import PaperCMLFQRouter, mean_p90_rule
+from libra.rollout.placement import CostModelCoster, choose_instance, migration_method
+from libra.rollout.registry import ROUTERS, make_router
+from libra.rollout.routers import BaseRouter
+
+B = [Bucket("short", 1, 4096), Bucket("medium", 2, 12288), Bucket("long", 4, 40960)]
+S = ToolState("search", PayloadSize.SMALL, Status.SUCCESS)
+X = ToolState("brand-new-tool", PayloadSize.LARGE, Status.FAILURE)
+
+
+def inst(i, bucket, outstanding=0, cap=8, healthy=True, node=0):
+    return InstanceView(f"i{i}", bucket, B[bucket].tp, outstanding, cap, healthy, node)
+
+
+def one_per_bucket():
+    return [inst(0, 0), inst(1, 1), inst(2, 2)]
+
+
+def req(turn=1, context=3000, path=(S,), cur=0, inst_id="i0", **kw):
+    return RouteRequest("t", "p", 0, turn, 2000, context, context - 2000, tuple(path), cur, inst_id, **kw)
+
+
+# ---- the bucket rule --------------------------------------------------------------------------
+
+
+def test_mean_and_p90_disagree_means_no_move():
+    assert mean_p90_rule(B, 0, mean_final=8000, p90_final=20000) == 0
+
+
+def test_mean_and_p90_agree_on_another_bucket_means_move():
+    assert mean_p90_rule(B, 0, mean_final=6000, p90_final=11000) == 1
+    assert mean_p90_rule(B, 0, mean_final=13000, p90_final=30000) == 2
+    assert mean_p90_rule(B, 2, mean_final=1000, p90_final=3000) == 0
+
+
+def test_agreement_on_the_current_bucket_is_no_move():
+    assert mean_p90_rule(B, 1, mean_final=5000, p90_final=12000) == 1
+
+
+def trained_paper_router(finals):
+    r = PaperCMLFQRouter(B)
+    for i, f in enumerate(finals):
+        r.on_finish(FinishedTrajectory(f"f{i}", "q", 0, (S,), (2000, 3000), f))
+    return r
+
+
+def test_paper_router_stays_when_mean_and_p90_disagree():
+    # remaining after S: mean ~5.6K, P90 ~23K -> finals map to medium and long: disagree
+    r = trained_paper_router([5000] * 8 + [26000] * 2)
+    d = r.route(req(), one_per_bucket())
+    assert d.bucket == 0 and not d.migrate
+
+
+def test_paper_router_moves_when_they_agree():
+    r = trained_paper_router([7000] * 10)
+    d = r.route(req(), one_per_bucket())
+    assert d.bucket == 1 and d.migrate and d.method == MigrationMethod.KV_TRANSFER
+    assert d.predicted_final_tokens == pytest.approx(7000)
+
+
+@pytest.mark.parametrize("name", ["cmlfq", "cmlfq-paper", "classic-mlfq", "context-prior"])
+def test_every_trajectory_starts_in_the_smallest_bucket_when_nothing_is_known(name):
+    r = make_router(name, B)
+    d = r.route(req(turn=0, path=(), cur=None, inst_id=None), one_per_bucket())
+    assert d.bucket == 0 and not d.migrate
+
+
+@pytest.mark.parametrize("name", sorted(ROUTERS))
+def test_a_context_that_outgrows_its_bucket_always_moves_up(name):
+    r = make_router(name, B)
+    d = r.route(req(context=5000, cur=0, true_final_tokens=5200), one_per_bucket())
+    assert d.bucket >= 1
+
+
+# ---- cold start and unseen tools ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["cmlfq", "cmlfq-paper", "context-prior"])
+def test_cold_start_stays_put(name):
+    r = make_router(name, B)
+    for k in range(1, 6):
+        d = r.route(req(turn=k, path=(S,) * k, context=2000 + 300 * k), one_per_bucket())
+        assert d.bucket == 0 and not d.migrate
+
+
+@pytest.mark.parametrize("name", ["cmlfq", "cmlfq-paper"])
+def test_unseen_tool_types_fall_back_to_what_is_known(name):
+    r = make_router(name, B)
+    from libra.rollout.evaluate import evaluate
+    from libra.rollout.synthetic import search_like
+
+    evaluate(r, search_like(steps=3, prompts=6, samples=4, seed=2), B)
+    d = r.route(req(turn=3, path=(S, X, X), context=3500), one_per_bucket())
+    assert d.instance in {"i0", "i1", "i2"}
+    # the unseen state stops the walk at the known prefix
+    m = r.tree.lookup("p", (S, X, X))
+    assert m is not None and m.depth <= 1
+
+
+# ---- instance choice ----------------------------------------------------------------------------
+
+
+def test_fewest_outstanding_inside_the_bucket():
+    insts = [inst(0, 0, outstanding=5), inst(1, 0, outstanding=2), inst(2, 0, outstanding=2)]
+    assert choose_instance(insts, 0, 0, 3, None).id == "i1"
+
+
+def test_prefers_the_instance_holding_the_prefix():
+    insts = [inst(0, 0, outstanding=5), inst(1, 0, outstanding=0)]
+    assert choose_instance(insts, 0, 0, 3, "i0").id == "i0"
+    # ... unless it is saturated
+    insts[0].outstanding = 8
+    assert choose_instance(insts, 0, 0, 3, "i0").id == "i1"
+
+
+def test_a_full_kv_cache_saturates_new_placements_but_does_not_evict_its_own():
+    insts = [inst(0, 0), inst(1, 0, outstanding=3), inst(2, 1)]
+    insts[0].kv_usage = 0.95
+    assert insts[0].saturated
+    assert choose_instance(insts, 0, 0, 3, None).id == "i1"  # a new trajectory avoids the full cache
+    assert choose_instance(insts, 0, 0, 3, "i0").id == "i0"  # the one whose KV is there stays
+
+
+def test_saturated_bucket_falls_back_to_a_neighbour():
+    insts = [inst(0, 0, outstanding=8), inst(1, 1, outstanding=3), inst(2, 2)]
+    assert choose_instance(insts, 0, 0, 3, None).id == "i1"
+    # a neighbour below the floor (too small for the context) is never used
+    insts = [inst(0, 0), inst(1, 1, outstanding=8), inst(2, 2, outstanding=7)]
+    assert choose_instance(insts, 1, 1, 3, None).id == "i2"
+
+
+def test_all_saturated_still_routes_to_the_least_loaded_healthy():
+    insts = [inst(0, 0, outstanding=9), inst(1, 1, outstanding=8, healthy=False), inst(2, 2, outstanding=12)]
+    assert choose_instance(insts, 0, 0, 3, None).id == "i0"
+
+
+def test_unhealthy_instances_are_never_chosen():
+    insts = [inst(0, 0, healthy=False), inst(1, 1, outstanding=7)]
+    assert choose_instance(insts, 0, 0, 3, "i0").id == "i1"
+
+
+# ---- migration method ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def coster(catalog):
+    from libra.costmodel.rollout import RolloutCostModel
+
+    hw, model = catalog.hardware("a800-80g"), catalog.model("qwen3-14b")
+    return CostModelCoster([RolloutCostModel(hw, model, b.tp) for b in B])
+
+
+def test_coster_kv_transfer_beats_reprefill_at_long_context(coster):
+    kv, prefill = coster.costs(0, 2, 40_000, inter_node=False)
+    assert kv < prefill
+    kv_far, _ = coster.costs(0, 2, 40_000, inter_node=True)
+    assert kv_far > kv  # the inter-node link is slower
+
+
+def test_migration_method_choices(coster):
+    insts = [inst(0, 0, node=0), inst(1, 1, node=1)]
+    assert migration_method(coster, insts, None, insts[1], 5000) == MigrationMethod.NONE
+    assert migration_method(coster, insts, "i1", insts[1], 5000) == MigrationMethod.NONE
+    assert migration_method(coster, insts, "i0", insts[1], 5000) in (
+        MigrationMethod.KV_TRANSFER,
+        MigrationMethod.REPREFILL,
+    )
+    # the source is gone or unhealthy: its KV cache cannot be read
+    assert migration_method(coster, insts, "gone", insts[1], 5000) == MigrationMethod.REPREFILL
+    insts[0].healthy = False
+    assert migration_method(coster, insts, "i0", insts[1], 5000) == MigrationMethod.REPREFILL
+    # without a coster: KV transfer
+    assert migration_method(None, [inst(0, 0), insts[1]], "i0", insts[1], 5000) == MigrationMethod.KV_TRANSFER
+
+
+class CheapPrefill:
+    def costs(self, src, dst, tokens, inter_node):
+        return 1.0, 0.1
+
+
+def test_router_puts_the_cheaper_method_in_the_decision():
+    r = make_router("oracle", B, cost=CheapPrefill())
+    d = r.route(req(cur=0, inst_id="i0", true_final_tokens=30000), one_per_bucket())
+    assert d.migrate and d.method == MigrationMethod.REPREFILL
+
+
+# ---- baselines ------------------------------------------------------------------------------------
+
+
+def test_classic_mlfq_demotes_one_level_per_threshold():
+    r = make_router("classic-mlfq", B)
+    assert r.route(req(context=4000, cur=0), one_per_bucket()).bucket == 0
+    assert r.route(req(context=4200, cur=0), one_per_bucket()).bucket == 1
+    assert r.route(req(context=12000, cur=1, inst_id="i1"), one_per_bucket()).bucket == 1
+    assert r.route(req(context=12500, cur=1, inst_id="i1"), one_per_bucket()).bucket == 2
+    gen = make_router("classic-mlfq", B, thresholds=[1000, 2000], measure="generated")
+    assert gen.route(req(context=3000, cur=0), one_per_bucket()).bucket == 0  # 1000 generated: not past
+    assert gen.route(req(context=3100, cur=0), one_per_bucket()).bucket == 1
+
+
+def test_oracle_places_by_the_true_final_length_from_the_start():
+    r = make_router("oracle", B)
+    d = r.route(req(turn=0, path=(), cur=None, inst_id=None, true_final_tokens=20000), one_per_bucket())
+    assert d.bucket == 2
+    d = r.route(req(turn=0, path=(), cur=None, inst_id=None), one_per_bucket())
+    assert d.bucket == 0  # without the truth it can only react
+
+
+def test_length_predictor_learns_from_earlier_steps():
+    r = make_router("length-predictor", B)
+    first = req(turn=0, path=(), cur=None, inst_id=None)
+    assert r.route(first, one_per_bucket()).bucket == 0  # nothing learned yet
+    for i in range(6):
+        r.on_finish(FinishedTrajectory(f"a{i}", "p", 0, (), (2000,), 9000))
+        r.on_finish(FinishedTrajectory(f"b{i}", "q", 0, (), (2000,), 2500))
+    r.on_step_end(0)
+    assert r.route(first, one_per_bucket()).bucket == 1  # prompt p ran ~9K before
+    other = RouteRequest("u", "q", 1, 0, 2000, 2000, 0)
+    assert r.route(other, one_per_bucket()).bucket == 0
+    # between tool returns it keeps its bucket
+    assert r.route(req(cur=1, inst_id="i1", context=3000), one_per_bucket()).bucket == 1
+
+
+def test_round_robin_and_least_loaded_keep_affinity():
+    insts = [inst(0, 0, outstanding=3), inst(1, 1, outstanding=1), inst(2, 2, outstanding=2)]
+    ll = make_router("least-loaded", B)
+    assert ll.route(req(turn=0, path=(), cur=None, inst_id=None), insts).instance == "i1"
+    assert ll.route(req(cur=0, inst_id="i0"), insts).instance == "i0"
+    rr = make_router("round-robin", B, seed=1)
+    picks = [rr.route(RouteRequest(f"t{k}", "p", 0, 0, 10, 10, 0), insts).instance for k in range(4)]
+    assert picks == ["i1", "i2", "i0", "i1"]
+
+
+# ---- the registry --------------------------------------------------------------------------------
+
+
+def test_registry_names():
+    assert {"cmlfq", "cmlfq-paper", "classic-mlfq", "length-predictor", "least-loaded", "round-robin",
+            "oracle"} <= set(ROUTERS)  # fmt: skip
+
+
+def test_unknown_router_lists_the_known_names():
+    with pytest.raises(ConfigError, match="cmlfq-paper") as e:
+        make_router("c-mlfq", B)
+    assert e.value.field == "rollout.router"
+
+
+def test_bad_params_name_the_field():
+    with pytest.raises(ConfigError, match="rollout.router_params.window"):
+        make_router("cmlfq", B, window=0)
+    with pytest.raises(ConfigError, match="no such field"):
+        make_router("cmlfq-paper", B, windw=10)
+    with pytest.raises(ConfigError, match="thresholds"):
+        make_router("classic-mlfq", B, thresholds=[10])
+
+
+def test_buckets_must_be_ordered():
+    with pytest.raises(ConfigError, match="rollout.buckets"):
+        make_router("cmlfq", [B[1], B[0]])
+    with pytest.raises(ConfigError, match="rollout.buckets"):
+        make_router("oracle", [])
+
+
+class OutsideRouter(BaseRouter):
+    name = "outside"
+
+    def target(self, req, floor):
+        return len(self.buckets) - 1, None
+
+
+def test_dotted_path_plugs_in_an_outside_router():
+    r = make_router("tests.test_rollout_routing:OutsideRouter", B)
+    assert r.route(req(turn=0, path=(), cur=None, inst_id=None), one_per_bucket()).bucket == 2
+    with pytest.raises(ConfigError, match="importable"):
+        make_router("no.such.module:Router", B)
+    with pytest.raises(ConfigError, match="route, on_finish"):
+        make_router("builtins:dict", B)
