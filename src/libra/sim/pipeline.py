@@ -91,10 +91,27 @@ class RLSim:
         self.train_busy_gpu_s = 0.0
         self.engine_busy_gpu_s = 0.0
         self.progress: Progress = lambda label, frac: None
+        self.pending: Setup | None = None  # a new layout waiting for the batches in flight to drain
+        self.next_batch_delay = 0.0
+        self.replans = 0
+        self.prompts_per_step = int(sc.workload.get("prompts_per_step", 0))
+        self.pool = self._make_pool() if system.elastic else None
+
+    def _make_pool(self):
+        from libra.planner import ElasticConfig
+        from libra.sim.elastic_pool import ElasticPool
+
+        return ElasticPool(self, ElasticConfig(**self.sc.elastic))
+
+    def train_par(self):
+        """The training layout of the next step: the plan's, plus hybrid replicas that are ACTIVE."""
+        t = self.setup.train
+        extra = self.pool.active if self.pool is not None else 0
+        return replace(t, dp=t.dp + extra) if extra else t
 
     # ---- construction -------------------------------------------------------------------------
 
-    def _build_driver(self, setup: Setup) -> RolloutDriver:
+    def _build_driver(self, setup: Setup, router=None) -> RolloutDriver:
         engines = make_engines(
             self.k, setup.instances, self.hw, self.model, self.sc, self.profile.rollout, self.tracer
         )
@@ -128,7 +145,7 @@ class RLSim:
         return self.summary()
 
     def _may_roll(self, s: int) -> bool:
-        if s >= self.steps:
+        if s >= self.steps or self.pending is not None:
             return False
         if self.setup.colocated:
             return self.train_done >= s and not self.training and not self.in_flight
@@ -140,6 +157,7 @@ class RLSim:
             self.rollout_started += 1
             self.in_flight[s] = {"step": s, "left": -1}
             delay = self.sc.pipeline.switch_s if self.setup.colocated and s > 0 else 0.0
+            delay, self.next_batch_delay = delay + self.next_batch_delay, 0.0
             if self.train_done > self.weights_on_engines and not self.setup.colocated:
                 delay += self._weight_sync_s()
                 self.weights_on_engines = self.train_done
@@ -170,8 +188,10 @@ class RLSim:
         del self.in_flight[s]
         self.done_batches[s] = {"step": s, "rollout_start": b["t0"], "rollout_end": self.k.now,
                                 "generated_tokens": sum(t.generated_tokens for t in trajs),
-                                "lengths": [t.total_tokens for t in trajs]}  # fmt: skip
+                                "lengths": [t.total_tokens for t in trajs], "trajs": trajs}  # fmt: skip
         self.driver.router.on_step_end(s)
+        if self.pending is not None and not self.in_flight:
+            self._apply_pending()
         self._try_train()
         self._try_rollout()
 
@@ -182,10 +202,14 @@ class RLSim:
         self.training = True
         rec = self.done_batches.pop(s)
         self.history.append(rec)
-        dt = self.train_cost.step(self.setup.train, rec["lengths"]).step_time_s
+        par = self.train_par()
+        dt = self.train_cost.step(par, rec["lengths"]).step_time_s
         delay = self.sc.pipeline.switch_s if self.setup.colocated else 0.0
         rec["train_start"], rec["train_time"] = self.k.now + delay, dt
-        self.train_busy_gpu_s += dt * self.setup.train.gpus
+        rec["train_gpus"], rec["rollout_gpus"] = par.gpus, self._serving_gpus()
+        rec["layout"] = [(b.tp, sum(1 for i in self.setup.instances if i.bucket == k), b.max_context)
+                         for k, b in enumerate(self.setup.buckets)]  # fmt: skip
+        self.train_busy_gpu_s += dt * par.gpus
         self.tracer.train_span(s, self.k.now + delay, dt)
         self.k.after(delay + dt, self._train_end, s)
 
@@ -199,11 +223,53 @@ class RLSim:
         self._try_train()
         self._try_rollout()
 
+    def _serving_gpus(self) -> int:
+        lent = (
+            0
+            if self.pool is None
+            else self.setup.rollout_gpus - self.pool.serving_gpus() - self._core_rollout()
+        )
+        return self.setup.rollout_gpus - max(0, lent)
+
+    def _core_rollout(self) -> int:
+        return self.setup.rollout_gpus - sum(r.gpus for r in self.pool.replicas)
+
     def _replan(self) -> None:
+        last = self.history[-1]
+        if self.pool is not None:
+            self.pool.at_step_end(
+                last["train_time"], last["rollout_end"] - last["rollout_start"], self._pressure()
+            )
         new = self.system.between_steps(self.sc, self.hw, self.history, self.setup)
-        if new is not None and not self.in_flight:
-            self.engine_busy_gpu_s += self._engine_busy()
-            self.setup, self.driver = new, self._build_driver(new)
+        if new is None:
+            return
+        if _same_layout(new, self.setup):  # only the bucket boundaries moved: router thresholds
+            self.setup = replace(new, instances=self.setup.instances)
+            self.driver.retune(new.buckets)
+            return
+        self.pending = new
+        if not self.in_flight:
+            self._apply_pending()
+
+    def _pressure(self) -> float:
+        engines = self.driver.engines.values()
+        return sum(len(e.waiting) for e in engines) / max(1, sum(e.max_num_seqs for e in engines))
+
+    def _apply_pending(self) -> None:
+        """Every batch has drained: restart the engines in the new layout (after its cost)."""
+        new, self.pending = self.pending, None
+        self.engine_busy_gpu_s += self._engine_busy()
+        old = self.driver.router
+        keep = (
+            old if len(new.buckets) == len(self.setup.buckets) and new.router == self.setup.router else None
+        )
+        if keep is not None:
+            keep.buckets = list(new.buckets)
+        self.setup, self.driver = new, self._build_driver(new, keep)
+        self.next_batch_delay += new.reconfig_s
+        self.replans += 1
+        if self.pool is not None:
+            self.pool = self._make_pool()
 
     # ---- metrics ------------------------------------------------------------------------------
 
@@ -229,6 +295,8 @@ class RLSim:
             "train_gpus": self.setup.train_gpus,
             "rollout_gpus": self.setup.rollout_gpus,
             "preemptions": sum(e.preemptions for e in engines),
+            "replans": self.replans,
+            **({"elastic": {"joins": self.pool.joins, "releases": self.pool.releases}} if self.pool else {}),
             **({"routing": self.driver.stats.as_dict(rollout_tokens)} if len(self.setup.buckets) > 1 else {}),
         }
 
@@ -241,6 +309,11 @@ class RLSim:
                         "mean_length": float(np.mean(r["lengths"])), "p90_length": float(np.percentile(r["lengths"], 90))})  # fmt: skip
             prev = r["train_end"]
         return out
+
+
+def _same_layout(a: Setup, b: Setup) -> bool:
+    key = lambda s: (s.train, s.train_gpus, s.router, sorted((i.tp, i.bucket) for i in s.instances))  # noqa: E731
+    return key(a) == key(b)
 
 
 def _coster(costs: dict, n_buckets: int):

@@ -29,6 +29,9 @@ def write_outputs(out: dict, sims: dict, out_dir: Path) -> list[Path]:
     paths.append(plot_steps(out["per_step"], out_dir / "steps.png"))
     last = list(sims.values())[-1]
     paths.append(plot_lengths(last.history, last.system.name, out_dir / "lengths.png"))
+    focus = sims.get("libra", last)
+    paths.append(plot_split(focus.history, focus.system.name, out_dir / "split.png"))
+    paths.append(plot_layout(focus.history, focus.system.name, out_dir / "layout.png"))
     trace = last.tracer.chrome_trace()
     trace["metadata"] = {"system": last.system.name, "step": last.tracer.step}
     write_json(trace, out_dir / "trace.json")
@@ -65,6 +68,40 @@ def plot_lengths(history: list[dict], system: str, path: Path) -> Path:
     ax.plot(steps, [np.mean(r["lengths"]) for r in history], label="mean")
     ax.set(title=f"Trajectory length over steps ({system})", xlabel="RL step", ylabel="final context, tokens")
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_split(history: list[dict], system: str, path: Path) -> Path:
+    """Training and rollout GPUs at each step (hybrid replicas move whole DP replicas)."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [r["step"] for r in history]
+    ax.stackplot(steps, [r["train_gpus"] for r in history], [r["rollout_gpus"] for r in history],
+                 labels=["training", "rollout"], alpha=0.8, step="post")  # fmt: skip
+    ax.set(title=f"GPU split over steps ({system})", xlabel="RL step", ylabel="GPUs")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_layout(history: list[dict], system: str, path: Path) -> Path:
+    """Rollout GPUs per bucket at each step, labelled by TP and the bucket's max context."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [r["step"] for r in history]
+    width = max(len(r["layout"]) for r in history)
+    for k in range(width):
+        gpus = [r["layout"][k][0] * r["layout"][k][1] if k < len(r["layout"]) else 0 for r in history]
+        bottom = [sum(b[0] * b[1] for b in r["layout"][:k]) for r in history]
+        tp = next((r["layout"][k][0] for r in history if k < len(r["layout"])), 0)
+        ax.bar(steps, gpus, bottom=bottom, width=1.0, label=f"bucket {k} (TP{tp})")
+    last = history[-1]["layout"]
+    ax.set(title=f"Rollout buckets over steps ({system}); last: " + ", ".join(f"<= {b[2] // 1024}K" for b in last),
+           xlabel="RL step", ylabel="rollout GPUs")  # fmt: skip
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

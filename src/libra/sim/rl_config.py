@@ -84,6 +84,8 @@ class RLScenario(_Strict):
     pipeline: PipelineCfg = PipelineCfg()
     steps: int = Field(100, ge=1)
     systems: list[str] | None = None
+    planner: dict = Field(default_factory=dict, description="PlannerConfig overrides for planned systems")
+    elastic: dict = Field(default_factory=dict, description="ElasticConfig overrides (libra system)")
     trace_step: int | None = Field(None, ge=0, description="the step drawn in trace.json")
 
     def check(self, catalog: Catalog) -> None:

@@ -70,6 +70,11 @@ class RolloutDriver:
         self.on_traj_done: Callable[[Run], None] = lambda run: None
         self.finished: list[tuple[Trajectory, float]] = []
 
+    def retune(self, buckets: list[Bucket]) -> None:
+        """New bucket boundaries, same engines: only the router's thresholds move."""
+        self.buckets = list(buckets)
+        self.router.buckets = list(buckets)
+
     def set_caps(self, cap: int) -> None:
         for v in self.view_list:
             v.cap = cap

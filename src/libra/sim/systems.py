@@ -36,6 +36,8 @@ class Setup:
     router: str
     train: TrainParallel
     router_params: dict = field(default_factory=dict)
+    reconfig_s: float = 0.0  # what switching to this setup costs (planned systems)
+    plan: object = None  # the planner's Plan behind this setup, if any
 
     @property
     def rollout_gpus(self) -> int:
@@ -87,6 +89,7 @@ class System:
     """Base: a static system never changes its setup."""
 
     name = ""
+    elastic = False  # whether the pipeline runs the elastic hybrid pool for this system
 
     def setup(self, sc: RLScenario, hw: HardwareSpec) -> Setup:
         raise NotImplementedError  # abstract: each system defines its layout
@@ -142,13 +145,20 @@ class RouterSystem(System):
 SYSTEMS: dict[str, type[System]] = {c.name: c for c in (VerlColocated, StaticUniform)}
 
 
+def _register_planned() -> None:
+    import libra.sim.planned  # noqa: F401  (registers the planner-driven systems)
+
+
 def known_systems() -> list[str]:
     from libra.rollout.registry import ROUTERS
+
+    _register_planned()
 
     return sorted(SYSTEMS) + [f"router:{r}" for r in sorted(ROUTERS)]
 
 
 def make_system(name: str) -> System:
+    _register_planned()
     if name in SYSTEMS:
         return SYSTEMS[name]()
     if name.startswith("router:"):
