@@ -40,6 +40,7 @@ lint: $(STAMP_TEST)
 	$(BIN)/ruff format --check src tests benchmarks
 
 bench: $(STAMP_TEST)
+	$(BIN)/pip install -q -e ".[bench]"
 	$(BIN)/python benchmarks/run_all.py
 
 clean:
