@@ -183,10 +183,12 @@ def pool(n: int = 4, gpus: int = 4) -> list[HybridReplica]:
 
 
 def sig(t_train: float, t_roll: float = 100.0, pressure: float = 0.0, core_dp: int = 4, prompts: int = 0):
-    return ElasticSignals(t_train, t_roll, pressure, core_dp, rollout_gpus=32, prompts_per_step=prompts)
+    """Signals without a measured rollout work: the predicted step is max(T_train, T_rollout)."""
+    return ElasticSignals(t_train, t_roll, pressure, core_dp, 32, prompts)
 
 
 def test_hysteresis_band():
+    """The paper's controller: a step is max(T_train, T_rollout) when the rollout work is unknown."""
     ctl = ElasticController()
     replicas = pool()
     assert ctl.decide(sig(114.0), replicas).hold  # r = 1.14: inside the band
@@ -203,6 +205,24 @@ def test_hysteresis_band():
     assert d.releases and all(isinstance(x, ReleaseReplica) for x in d.releases)
     active = {r.id: r.generation for r in replicas if r.state == S.ACTIVE}
     assert all(active[x.replica] == x.generation for x in d.releases)
+
+
+def test_release_weighs_both_stages_at_staleness_one():
+    """With the rollout work measured (40 s of a 100 s makespan: tools dominate), a step at
+    staleness 1 is max(T_train, (T_rollout + T_train) / 2, work), so giving a replica back pays only
+    if rollout gains more than training loses."""
+    ctl = ElasticController()
+
+    def measured(core_dp):
+        return ElasticSignals(70.0, 100.0, 0.0, core_dp, 32, 0, staleness=1, rollout_work_s=40.0)
+
+    few = pool(1)
+    joined(few[0])  # core dp 4 + 1: dp 5 -> 4 costs training 25%
+    assert ctl.decide(measured(4), few).hold  # (100 + 70) / 2 = 85 < (88.9 + 87.5) / 2
+    assert ctl.decide(sig(70.0, core_dp=4), few).releases  # unmeasured work: max(87.5, 88.9) < 100
+    many = pool(1)
+    joined(many[0])  # core dp 8 + 1: dp 9 -> 8 costs training 12.5%
+    assert ctl.decide(measured(8), many).releases  # (88.9 + 78.75) / 2 = 83.8 < 85
 
 
 def test_borrows_enough_to_balance_but_not_more():

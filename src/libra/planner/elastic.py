@@ -22,9 +22,9 @@ A transition from the wrong state with the current generation is a mechanism bug
 **Controller** (`ElasticController`): hysteresis on r = T_train / T_rollout. Borrow replicas when
 r >= 1.15, release when r <= 0.90, nothing in between, never borrow while rollout pressure is
 high, and nothing while a transition is in flight (the measured r would mix two layouts). How
-many to move is the count whose predicted max(T_train, T_rollout) is least (training scales with
-1/DP, rollout with 1/GPUs); a move that predicts no shorter step is not made, so the controller
-never overshoots past the opposite threshold and back.
+many to move is the count whose predicted pipeline step time (`plan.pipeline_period`: training
+scales with 1/DP, rollout with 1/GPUs) is least; a move that predicts no shorter step is not
+made, so the controller never overshoots past the opposite threshold and back.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from libra.planner.config import ElasticConfig
-from libra.planner.plan import Plan
+from libra.planner.plan import Plan, pipeline_period
 
 
 class Role(IntEnum):
@@ -162,6 +162,10 @@ class ElasticSignals:
     core_dp: int
     rollout_gpus: int  # GPUs serving rollout now, hybrid replicas in ROLLOUT included
     prompts_per_step: int = 0  # for the GRPO divisibility rule; 0 disables it
+    staleness: int = 1  # the pipeline's bound, for the predicted step time (plan.pipeline_period)
+    # The rollout engines' busy seconds per batch, when measured. Unknown, it is taken equal to
+    # T_rollout, and the predicted step is the paper's max(T_train, T_rollout) whatever the staleness.
+    rollout_work_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,18 +230,23 @@ class ElasticController:
         return ElasticDecision(releases=rel, reason=f"r={ratio:.2f}: release {k}")
 
     def _best_k(self, sig: ElasticSignals, dp: int, replica_gpus: int, available: int, sign: int) -> int:
-        """How many replicas to move (0 for none) so the predicted max(T_train, T_rollout) is least.
+        """How many replicas to move (0 for none) so the predicted pipeline step time is least.
 
-        Training time scales with 1/DP (whole replicas, same layout); rollout time with 1/GPUs.
-        Counts that would leave GRPO groups dividing unevenly over DP are skipped.
+        Training time scales with 1/DP (whole replicas, same layout); rollout time with 1/GPUs;
+        the step time is `pipeline_period` at the signals' staleness (at a large staleness, the
+        paper's max(T_train, T_rollout)). Counts that would leave GRPO groups dividing unevenly
+        over DP are skipped.
         """
-        best_k, best_t = 0, max(sig.t_train_s, sig.t_rollout_s)
+        work = sig.t_rollout_s if sig.rollout_work_s is None else sig.rollout_work_s
+        best_k, best_t = 0, pipeline_period(sig.t_train_s, sig.t_rollout_s, work, sig.staleness)
         for k in range(1, available + 1):
             new_dp = dp + sign * k
             roll = sig.rollout_gpus - sign * k * replica_gpus
             if new_dp < 1 or roll < 1 or not self._even(sig, new_dp):
                 continue
-            t = max(sig.t_train_s * dp / new_dp, sig.t_rollout_s * sig.rollout_gpus / roll)
+            scale = sig.rollout_gpus / roll
+            t_train, t_roll = sig.t_train_s * dp / new_dp, sig.t_rollout_s * scale
+            t = pipeline_period(t_train, t_roll, work * scale, sig.staleness)
             if t < best_t:
                 best_k, best_t = k, t
         return best_k
