@@ -5,7 +5,7 @@ Goal: one C-MLFQ decision <= 50 us median with a causal tree of 100k nodes.
 Each router is first warmed up by replaying long SWE-like trajectories (unique paths, so the tree
 grows by tens of nodes per trajectory) through the offline evaluator until its tree holds at least
 100k nodes; then every `route()` call of a further 64 trajectories, turn by turn, is timed against
-the 48-GPU scenarios' 24-instance layout (per node TP1, TP1, TP2, TP4; six nodes). Baselines are
+the 48-GPU scenarios' rollout layout (24 GPUs: three nodes of TP1, TP1, TP2, TP4 instances). Baselines are
 timed the same way, side by side in one run.
 
 Run: .venv/bin/python benchmarks/bench_router.py [--nodes 100000]
@@ -35,13 +35,14 @@ LAYOUT = [(1, 0), (1, 0), (2, 1), (4, 2)]  # (tp, bucket) of each instance on a 
 def instances() -> list[InstanceView]:
     return [
         InstanceView(f"n{node}-i{k}", bucket, tp, outstanding=(node * 7 + k * 3) % 40, cap=256, node=node)
-        for node in range(6)
+        for node in range(3)
         for k, (tp, bucket) in enumerate(LAYOUT)
     ]
 
 
-def warm(name: str, min_nodes: int, seed: int):
-    """A router that has learned from enough trajectories for its tree to hold `min_nodes`."""
+def warm(name: str, min_nodes: int, seed: int, steps: int | None = None):
+    """A router after learning from `steps` batches of 256 SWE-like trajectories, or (steps None)
+    from as many as its tree needs to hold `min_nodes` nodes (global and per-prompt together)."""
     router = make_router(name, BUCKETS, seed=0)
     tree = getattr(router, "tree", None)
     step = 0
@@ -51,8 +52,9 @@ def warm(name: str, min_nodes: int, seed: int):
             t.step = step
         evaluate(router, batch, BUCKETS)
         step += 1
-        if tree is None or tree.node_count() >= min_nodes or step > 400:
-            return router, (tree.node_count() if tree is not None else 0)
+        done = step >= steps if steps is not None else (tree is None or tree.node_count() >= min_nodes)
+        if done or step > 400:
+            return router, step
 
 
 def time_routes(router, insts: list[InstanceView], seed: int) -> list[float]:
@@ -87,14 +89,16 @@ def main() -> None:
     args = ap.parse_args()
     insts = instances()
     figures: dict[str, float] = {"goal_cmlfq_median_us": 50.0}
+    router, steps = warm("cmlfq", args.nodes, seed=1000)
+    figures["tree_nodes"] = router.tree.node_count()
+    figures["warmup_trajectories"] = steps * 256
     for name in ["cmlfq", "cmlfq-paper", *sorted(set(ROUTERS) - {"cmlfq", "cmlfq-paper"})]:
-        router, nodes = warm(name, args.nodes, seed=1000)
+        if name != "cmlfq":  # every router learns from the same trajectories
+            router, _ = warm(name, args.nodes, seed=1000, steps=steps)
         samples = sorted(time_routes(router, insts, seed=99))
         key = name.replace("-", "_")
         figures[f"{key}_median_us"] = round(1e6 * statistics.median(samples), 2)
         figures[f"{key}_p99_us"] = round(1e6 * samples[int(0.99 * (len(samples) - 1))], 2)
-        if nodes:
-            figures[f"{key}_tree_nodes"] = nodes
     figures["decisions_timed_per_router"] = len(samples)
     report("router", figures)
 

@@ -205,3 +205,43 @@ def test_where_paths_recur_the_robust_variant_keeps_the_trees_signal(search):
 def test_failure_status_survives_into_the_path():
     t = traj("f", 0, 100, [Turn(5, "bash", 20, ToolStatus.FAILURE), Turn(5)])
     assert trajectory_path(t)[0].status == ToolStatus.FAILURE
+
+
+# ---- the command ------------------------------------------------------------------------------
+
+
+def _run(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "libra.rollout", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_eval_command_prints_json(tmp_path):
+    import json
+
+    from libra.core.trace import write_trace
+
+    path = tmp_path / "t.jsonl"
+    write_trace(search_like(steps=2, prompts=3, samples=2, seed=1), path)
+    out = _run(
+        "eval", "--trace", str(path), "--routers", "cmlfq,oracle", "--buckets", "8192,12288,40960", "--json"
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {r["router"]: r for r in json.loads(out.stdout)}
+    assert rows["oracle"]["accuracy"] == 1.0 and rows["cmlfq"]["decisions"] > 0
+
+
+def test_eval_command_errors_are_one_line_and_exit_2(tmp_path):
+    bad = _run("eval", "--trace", str(tmp_path / "missing.jsonl"))
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "cannot be read" in bad.stderr
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"id": "a", "prompt_id": "p", "prompt_tokens": 10, "turns": [{"output_tokens": 5}]}\n')
+    bad = _run("eval", "--trace", str(path), "--buckets", "4096,x")
+    assert bad.returncode == 2 and "--buckets" in bad.stderr
+    bad = _run("eval", "--trace", str(path), "--routers", "cmlfq", "--set", "move_cost=-1")
+    assert bad.returncode == 2 and "move_cost" in bad.stderr
+    bad = _run("eval", "--trace", str(path), "--routers", "nope")
+    assert bad.returncode == 2 and "cmlfq-paper" in bad.stderr
