@@ -54,6 +54,7 @@ class Run:
     contexts: list = field(default_factory=list)
     t_start: float = 0.0
     generated: int = 0  # output tokens of the turns before `turn` (kept incrementally: no O(turns) sums)
+    final: int = 0  # the trajectory's final length, computed once
 
 
 class RolloutDriver:
@@ -80,7 +81,7 @@ class RolloutDriver:
             v.cap = cap
 
     def start(self, traj: Trajectory) -> None:
-        run = Run(traj, t_start=self.k.now)
+        run = Run(traj, t_start=self.k.now, final=traj.total_tokens)
         self._route_and_submit(run, traj.prompt_tokens)
 
     def _request(self, run: Run, ctx: int) -> RouteRequest:
@@ -88,7 +89,7 @@ class RolloutDriver:
         eng = run.engine
         return RouteRequest(t.id, t.prompt_id, t.step, run.turn, t.prompt_tokens, ctx, run.generated, tuple(run.path),
                             None if eng is None else self.views[eng.id].bucket, None if eng is None else eng.id,
-                            t.total_tokens)  # fmt: skip
+                            run.final)  # fmt: skip
 
     def _route_and_submit(self, run: Run, ctx: int) -> None:
         dec = self.router.route(self._request(run, ctx), self.view_list)
@@ -123,7 +124,7 @@ class RolloutDriver:
 
     def _score(self, run: Run, bucket: int) -> None:
         self.stats.decisions += 1
-        if bucket == bucket_for_length(self.buckets, run.traj.total_tokens):
+        if bucket == bucket_for_length(self.buckets, run.final):
             self.stats.correct += 1
 
     def _turn_done(self, seq: Seq) -> None:
@@ -150,7 +151,7 @@ class RolloutDriver:
         run.engine.release(t.id)
         self.router.on_finish(
             FinishedTrajectory(
-                t.id, t.prompt_id, t.step, tuple(run.path), tuple(run.contexts), t.total_tokens
+                t.id, t.prompt_id, t.step, tuple(run.path), tuple(run.contexts), run.final
             )
         )
         self.finished.append((t, self.k.now - run.t_start))
