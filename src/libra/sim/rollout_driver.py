@@ -101,7 +101,9 @@ class RolloutDriver:
         seq = Seq(run.traj.id, ctx, max(1, turn.output_tokens), self._turn_done, turn.has_tool, owner=run)
         prev = run.engine
         run.engine = target
-        self.views[target.id].outstanding += 1
+        view = self.views[target.id]
+        view.outstanding += 1
+        view.kv_usage = target.kv_used() / target.kv_cap
         if prev is None or prev is target:
             target.submit(seq)
             return
@@ -129,7 +131,10 @@ class RolloutDriver:
 
     def _turn_done(self, seq: Seq) -> None:
         run: Run = seq.owner
-        self.views[run.engine.id].outstanding -= 1
+        view = self.views[run.engine.id]
+        view.outstanding -= 1
+        # KV use changes on every admission and finish; refreshing the touched engine keeps it O(1).
+        view.kv_usage = run.engine.kv_used() / run.engine.kv_cap
         turn = run.traj.turns[run.turn]
         if not turn.has_tool:
             self._finish(run)
