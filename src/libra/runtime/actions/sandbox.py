@@ -152,6 +152,9 @@ def bwrap_args(cfg: SandboxConfig) -> list[str]:
     for secret in ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-"):
         if Path(secret).exists():
             args += ["--ro-bind", "/dev/null", secret]
+    # The private /tmp comes before the binds: mounted after them, it would hide an interpreter or a
+    # checkout that lives under /tmp (a CI clone, say) and every action would fail with 127.
+    args += ["--size", str(cfg.tmp_size_mb * 2**20), "--perms", "1777", "--tmpfs", "/tmp"]
     made: set[str] = set()
     extra = interpreter_paths() if cfg.python is None else []
     for p in [*extra, *cfg.ro_binds]:
@@ -160,7 +163,6 @@ def bwrap_args(cfg: SandboxConfig) -> list[str]:
         if any(hidden.startswith(p.rstrip("/") + "/") for p in [*extra, *cfg.ro_binds]):
             args += ["--tmpfs", hidden]  # the service's own code is not the sandbox's business
     args += ["--proc", "/proc", "--dev", "/dev"]
-    args += ["--size", str(cfg.tmp_size_mb * 2**20), "--perms", "1777", "--tmpfs", "/tmp"]
     # The sandbox's python (and what its environment installed, e.g. pytest) comes first on PATH.
     path = f"{Path(python_executable(cfg)).parent}:/usr/local/bin:/usr/bin:/bin"
     args += ["--clearenv", "--setenv", "PATH", path, "--setenv", "HOME", WORKSPACE,
