@@ -28,18 +28,11 @@ import pytest
 LISTENING = re.compile(r"listening on (http://[^\s:]+:(\d+))")
 
 
-@dataclass
-class EngineProcess:
-    proc: subprocess.Popen
-    url: str
-    port: int
-    name: str
-    log_path: Path
+class ProcessControl:
+    """Alive/log/kill/stop for a test's service subprocess (`self.proc`, `self.log_path`)."""
 
-    @property
-    def base_url(self) -> str:
-        """What the `openai` client takes as base_url."""
-        return self.url + "/v1"
+    proc: subprocess.Popen
+    log_path: Path
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -47,16 +40,8 @@ class EngineProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def get(self, path: str, timeout: float = 10.0) -> dict:
-        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
-            return json.loads(r.read())
-
-    def metrics(self) -> str:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-            return r.read().decode()
-
     def kill(self) -> None:
-        """SIGKILL, as a crash would (for tests of engines dying mid-run)."""
+        """SIGKILL, as a crash would (for tests of services dying mid-run)."""
         if self.alive():
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=10)
@@ -72,6 +57,27 @@ class EngineProcess:
                 self.proc.wait(timeout=10)
         return self.proc.returncode
 
+
+@dataclass
+class EngineProcess(ProcessControl):
+    proc: subprocess.Popen
+    url: str
+    port: int
+    name: str
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        """What the `openai` client takes as base_url."""
+        return self.url + "/v1"
+
+    def get(self, path: str, timeout: float = 10.0) -> dict:
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            return r.read().decode()
 
 def start_engine(*args: str, name: str | None = "tiny", log_dir: Path | None = None, timeout: float = 90.0) -> EngineProcess:  # fmt: skip
     """Start `libra serve engine --port 0 ARGS` and wait until /health answers."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -23,12 +22,13 @@ from pathlib import Path
 import pytest
 
 from libra.rollout.routers import LeastLoadedRouter
+from tests.engine_fixtures import ProcessControl
 
 LISTENING = re.compile(r"listening on (http://[^\s:]+:(\d+))")
 
 
 @dataclass
-class Proc:
+class Proc(ProcessControl):
     proc: subprocess.Popen
     urls: list[str]
     log_path: Path
@@ -41,27 +41,6 @@ class Proc:
     @property
     def base_url(self) -> str:
         return self.url + "/v1"
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def kill(self) -> None:
-        if self.alive():
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-    def stop(self, timeout: float = 15.0) -> int:
-        if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        return self.proc.returncode
 
     # ---- plain HTTP, for what the openai client does not cover ----------------------------------
 
