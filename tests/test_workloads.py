@@ -169,14 +169,26 @@ def _changed(value):
         return value + 1 if value < 8 else value // 5
     if value >= 0.5 and value <= 1.0:  # keeps bounded shares and memories in range
         return value * 0.5
+    if value > 1.0:  # shrinking big values keeps saturated effects (log-odds of 5) detectable
+        return value * 0.4
     return value * 1.7 + 0.3 if value >= 0 else value * 0.5
 
 
 def _active(family: str) -> dict:
-    """Defaults with every mechanism switched on (drift, timeouts), so every parameter has an effect."""
+    """Defaults with every mechanism switched on (drift, failure memory, stuck loops, timeouts), so
+    that every parameter has an effect to detect."""
     d = FAMILIES[family].Params().model_dump()
     if "tools" in d:
-        d["finish_logit_end"] = d["finish_logit_start"] - 1.0
+        if d["finish_logit_end"] == d["finish_logit_start"]:
+            d["finish_logit_end"] = d["finish_logit_start"] - 1.0
+        for key, floor in (
+            ("finish_failure_penalty", 0.5),
+            ("stuck_finish_penalty", 2.0),
+            ("stuck_fail_gain", 1.0),
+        ):
+            d[key] = max(d[key], floor)
+        d["stuck_after"] = min(d["stuck_after"], 2)
+        d["fail_logit"] = max(d["fail_logit"], -2.5)
         d["tools"] = {k: {**t, "timeout_share": 0.3} for k, t in d["tools"].items()}
     else:
         d["validator_timeout_share"] = 0.2
@@ -200,7 +212,7 @@ def _param_cases(family):
 
 def _signature(family, params):
     w = wl(family, prompts=32, samples=4, max_length=40960, **params)
-    return [t.to_dict() for s in (0, 60) for t in w.generate(s, random.Random(11))]
+    return [t.to_dict() for s in (0, 15, 100) for t in w.generate(s, random.Random(11))]
 
 
 @pytest.mark.parametrize("family", ALL)

@@ -5,9 +5,10 @@ has shown so far (tool type, return size, failures) to predict how long it will 
 means something if those signals *cause* the length here as they do in real agents. So a
 trajectory is produced turn by turn:
 
-1. The model writes a turn: lognormal output tokens whose median drifts over training, is longer
-   on hard prompts (output_difficulty_gain) and after a large tool return (output_return_gain:
-   a long log or file takes longer to reason about).
+1. The model writes a turn: lognormal output tokens whose median drifts over training, differs
+   from prompt to prompt and sample to sample (output_prompt_sigma, output_sample_sigma), is longer on hard
+   prompts (output_difficulty_gain) and after a large tool return (output_return_gain: a long log
+   or file takes longer to reason about).
 2. It either answers (ends) or calls a tool. The log-odds of answering after turn k is
        finish_logit(step) + finish_turn_slope * k
        - finish_difficulty_gain * difficulty
@@ -15,9 +16,15 @@ trajectory is produced turn by turn:
        - finish_return_penalty * max(0, ln(last_return / return_ref_tokens))
    so failures and large returns keep the agent going, and hard prompts run longer.
 3. The tool fails with log-odds fail_logit + tool offset + fail_difficulty_gain * difficulty
+   + a per-sample deviation (fail_sample_sigma: some rollouts are sloppier than others)
    (+ fail_repeat_gain right after a failure: errors come in streaks). A failure is a timeout
    with the tool's timeout_share.
-4. The return's size is lognormal around the tool's median times the environment's verbosity
+4. Stuck loops: `stuck_after` consecutive failures put the agent in a loop (it cannot get the
+   tests to run, an edit keeps failing): while stuck it fails more (stuck_fail_gain) and rarely
+   answers (stuck_finish_penalty), and it leaves the loop with `stuck_recover` per tool call.
+   This is how repeated failures run a rollout to the length limit, while an isolated failure
+   changes little, as in real SWE traces.
+5. The return's size is lognormal around the tool's median times the environment's verbosity
    (a per-prompt latent: a repository with huge test logs is huge for every GRPO sample).
 
 Difficulty and verbosity are drawn per prompt and perturbed per sample, so siblings in a GRPO
@@ -80,6 +87,8 @@ class AgentParams(BaseModel):
     output_tokens_start: float = Field(gt=0, description="Median output tokens per turn at step 0.")
     output_tokens_end: float = Field(gt=0, description="Median output tokens per turn from drift_steps on.")
     output_tokens_sigma: float = Field(ge=0, description="Log-space spread of a turn's output tokens.")
+    output_prompt_sigma: float = Field(0.0, ge=0, description="Per-prompt log-spread of output per turn.")
+    output_sample_sigma: float = Field(0.0, ge=0, description="Per-sample log-spread of output per turn.")
     output_difficulty_gain: float = Field(
         0.0, ge=0, description="Log output per turn added per unit difficulty."
     )
@@ -96,7 +105,12 @@ class AgentParams(BaseModel):
     return_ref_tokens: float = Field(gt=0, description="Returns above this size delay the answer.")
     fail_logit: float = Field(description="Base log-odds that a tool call fails.")
     fail_difficulty_gain: float = Field(ge=0, description="Log-odds of failing added per unit difficulty.")
+    fail_sample_sigma: float = Field(0.0, ge=0, description="Per-sample spread of the log-odds of failing.")
     fail_repeat_gain: float = Field(ge=0, description="Log-odds of failing added right after a failure.")
+    stuck_after: int = Field(3, ge=1, description="Consecutive failures that put the agent in a loop.")
+    stuck_finish_penalty: float = Field(0.0, ge=0, description="Log-odds of answering lost while stuck.")
+    stuck_fail_gain: float = Field(0.0, ge=0, description="Log-odds of failing added while stuck.")
+    stuck_recover: float = Field(0.1, ge=0, le=1, description="Chance per tool call of leaving the loop.")
     timeout_s: float = Field(gt=0, description="Latency of a call that times out, seconds.")
     timeout_return_tokens: float = Field(gt=0, description="Median tokens returned by a timeout.")
     tools: dict[str, ToolSpec] = Field(description="The tools, by name.")
@@ -129,6 +143,7 @@ class PromptTraits:
     tokens: int
     difficulty: float
     log_verbosity: float
+    log_output_scale: float = 0.0
 
 
 @dataclass(slots=True)
@@ -137,6 +152,60 @@ class _StepKnobs:
 
     output_median: float
     finish_logit: float
+
+
+@dataclass(slots=True)
+class _AgentState:
+    """One sample's latents and what its history so far does to the next decision."""
+
+    difficulty: float
+    verbosity: float
+    finish_base: float
+    fail_base: float
+    out_median: float
+    recent: float = 0.0  # decayed count of failures
+    streak: int = 0  # consecutive failures
+    stuck: bool = False
+    return_excess: float = 0.0  # ln(last return / return_ref_tokens), at least 0
+
+    @classmethod
+    def draw(cls, p: AgentParams, prompt: PromptTraits, knobs: _StepKnobs, rng: random.Random) -> _AgentState:
+        difficulty = prompt.difficulty + rng.gauss(0.0, p.difficulty_sample_sigma)
+        return cls(
+            difficulty=difficulty,
+            verbosity=math.exp(prompt.log_verbosity + rng.gauss(0.0, p.verbosity_sample_sigma)),
+            finish_base=knobs.finish_logit - p.finish_difficulty_gain * difficulty,
+            fail_base=p.fail_logit
+            + p.fail_difficulty_gain * difficulty
+            + rng.gauss(0.0, p.fail_sample_sigma),
+            out_median=knobs.output_median
+            * math.exp(
+                prompt.log_output_scale
+                + p.output_difficulty_gain * difficulty
+                + rng.gauss(0.0, p.output_sample_sigma)
+            ),
+        )
+
+    def output_median(self, p: AgentParams) -> float:
+        return self.out_median * math.exp(p.output_return_gain * self.return_excess)
+
+    def finish_logit(self, p: AgentParams, turns: int) -> float:
+        logit = self.finish_base + p.finish_turn_slope * turns
+        logit -= p.finish_failure_penalty * self.recent + p.finish_return_penalty * self.return_excess
+        return logit - p.stuck_finish_penalty if self.stuck else logit
+
+    def fail_logit(self, p: AgentParams, tool: ToolSpec) -> float:
+        logit = self.fail_base + tool.fail_logit_offset + (p.fail_repeat_gain if self.streak else 0.0)
+        return logit + p.stuck_fail_gain if self.stuck else logit
+
+    def after_tool(self, p: AgentParams, failed: bool, tokens: int, rng: random.Random) -> None:
+        self.recent = self.recent * p.failure_memory + failed
+        self.streak = self.streak + 1 if failed else 0
+        self.return_excess = max(0.0, math.log(max(tokens, 1) / p.return_ref_tokens))
+        if self.stuck:
+            self.stuck = rng.random() >= p.stuck_recover
+        elif self.streak >= p.stuck_after:
+            self.stuck = True
 
 
 class AgentWorkload:
@@ -179,39 +248,24 @@ class AgentWorkload:
             tokens,
             rng.gauss(0.0, p.difficulty_prompt_sigma),
             rng.gauss(0.0, p.verbosity_prompt_sigma),
+            rng.gauss(0.0, p.output_prompt_sigma),
         )
 
     def _trajectory(self, prompt: PromptTraits, step: int, j: int, knobs: _StepKnobs, rng: random.Random):
         p = self.params
-        difficulty = prompt.difficulty + rng.gauss(0.0, p.difficulty_sample_sigma)
-        verbosity = math.exp(prompt.log_verbosity + rng.gauss(0.0, p.verbosity_sample_sigma))
         traj = Trajectory(f"{prompt.id}-{j}", prompt.id, step, prompt.tokens)
         builder = TrajectoryBuilder(traj, self.cfg.max_length, p.max_turns)
-        finish_base = knobs.finish_logit - p.finish_difficulty_gain * difficulty
-        fail_base = p.fail_logit + p.fail_difficulty_gain * difficulty
-        out_median = knobs.output_median * math.exp(p.output_difficulty_gain * difficulty)
-        recent, failed, return_excess = 0.0, False, 0.0
-        while builder.add_output(
-            lognormal_int(
-                rng, out_median * math.exp(p.output_return_gain * return_excess), p.output_tokens_sigma
-            )
-        ):
-            k = builder.turns
-            if k >= p.min_turns:
-                logit = finish_base + p.finish_turn_slope * k
-                logit -= p.finish_failure_penalty * recent + p.finish_return_penalty * return_excess
-                if rng.random() < sigmoid(logit):
-                    break
+        agent = _AgentState.draw(p, prompt, knobs, rng)
+        while builder.add_output(lognormal_int(rng, agent.output_median(p), p.output_tokens_sigma)):
+            if builder.turns >= p.min_turns and rng.random() < sigmoid(agent.finish_logit(p, builder.turns)):
+                break
             name = self._choice.pick(rng)
             tool = self._tools[name]
-            fail_logit = fail_base + tool.fail_logit_offset + (p.fail_repeat_gain if failed else 0.0)
-            status = self._status(tool, fail_logit, rng)
-            tokens, latency = self._tool_return(tool, status, verbosity, rng)
+            status = self._status(tool, agent.fail_logit(p, tool), rng)
+            tokens, latency = self._tool_return(tool, status, agent.verbosity, rng)
             if not builder.add_tool(name, tokens, status, latency):
                 break
-            failed = status != ToolStatus.SUCCESS
-            recent = recent * p.failure_memory + failed
-            return_excess = max(0.0, math.log(max(tokens, 1) / p.return_ref_tokens))
+            agent.after_tool(p, status != ToolStatus.SUCCESS, tokens, rng)
         return traj
 
     @staticmethod
