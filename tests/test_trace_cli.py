@@ -7,6 +7,7 @@ import json
 import pytest
 
 from libra.core.trace import read_trace
+from libra.core.trajectory import ToolStatus
 from libra.sim.workloads.stats import summarize
 from tests.conftest import run_cli
 
@@ -45,6 +46,20 @@ def test_scenario_workload_with_overrides(tmp_path):
     assert res["workload"]["family"] == "dapo-math" and res["workload"]["params"] == {"max_turns": 1}
     trajs = read_trace(out)
     assert len(trajs) == 6 and all(len(t.turns) == 1 for t in trajs)
+
+
+def test_one_tool_field_from_the_command_line(tmp_path):
+    out = tmp_path / "r2e.jsonl"
+    r = run_cli("trace", "generate", "--family", "r2e-gym", "--start-step", "100", "--prompts", "4",
+                "--out", str(out), "--set", "workload.params.tools.execute_bash.latency_median_s=40",
+                "--set", "workload.params.tools.execute_bash.latency_sigma=0")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    turns = [u for t in read_trace(out) for u in t.turns if u.has_tool]
+    bash = [
+        u.tool_latency_s for u in turns if u.tool == "execute_bash" and u.tool_status != ToolStatus.TIMEOUT
+    ]
+    assert bash and all(x == 40 for x in bash)
+    assert {u.tool for u in turns} >= {"execute_bash", "file_editor"}
 
 
 @pytest.mark.parametrize(

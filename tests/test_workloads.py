@@ -134,6 +134,19 @@ def test_unknown_param_lists_allowed(family):
     assert "drift_steps" in str(e.value) and "max_turns" in str(e.value)
 
 
+def test_tool_overrides_merge_over_the_defaults():
+    defaults = FAMILIES["r2e-gym"].Params().tools
+    w = wl("r2e-gym", tools={"execute_bash": {"latency_median_s": 9.0}, "search": None,
+                             "pytest": {"weight": 0.2, "return_median": 900, "return_sigma": 0.5,
+                                        "failure_return_median": 1500, "latency_median_s": 20.0}})  # fmt: skip
+    tools = w.params.tools
+    assert set(tools) == {"execute_bash", "file_editor", "python", "pytest"}
+    assert tools["execute_bash"].latency_median_s == 9.0
+    assert tools["execute_bash"].return_median == defaults["execute_bash"].return_median
+    used = {u.tool for t in w.generate(100, random.Random(0)) for u in t.turns if u.has_tool}
+    assert "pytest" in used and "search" not in used
+
+
 def test_unknown_tool_field_lists_tool_fields():
     with pytest.raises(ConfigError) as e:
         wl("r2e-gym", tools={"execute_bash": {"weight": 1, "return_median": 10, "return_sigma": 0,
@@ -148,7 +161,18 @@ def test_unknown_tool_field_lists_tool_fields():
         ({"family": "r2e-gym", "params": {"output_tokens_sigma": -1}}, "workload.params.output_tokens_sigma"),
         ({"family": "r2e-gym", "params": {"drift_steps": 0}}, "workload.params.drift_steps"),
         ({"family": "search-r1", "params": {"min_turns": 9, "max_turns": 3}}, "workload.params"),
-        ({"family": "search-r1", "params": {"tools": {}}}, "workload.params"),
+        (
+            {"family": "search-r1", "params": {"tools": {"search": None, "fetch": None, "ask_user": None}}},
+            "workload.params",
+        ),
+        (
+            {"family": "search-r1", "params": {"tools": {"browse": {"weight": 1}}}},
+            "workload.params.tools.browse.return_median",
+        ),
+        (
+            {"family": "search-r1", "params": {"tools": {"search": {"weight": 0}}}},
+            "workload.params.tools.search.weight",
+        ),
         (
             {"family": "dapo-math", "params": {"validator_timeout_share": 2}},
             "workload.params.validator_timeout_share",

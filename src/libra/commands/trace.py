@@ -121,7 +121,11 @@ def generate(
 
 
 def _cell(v: object) -> object:
-    return "n/a" if v is None else v
+    if v is None:
+        return "n/a"
+    if isinstance(v, float) and v.is_integer() and abs(v) >= 1:
+        v = int(v)
+    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else v
 
 
 def _stats_table(title: str, columns: list[tuple[str, dict]]):

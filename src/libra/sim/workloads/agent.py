@@ -216,9 +216,27 @@ class AgentWorkload:
 
     def __init__(self, cfg: WorkloadConfig):
         self.cfg = cfg
-        self.params = validate_params(self.Params, cfg.params, "workload.params")
+        self.params = validate_params(self.Params, self._with_default_tools(cfg.params), "workload.params")
         self._tools = self.params.tools
         self._choice = WeightedChoice({k: t.weight for k, t in self._tools.items()})
+
+    @classmethod
+    def _with_default_tools(cls, params: object) -> object:
+        """`tools` given in params are merged over the family's default tools, field by field, so
+        `--set workload.params.tools.execute_bash.latency_median_s=5` changes one field and keeps
+        the rest; a tool set to null is removed; a new tool must give every required field."""
+        given = params.get("tools") if isinstance(params, dict) else None
+        if not isinstance(given, dict):
+            return params
+        tools = {name: spec.model_dump() for name, spec in cls.Params().tools.items()}
+        for name, spec in given.items():
+            if spec is None:
+                tools.pop(name, None)
+            elif isinstance(spec, dict) and name in tools:
+                tools[name] = {**tools[name], **spec}
+            else:
+                tools[name] = spec
+        return {**params, "tools": tools}
 
     def generate(self, step: int, rng: random.Random) -> list[Trajectory]:
         knobs = self._knobs(step)
