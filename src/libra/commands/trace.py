@@ -16,8 +16,9 @@ from pathlib import Path
 
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
-from libra.commands.common import console, emit_json, err_console, json_option, set_option, table
+from libra.commands.common import console, emit_json, err_console, fmt, json_option, set_option, table
 from libra.core.config import apply_overrides, build
 from libra.core.errors import ConfigError
 from libra.core.trace import read_trace
@@ -189,8 +190,12 @@ def params(family, as_json):
         )
         return
     tools = defaults.get("tools")
-    console.print(table(f"{family} parameters", ["name", "default", "description"],
-                        [(n, "see below" if n == "tools" else d, desc) for n, d, desc in rows]))  # fmt: skip
+    t = Table(title=f"{family} parameters (set with --set workload.params.NAME=VALUE)", title_justify="left")
+    for col, justify in (("name", "left"), ("default", "right"), ("description", "left")):
+        t.add_column(col, justify=justify)
+    for n, d, desc in rows:
+        t.add_row(n, "see below" if n == "tools" else fmt(d), desc)
+    console.print(t)
     if tools:
         cols = list(next(iter(tools.values())))
         console.print(table("tools (set with --set workload.params.tools.NAME.FIELD=...)", ["tool", *cols],

@@ -41,6 +41,8 @@ VALIDATOR = "validator"
 
 
 class DapoMathParams(BaseModel):
+    """Parameters of the reasoning-with-validator process; the defaults are the choices above."""
+
     model_config = ConfigDict(extra="forbid")
     max_turns: int = Field(3, ge=1, description="Answer attempts; the validator answers all but the last.")
     drift_steps: int = Field(100, ge=1, description="RL steps over which the *_start values reach *_end.")
