@@ -77,8 +77,9 @@ def _write_steps(cfg: WorkloadConfig, steps: range, seed: int, out: Path) -> Ite
                 bar.advance(task)
         os.replace(tmp, out)  # a failed run never leaves a half-written trace under the real name
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise ConfigError("--out", str(out), f"a writable file path ({e.strerror})") from None
+    finally:
+        tmp.unlink(missing_ok=True)  # after an error or Ctrl-C; a no-op once renamed
 
 
 @trace.command()
