@@ -44,14 +44,15 @@ class ElasticPool:
     def active(self) -> int:
         return sum(1 for r in self.replicas if r.contributes_gradients)
 
-    def serving_gpus(self) -> int:
-        return sum(r.gpus for r in self.replicas if r.serves_rollout)
+    def lent_gpus(self) -> int:
+        """GPUs of hybrid replicas that are not serving rollout now (joining, training, releasing)."""
+        return sum(r.gpus for r in self.replicas if not r.serves_rollout)
 
     def at_step_end(self, t_train: float, t_rollout: float, pressure: float) -> None:
         if not self.replicas:
             return
         setup = self.sim.setup
-        roll = setup.rollout_gpus - sum(r.gpus for r in self.replicas if not r.serves_rollout)
+        roll = setup.rollout_gpus - self.lent_gpus()
         sig = ElasticSignals(t_train, t_rollout, pressure, setup.train.dp, roll, self.sim.prompts_per_step)
         dec = self.ctrl.decide(sig, self.replicas)
         for j in dec.joins:

@@ -224,15 +224,7 @@ class RLSim:
         self._try_rollout()
 
     def _serving_gpus(self) -> int:
-        lent = (
-            0
-            if self.pool is None
-            else self.setup.rollout_gpus - self.pool.serving_gpus() - self._core_rollout()
-        )
-        return self.setup.rollout_gpus - max(0, lent)
-
-    def _core_rollout(self) -> int:
-        return self.setup.rollout_gpus - sum(r.gpus for r in self.pool.replicas)
+        return self.setup.rollout_gpus - (0 if self.pool is None else self.pool.lent_gpus())
 
     def _replan(self) -> None:
         last = self.history[-1]
