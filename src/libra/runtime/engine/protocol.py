@@ -11,7 +11,6 @@ accumulators that turn a sequence's events into a `choices[i]` entry.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -306,7 +305,3 @@ def completion_body(rid: str, created: int, model: str, choices: list[ChoiceStat
         ],
         "usage": usage(choices, prompt_tokens),
     }
-
-
-def error_body(message: str, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error") -> bytes:  # fmt: skip
-    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()

@@ -35,6 +35,7 @@ from libra.runtime.engine.metrics import EngineMetrics
 from libra.runtime.engine.model import TinyTransformer, build_model
 from libra.runtime.engine.sequence import SamplingParams, SeqEvent, Sequence, TextOutput, ToolOutput
 from libra.runtime.engine.tokenizer import render_chat, render_prompt
+from libra.runtime.openai_errors import ApiError, json_error
 
 log = logging.getLogger("libra.engine")
 
@@ -43,19 +44,6 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 DRAIN_SECONDS = 5.0
 # The shortest tool call plus this many tokens is the budget of a tool turn with no max_tokens.
 TOOL_HEADROOM = 16
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-
-def json_error(status: int, message: str, param: str | None = None, code: str | None = None) -> web.Response:
-    kind = "server_error" if status >= 500 else "invalid_request_error"
-    return web.Response(
-        status=status, body=p.error_body(message, param, code, kind), content_type="application/json"
-    )
 
 
 @dataclass(slots=True, eq=False)  # identity equality: jobs live in a set

@@ -1,4 +1,4 @@
-"""HTTP errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+"""The gateway's HTTP errors: OpenAI's shape (shared with the engine) plus its own messages.
 
 Clients of an OpenAI-compatible server (the `openai` package, the RL frameworks' agent loops) read
 this shape, so every 4xx and 5xx the gateway itself produces uses it, with a message that says what
@@ -7,26 +7,11 @@ was wrong and what is allowed.
 
 from __future__ import annotations
 
-import json
-
 from aiohttp import web
 
+from libra.runtime.openai_errors import ApiError, error_body, json_error
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
-    kind = "server_error" if status >= 500 else "invalid_request_error"
-    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
-
-
-def json_error(status: int, message: str, param: str | None = None, code: str | None = None) -> web.Response:
-    return web.Response(
-        status=status, body=error_body(status, message, param, code), content_type="application/json"
-    )
+__all__ = ["ApiError", "error_body", "http_message", "json_error"]
 
 
 def http_message(e: web.HTTPException, request: web.Request, max_body_mb: float) -> str:
