@@ -55,6 +55,9 @@ class PlanDecision:
         return self.candidate if self.verdict.apply or self.current is None else self.current
 
 
+PLAN_MEMO = 16  # searches remembered per planner (a window of recent statistics each)
+
+
 class GlobalPlanner:
     name = "libra"
     layout = "heterogeneous"
@@ -74,15 +77,31 @@ class GlobalPlanner:
         all_tps = [1 << k for k in range(problem.hw.gpus_per_node.bit_length())]
         self.tables = EngineTables(problem, all_tps, self.config.tail_fraction, self.config.kv_headroom)
         self._layouts: dict[tuple, object] = {}
+        self._plans: dict[WorkloadStats, Plan] = {}
 
     # ---- search ----------------------------------------------------------------------------
 
     def plan(self, stats: WorkloadStats, current: Plan | None = None) -> Plan:
-        """The best plan for `stats`. Empty history: keep `current` (documented fallback), or fail."""
+        """The best plan for `stats`. Empty history: keep `current` (documented fallback), or fail.
+
+        The search reads only the lengths, tokens, tool time and steps of `stats` (not measured
+        stage times), so its result is memoised on them: systems of one simulation that share a
+        planner and see the same window of finished steps search once (`memoise: false` off)."""
         if stats.is_empty:
             if current is not None:
                 return current
             raise ConfigError("stats", "empty history", "at least one finished trajectory to plan from")
+        if not self.config.memoise:
+            return self._search(stats)
+        key = stats.with_times(None, None)
+        found = self._plans.get(key)
+        if found is None:
+            if len(self._plans) >= PLAN_MEMO:
+                self._plans.clear()
+            found = self._plans[key] = self._search(stats)
+        return found
+
+    def _search(self, stats: WorkloadStats) -> Plan:
         bound = self.selector.context_bound(stats.max_final)
         lengths = stats.batch_lengths(self.problem.batch_size)
         trains = self._train_frontier(lengths, bound)

@@ -52,6 +52,9 @@ class Batches:
 
         self.workload = make_workload(WorkloadConfig(**sc.workload))
         self.seed = seed
+        # Every system of a run simulates the same batches: generate each step once. The sim
+        # only reads trajectories, so sharing them is safe (about 0.5 MB per 512-trajectory step).
+        self._cache: dict[int, list[Trajectory]] = {}
 
     @property
     def trace_steps(self) -> int | None:
@@ -61,7 +64,11 @@ class Batches:
         """Step `step`'s batch. Trace steps are renumbered 0..n-1 in order, and cycled with fresh
         ids when more steps are asked for, so that ids stay unique among batches in flight."""
         if self.trace is None:
-            return self.workload.generate(step, random.Random(self.seed * 1_000_003 + step))
+            batch = self._cache.get(step)
+            if batch is None:
+                rng = random.Random(self.seed * 1_000_003 + step)
+                batch = self._cache[step] = self.workload.generate(step, rng)
+            return batch
         cycle, i = divmod(step, len(self.trace))
         suffix = f"#{cycle}" if cycle else ""
         return [replace(t, id=t.id + suffix, step=step) for t in self.trace[i]]
@@ -328,9 +335,11 @@ def run(scenario: dict, systems: list[str] | None, steps: int | None, seed: int,
     if n < 1:
         raise ConfigError("steps", n, "an integer >= 1")
     trace_step = sc.trace_step if sc.trace_step is not None else min(2, n - 1)
-    results, per_step, sims = {}, {}, {}
+    results, per_step, sims, shared = {}, {}, {}, {}
     for name in names:
-        sim = RLSim(sc, make_system(name), batches, n, seed, profile, trace_step)
+        system = make_system(name)
+        system.shared = shared
+        sim = RLSim(sc, system, batches, n, seed, profile, trace_step)
         sim.progress = progress
         results[name] = sim.run()
         per_step[name] = sim.per_step()

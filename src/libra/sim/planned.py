@@ -70,8 +70,14 @@ class PlannedSystem(System):
         self._last_pressure: int | None = None
 
     def _make(self, sc: RLScenario, hw: HardwareSpec):
+        """The planner; systems of one run with the same planner share it (it keeps no state of
+        its own between decisions, only memoised searches)."""
         params = dict(sc.planner) if getattr(sc, "planner", None) else {}
-        self._planner = make_planner(self.planner, problem_of(sc, hw), PlannerConfig(**params))
+        shared = self.shared if self.shared is not None else {}
+        key = ("planner", self.planner, repr(sorted(params.items())))
+        if key not in shared:
+            shared[key] = make_planner(self.planner, problem_of(sc, hw), PlannerConfig(**params))
+        self._planner = shared[key]
         return self._planner
 
     def setup(self, sc: RLScenario, hw: HardwareSpec) -> Setup:

@@ -90,6 +90,9 @@ class System:
 
     name = ""
     elastic = False  # whether the pipeline runs the elastic hybrid pool for this system
+    # A run-scoped cache the driver hands to every system of one simulation, so that pure,
+    # expensive helpers (a planner and its memoised searches) are built once per run.
+    shared: dict | None = None
 
     def setup(self, sc: RLScenario, hw: HardwareSpec) -> Setup:
         raise NotImplementedError  # abstract: each system defines its layout
