@@ -192,6 +192,16 @@ def test_memoised_and_fresh_searches_agree(problem, stats, libra_plan):
     assert fresh.layout_key() == libra_plan.layout_key()
 
 
+def test_search_is_memoised_on_the_statistics_not_the_measured_times(problem, stats):
+    planner = GlobalPlanner(problem)
+    first = planner.plan(stats)
+    # Measured stage times do not enter the search: the same statistics reuse it.
+    assert planner.plan(stats.with_times(12.0, 34.0)) is first
+    other = WorkloadStats.from_trajectories(synthetic(512, seed=7, out_median=6000))
+    assert planner.plan(other) is not first
+    assert GlobalPlanner(problem, PlannerConfig(memoise=False)).plan(stats) is not first
+
+
 def test_rollout_time_falls_with_gpus(problem, stats):
     planner = GlobalPlanner(problem)
     layout = planner._layout(stats)
