@@ -67,6 +67,9 @@ class ToolAction(BaseModel):
     t1_traj_sigma: float = Field(
         0.9, ge=0, description="Log-space spread between repositories (trajectories)."
     )
+    scale_key: str | None = Field(
+        None, description="Actions with one key share a repository's scale (default: the kind)."
+    )
 
 
 class CodingParams(BaseModel):
@@ -83,6 +86,11 @@ class CodingParams(BaseModel):
     )
     tools: dict[str, list[ToolAction]] = Field(default_factory=dict, description="Tool name -> actions.")
     default_tool: list[ToolAction] = Field(default_factory=lambda: [ToolAction(kind="shell")])
+    reward: ToolAction | None = Field(
+        None,
+        description="The reward call after the last turn, in the trajectory's sandbox (a SWE "
+        "verifier runs the repository's tests); none: trajectories end at their last turn.",
+    )
 
 
 class CodingWorkload:
@@ -91,6 +99,7 @@ class CodingWorkload:
         self.family = make_workload(params.workload)
         self.choices = {tool: self._compile(tool, alts, profiles) for tool, alts in params.tools.items()}
         self.default = self._compile("default_tool", params.default_tool, profiles)
+        self.reward = self._compile("reward", [params.reward], profiles) if params.reward else None
 
     def _compile(self, tool: str, alts: list[ToolAction], profiles) -> tuple[WeightedChoice, dict]:
         if not alts:
@@ -114,18 +123,25 @@ class CodingWorkload:
         scale: dict[str, float] = {}
         for turn in traj.turns:
             gen = self.p.turn_overhead_s + turn.output_tokens / self.p.decode_tok_s
-            act = self._action(turn, rng, scale) if turn.has_tool else None
+            act = self._action(self.choices.get(turn.tool, self.default), turn, rng, scale) if turn.has_tool else None
             plan.segments.append((gen, act))
+        if self.reward is not None:  # the verifier runs once the agent has finished
+            gen, last = plan.segments[-1] if plan.segments else (0.0, None)
+            if last is None:
+                plan.segments[-1:] = [(gen, self._action(self.reward, None, rng, scale)), (0.0, None)]
         return plan
 
-    def _action(self, turn, rng: random.Random, scale: dict[str, float]) -> ActionSpec:
-        choice, table = self.choices.get(turn.tool, self.default)
+    def _action(self, compiled, turn, rng: random.Random, scale: dict[str, float]) -> ActionSpec:
+        choice, table = compiled
         alt, demand, profile = table[choice.pick(rng)]
         if alt.t1_median_s is not None:
-            repo = scale.setdefault(alt.kind, rng.lognormvariate(0.0, alt.t1_traj_sigma))
+            key = alt.scale_key or alt.kind
+            repo = scale.setdefault(key, rng.lognormvariate(0.0, alt.t1_traj_sigma))
             t1 = repo * rng.lognormvariate(0.0, alt.t1_sigma) * alt.t1_median_s
+        elif turn is not None and turn.tool_latency_s is not None:
+            t1 = turn.tool_latency_s
         else:
-            t1 = turn.tool_latency_s if turn.tool_latency_s is not None else self.p.default_latency_s
+            t1 = self.p.default_latency_s
         return ActionSpec(alt.kind, t1, demand, profile)
 
 
