@@ -193,6 +193,28 @@ def test_planned_systems_run_feasible_plans(system):
     assert res["train_gpus"] + res["rollout_gpus"] <= 16
 
 
+def test_routing_counts_cover_every_layout_of_a_replanned_run(catalog):
+    """A re-plan builds new engines and a new driver; the routing counts, token totals and
+    preemptions in the summary still cover the whole run, not the last layout alone."""
+    from dataclasses import replace
+
+    from libra.sim.pipeline import Batches
+
+    sc = parse_rl({**SMALL, "steps": 4}, catalog)
+    batches = Batches(sc, 0)
+    system = make_system("router:cmlfq")
+    # A system that re-plans once, after step 1: the same buckets on one instance fewer.
+    system.between_steps = lambda sc, hw, history, current: (
+        replace(current, instances=current.instances[:-1]) if len(history) == 2 else None
+    )
+    sim = RLSim(sc, system, batches, 4, 0)
+    res = sim.run()
+    assert res["replans"] == 1  # the case under test: two drivers
+    tool_returns = sum(len(t.turns) - 1 for s in range(4) for t in batches.get(s))
+    assert res["routing"]["decisions"] == tool_returns
+    assert 0.0 <= res["routing"]["migrated_token_ratio"] < 1.0
+
+
 def test_elastic_pool_joins_when_training_is_slow(catalog):
     """Training the bottleneck: a hybrid replica drains its engines, goes through
     FETCHING_STATE and ZERO_SYNC, and adds a DP replica to later training steps, never blocking one."""

@@ -30,7 +30,7 @@ from libra.costmodel.training import TrainCostModel
 from libra.rollout.registry import make_router
 from libra.sim.kernel import Kernel
 from libra.sim.rl_config import RLScenario, parse_rl
-from libra.sim.rollout_driver import RolloutDriver, make_engines
+from libra.sim.rollout_driver import RolloutDriver, RoutingStats, make_engines
 from libra.sim.systems import Setup, System, make_system
 from libra.sim.tracing import Tracer
 
@@ -88,6 +88,11 @@ class RLSim:
         self.tracer = Tracer(trace_step)
         self.train_cost = TrainCostModel(self.hw, self.model, self.profile.train)
         self.setup: Setup = system.setup(sc, self.hw)
+        # Routing counts and engine token totals cover the whole run, across re-plans (each
+        # re-plan builds new engines and a new driver).
+        self.routing = RoutingStats()
+        self.retired_tokens = self.retired_preemptions = 0
+        self.bucketed = False  # whether any layout of the run had more than one bucket
         self.driver = self._build_driver(self.setup)
         self.history: list[dict] = []
         self.in_flight: dict[int, dict] = {}
@@ -138,6 +143,8 @@ class RLSim:
                             self.sc.pipeline.tool_latency_default_s, self.tracer)  # fmt: skip
         drv.set_caps(self.sc.rollout.instance_cap)
         drv.on_traj_done = self._traj_done
+        drv.stats = self.routing
+        self.bucketed |= len(setup.buckets) > 1
         return drv
 
     # ---- the step loop ------------------------------------------------------------------------
@@ -258,6 +265,9 @@ class RLSim:
         """Every batch has drained: restart the engines in the new layout (after its cost)."""
         new, self.pending = self.pending, None
         self.engine_busy_gpu_s += self._engine_busy()
+        retiring = self.driver.engines.values()
+        self.retired_tokens += sum(e.prefill_tokens + e.decode_tokens for e in retiring)
+        self.retired_preemptions += sum(e.preemptions for e in retiring)
         old = self.driver.router
         keep = (
             old if len(new.buckets) == len(self.setup.buckets) and new.router == self.setup.router else None
@@ -281,7 +291,7 @@ class RLSim:
         gen = sum(r["generated_tokens"] for r in h)
         busy = self.engine_busy_gpu_s + self._engine_busy() + self.train_busy_gpu_s
         engines = self.driver.engines.values()
-        rollout_tokens = sum(e.prefill_tokens + e.decode_tokens for e in engines)
+        rollout_tokens = self.retired_tokens + sum(e.prefill_tokens + e.decode_tokens for e in engines)
         return {
             "throughput_tokens_per_s": gen / wall,
             "mean_step_time_s": wall / len(h),
@@ -293,10 +303,10 @@ class RLSim:
             "generated_tokens": gen,
             "train_gpus": self.setup.train_gpus,
             "rollout_gpus": self.setup.rollout_gpus,
-            "preemptions": sum(e.preemptions for e in engines),
+            "preemptions": self.retired_preemptions + sum(e.preemptions for e in engines),
             "replans": self.replans,
             **({"elastic": {"joins": self.pool.joins, "releases": self.pool.releases}} if self.pool else {}),
-            **({"routing": self.driver.stats.as_dict(rollout_tokens)} if len(self.setup.buckets) > 1 else {}),
+            **({"routing": self.routing.as_dict(rollout_tokens)} if self.bucketed else {}),
         }
 
     def per_step(self) -> list[dict]:
