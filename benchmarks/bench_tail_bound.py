@@ -1,0 +1,84 @@
+"""How much of a rollout's makespan any GPU layout or router could remove: the tail bound.
+
+Issue 5's targets (libra >= 1.25x static-optimal, a climbing ablation ladder) need rollout to get
+faster when the layout and the router change. This measures how much room there is. For every
+step it takes the batch's slowest trajectory *on its own*: each output token decoded at batch 1
+on the fastest engine the node allows (TP = GPUs per node), no queueing, no prefill, plus the
+trajectory's tool time. No placement of that trajectory can finish it sooner, so
+
+    bound share = (slowest trajectory's solo critical path) / (measured rollout makespan)
+
+is the part of the makespan that no layout or routing can remove; 1 - share is the most any of
+them could save on that step. The makespan is measured with `static-uniform` (the scenario's own
+split, one TP everywhere).
+
+Run: .venv/bin/python benchmarks/bench_tail_bound.py [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import report  # noqa: E402
+from libra.core.trajectory import Trajectory  # noqa: E402
+from libra.costmodel.catalog import load_catalog  # noqa: E402
+from libra.costmodel.rollout import RolloutCostModel  # noqa: E402
+from libra.sim.pipeline import Batches, RLSim  # noqa: E402
+from libra.sim.rl_config import parse_rl  # noqa: E402
+from libra.sim.scenarios import load_scenario  # noqa: E402
+from libra.sim.systems import make_system  # noqa: E402
+
+SCENARIOS = ("libra-r2e-48gpu", "libra-searchr1-48gpu")
+
+
+def solo_critical_path_s(t: Trajectory, cost: RolloutCostModel, tool_default_s: float) -> float:
+    """Decode every output token at batch 1 (step time A + B * context), plus the tool calls."""
+    a, b = cost.decode_coeffs(1)
+    ctx, total = t.prompt_tokens, 0.0
+    for turn in t.turns:
+        total += turn.output_tokens * (a + b * (ctx + turn.output_tokens / 2))
+        ctx += turn.output_tokens + turn.tool_return_tokens
+        if turn.has_tool:
+            total += turn.tool_latency_s if turn.tool_latency_s is not None else tool_default_s
+    return total
+
+
+def bound_shares(scenario: str, steps: int) -> list[float]:
+    cat = load_catalog()
+    sc = parse_rl(load_scenario(scenario), cat)
+    hw, model = cat.hardware(sc.cluster.hardware), cat.model(sc.model)
+    tp = max(t for t in (1, 2, 4, 8) if t <= hw.gpus_per_node and model.heads % t == 0)
+    cost = RolloutCostModel(hw, model, tp)
+    batches = Batches(sc, 0)
+    sim = RLSim(sc, make_system("static-uniform"), batches, steps, 0)
+    sim.run()
+    default = sc.pipeline.tool_latency_default_s
+    shares = []
+    for r in sim.history:
+        slowest = max(solo_critical_path_s(t, cost, default) for t in batches.get(r["step"]))
+        shares.append(slowest / (r["rollout_end"] - r["rollout_start"]))
+    return shares
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=100)
+    args = ap.parse_args()
+    figures = {"steps": args.steps}
+    for name in SCENARIOS:
+        s = sorted(bound_shares(name, args.steps))
+        figures[name] = {
+            "bound_share_median": round(statistics.median(s), 3),
+            "bound_share_p10": round(s[len(s) // 10], 3),
+            "most_any_layout_saves_median": round(1 - statistics.median(s), 3),
+        }
+    report("tail_bound", figures)
+
+
+if __name__ == "__main__":
+    main()
