@@ -178,3 +178,15 @@ def test_cli_simulate_runs_a_tangram_scenario(tmp_path):
     assert out["systems"]["tangram"]["actions"]["gpus"] == 40 and "gpus_for_equal_act" in out
     bad = run_cli("simulate", "--scenario", "tangram-mopd", "--set", "mopd.decode_tok_s=-1")
     assert bad.returncode == 2 and "decode_tok_s" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_trajectory_cut_off_on_a_tool_call_still_gets_its_reward_call():
+    import random
+
+    from libra.core.trajectory import Trajectory, Turn
+    from libra.sim.actions import CodingSetup, TangramScenario, build
+
+    setup = CodingSetup(build(TangramScenario, load_scenario("tangram-coding"), "scenario"), None)
+    cut = Trajectory("t", "p", 0, 500, [Turn(100, "execute_bash", 50, tool_latency_s=2.0)])
+    kinds = [a.kind if a else None for _, a in setup.workload._plan(cut, 0, random.Random(0)).segments]
+    assert kinds[-2:] == ["reward-tests", None] and len(kinds) == 3

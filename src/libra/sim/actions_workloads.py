@@ -126,9 +126,9 @@ class CodingWorkload:
             act = self._action(self.choices.get(turn.tool, self.default), turn, rng, scale) if turn.has_tool else None
             plan.segments.append((gen, act))
         if self.reward is not None:  # the verifier runs once the agent has finished
-            gen, last = plan.segments[-1] if plan.segments else (0.0, None)
-            if last is None:
-                plan.segments[-1:] = [(gen, self._action(self.reward, None, rng, scale)), (0.0, None)]
+            # A trajectory cut off on a tool call (at max length) is scored too.
+            gen = plan.segments.pop()[0] if plan.segments and plan.segments[-1][1] is None else 0.0
+            plan.segments += [(gen, self._action(self.reward, None, rng, scale)), (0.0, None)]
         return plan
 
     def _action(self, compiled, turn, rng: random.Random, scale: dict[str, float]) -> ActionSpec:
