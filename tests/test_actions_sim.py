@@ -127,7 +127,11 @@ def test_bad_scenarios_are_one_line_config_errors():
         run(sc, systems=["k8s"], steps=1)
     sc = copy.deepcopy(load_scenario("tangram-coding"))
     sc["coding"]["tools"]["python"] = [{"kind": "python", "profile": "missing"}]
-    with pytest.raises(ConfigError, match="profile"):
+    with pytest.raises(ConfigError, match=r"coding\.tools\.python\[0\]\.profile"):
+        run(sc, steps=1)
+    sc = copy.deepcopy(load_scenario("tangram-coding"))
+    sc["coding"]["reward"]["cpu"] = [4, 2]
+    with pytest.raises(ConfigError, match=r"coding\.reward\.cpu"):
         run(sc, steps=1)
     sc = small_mopd()
     sc["mopd"]["services"][0]["model"] = "gpt-9"

@@ -97,16 +97,19 @@ class CodingWorkload:
     def __init__(self, params: CodingParams, profiles: Mapping[str, EfficiencyProfile]):
         self.p = params
         self.family = make_workload(params.workload)
-        self.choices = {tool: self._compile(tool, alts, profiles) for tool, alts in params.tools.items()}
-        self.default = self._compile("default_tool", params.default_tool, profiles)
-        self.reward = self._compile("reward", [params.reward], profiles) if params.reward else None
+        self.choices = {
+            tool: self._compile(f"coding.tools.{tool}", alts, profiles) for tool, alts in params.tools.items()
+        }
+        self.default = self._compile("coding.default_tool", params.default_tool, profiles)
+        self.reward = self._compile("coding.reward", [params.reward], profiles, one=True) if params.reward else None
 
-    def _compile(self, tool: str, alts: list[ToolAction], profiles) -> tuple[WeightedChoice, dict]:
+    def _compile(self, field: str, alts: list[ToolAction], profiles, one: bool = False) -> tuple[WeightedChoice, dict]:
+        """Alternatives listed under `field` (errors name it; `one`: a single action, not a list)."""
         if not alts:
-            raise ConfigError(f"coding.tools.{tool}", alts, "at least one action")
+            raise ConfigError(field, alts, "at least one action")
         table = {}
         for i, a in enumerate(alts):
-            where = f"coding.tools.{tool}[{i}]"
+            where = field if one else f"{field}[{i}]"
             cpu = parse_feasible(a.cpu, f"{where}.cpu")
             demand = ResourceVector.from_mapping({"cpu": cpu, "memory": self.p.env_memory_gib}, key="cpu")
             table[str(i)] = (a, demand, lookup(profiles, a.profile, f"{where}.profile"))
