@@ -244,3 +244,56 @@ def test_elastic_pool_joins_when_training_is_slow(catalog):
     gpus = [r["train_gpus"] for r in sim.history]
     assert max(gpus) == gpus[0] + tp  # the ACTIVE replica trains as one more DP replica
     assert gpus.index(max(gpus)) >= 2  # not before the join's drain, fetch and restore
+
+
+def _straggler_trace():
+    """Two steps of two GRPO groups of two samples; one sample of step 0's group "slow" makes 12
+    tool calls of 30 s, every other sample one turn."""
+    from libra.core.trajectory import Trajectory, Turn
+
+    def traj(tid, pid, step, slow=False):
+        turns = [Turn(64, "bash", 32, tool_latency_s=30.0) for _ in range(12)] if slow else []
+        return Trajectory(tid, pid, step, 256, [*turns, Turn(64)])
+
+    return [traj("a0", "slow", 0, slow=True), traj("a1", "slow", 0), traj("b0", "fast", 0), traj("b1", "fast", 0),
+            traj("c0", "p", 1), traj("c1", "p", 1), traj("d0", "q", 1), traj("d1", "q", 1)]  # fmt: skip
+
+
+@pytest.mark.parametrize("consume", ["completion", "batch"])
+def test_consumption_order_and_whole_groups(catalog, consume):
+    """completion: a step trains on the first GRPO groups to finish, so step 0 does not wait for
+    the straggler's group, which the next step takes. batch: step s trains on
+    exactly batch s. Either way every step holds whole groups and no trajectory is trained twice."""
+    from libra.sim.pipeline import Batches
+
+    sc = parse_rl({**SMALL, "pipeline": {"consume": consume}}, catalog)
+    trace = _straggler_trace()
+    sim = RLSim(sc, make_system("static-uniform"), Batches(sc, 0, trace), 2, 0)
+    res = sim.run()
+    trained = [t for r in sim.history for t in r["trajs"]]
+    assert sorted(t.id for t in trained) == sorted(t.id for t in trace)
+    for r in sim.history:
+        groups = {(t.step, t.prompt_id) for t in r["trajs"]}
+        assert len(r["trajs"]) == 2 * len(groups) == 4
+    step0 = {t.id for t in sim.history[0]["trajs"]}
+    if consume == "batch":
+        assert step0 == {"a0", "a1", "b0", "b1"}
+    else:
+        assert "a0" not in step0 and "a0" in {t.id for t in sim.history[1]["trajs"]}
+        assert sim.history[0]["rollout_end"] < 300  # the straggler alone takes 12 x 30 s of tools
+    # Staleness: training steps between the weights a group started with and the step training it.
+    assert res["max_staleness"] == 1 and 0 < res["mean_staleness"] <= 1
+
+
+def test_completion_order_beats_batch_order_under_a_tail(catalog):
+    """The reason for consuming by completion: a long tail no longer holds up every step."""
+    out = {}
+    for consume in ("completion", "batch"):
+        sc = {**SMALL, "steps": 6, "pipeline": {"consume": consume}}
+        out[consume] = run(sc, ["static-uniform", "verl-colocated"], 6, 0, None, _quiet)["systems"]
+    assert (
+        out["completion"]["static-uniform"]["throughput_tokens_per_s"]
+        > (out["batch"]["static-uniform"]["throughput_tokens_per_s"])
+    )
+    # Colocated systems are synchronous: one batch at a time, consumed whole either way.
+    assert out["completion"]["verl-colocated"] == out["batch"]["verl-colocated"]

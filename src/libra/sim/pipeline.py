@@ -3,18 +3,23 @@
 Disaggregated systems run rollout and training on separate GPUs, asynchronously with bounded
 staleness, as slime and AReaL do: rollout batch s may start once at least s-k training steps have
 finished (its weights are at most k steps old), so up to k+1 batches are in flight and the next
-batch overlaps the tail of the last one; training step s starts once batch s is done and step s-1
-has finished. A batch that starts with newer weights than the engines hold first waits for the
-weight sync. Colocated systems alternate on all GPUs (rollout, switch, train, switch).
+batch overlaps the tail of the last one. Training step s takes as many whole GRPO groups as batch s
+has: by default the first groups to finish (`pipeline.consume: completion`, as AReaL does), so a
+straggler's group is trained by a later step instead of holding its own step up; with `batch`,
+exactly the groups of batch s. Training step s starts once its groups are in and step s-1 has
+finished. A batch that starts with newer weights than the engines hold first waits for the weight
+sync. Colocated systems alternate on all GPUs (rollout, switch, train, switch), one whole batch at a
+time.
 
 Metrics (the README defines each): throughput = generated tokens / wall time, where wall time ends
-with the last training step; mean step time = wall time / steps; rollout makespan = batch start to
-its last trajectory; GPU utilisation = busy GPU-seconds / (all GPUs x wall time).
+with the last training step; mean step time = wall time / steps; rollout makespan = batch s start to
+the moment step s's groups are all in; GPU utilisation = busy GPU-seconds / (all GPUs x wall time).
 """
 
 from __future__ import annotations
 
 import random
+from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -95,7 +100,12 @@ class RLSim:
         self.bucketed = False  # whether any layout of the run had more than one bucket
         self.driver = self._build_driver(self.setup)
         self.history: list[dict] = []
-        self.in_flight: dict[int, dict] = {}
+        self.in_flight: dict[int, dict] = {}  # admitted batches whose training batch is not full yet
+        self.group_left: dict[tuple[int, str], int] = {}  # (step, prompt) -> samples still running
+        self.group_done: dict[tuple[int, str], list[Trajectory]] = {}
+        self.finished: dict[int, deque] = {}  # queue -> finished groups, oldest first
+        self.filled = 0  # steps whose training batch is full
+        self.version: dict[int, int] = {}  # step -> training steps done when its batch started
         self.done_batches: dict[int, dict] = {}
         self.rollout_started = self.train_done = 0
         self.training = False
@@ -169,7 +179,8 @@ class RLSim:
         while self._may_roll(self.rollout_started):
             s = self.rollout_started
             self.rollout_started += 1
-            self.in_flight[s] = {"step": s, "left": -1}
+            self.in_flight[s] = {"step": s}
+            self.version[s] = self.train_done  # the weights batch s is generated with
             delay = self.sc.pipeline.switch_s if self.setup.colocated and s > 0 else 0.0
             delay, self.next_batch_delay = delay + self.next_batch_delay, 0.0
             if self.train_done > self.weights_on_engines and not self.setup.colocated:
@@ -187,27 +198,56 @@ class RLSim:
 
     def _start_batch(self, s: int) -> None:
         trajs = self.batches.get(s)
-        self.in_flight[s].update(t0=self.k.now, left=len(trajs), trajs=trajs)
+        groups: dict[str, list[Trajectory]] = {}
+        for t in trajs:
+            groups.setdefault(t.prompt_id, []).append(t)
+        self.in_flight[s].update(t0=self.k.now, groups=len(groups))
+        for pid, members in groups.items():
+            self.group_left[(s, pid)] = len(members)
         for t in trajs:
             self.driver.start(t)
 
     def _traj_done(self, run) -> None:
-        b = self.in_flight[run.traj.step]
-        b["left"] -= 1
-        if b["left"] == 0:
-            self._batch_done(b)
+        t = run.traj
+        key = (t.step, t.prompt_id)
+        self.group_done.setdefault(key, []).append(t)
+        self.group_left[key] -= 1
+        if self.group_left[key]:
+            return
+        del self.group_left[key]
+        queue = 0 if self._by_completion() else t.step
+        self.finished.setdefault(queue, deque()).append((self.version[t.step], self.group_done.pop(key)))
+        if self._fill():
+            if self.pending is not None and not self.in_flight:
+                self._apply_pending()
+            self._try_train()
+            self._try_rollout()
 
-    def _batch_done(self, b: dict) -> None:
-        s, trajs = b["step"], b["trajs"]
+    def _by_completion(self) -> bool:
+        return self.sc.pipeline.consume == "completion" and not self.setup.colocated
+
+    def _fill(self) -> bool:
+        """Fill the next steps' batches from finished groups; whether any step was filled."""
+        filled = False
+        while (b := self.in_flight.get(self.filled)) is not None and "groups" in b:
+            queue = self.finished.get(0 if self._by_completion() else self.filled)
+            if queue is None or len(queue) < b["groups"]:
+                break
+            taken = [queue.popleft() for _ in range(b["groups"])]
+            self._batch_done(b, taken)
+            self.filled += 1
+            filled = True
+        return filled
+
+    def _batch_done(self, b: dict, taken: list[tuple[int, list[Trajectory]]]) -> None:
+        s = b["step"]
+        trajs = [t for _, group in taken for t in group]
         del self.in_flight[s]
         self.done_batches[s] = {"step": s, "rollout_start": b["t0"], "rollout_end": self.k.now,
                                 "generated_tokens": sum(t.generated_tokens for t in trajs),
-                                "lengths": [t.total_tokens for t in trajs], "trajs": trajs}  # fmt: skip
+                                "lengths": [t.total_tokens for t in trajs], "trajs": trajs,
+                                "staleness": [s - v for v, _ in taken]}  # fmt: skip
         self.driver.router.on_step_end(s)
-        if self.pending is not None and not self.in_flight:
-            self._apply_pending()
-        self._try_train()
-        self._try_rollout()
 
     def _try_train(self) -> None:
         s = self.train_done
@@ -305,6 +345,8 @@ class RLSim:
             "rollout_gpus": self.setup.rollout_gpus,
             "preemptions": self.retired_preemptions + sum(e.preemptions for e in engines),
             "replans": self.replans,
+            "mean_staleness": float(np.mean([x for r in h for x in r["staleness"]])),
+            "max_staleness": max(x for r in h for x in r["staleness"]),
             **({"elastic": {"joins": self.pool.joins, "releases": self.pool.releases}} if self.pool else {}),
             **({"routing": self.routing.as_dict(rollout_tokens)} if self.bucketed else {}),
         }

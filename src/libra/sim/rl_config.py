@@ -66,6 +66,11 @@ class RolloutCfg(_Strict):
 
 class PipelineCfg(_Strict):
     staleness: int = Field(1, ge=0, description="rollout may run at most k steps ahead of training")
+    consume: Literal["completion", "batch"] = Field(
+        "completion",
+        description="disaggregated systems: training step s takes the first GRPO groups to finish "
+        "(completion, as AReaL does) or exactly the groups of batch s (batch)",
+    )
     switch_s: float = Field(20.0, ge=0, description="colocated systems: switch cost per direction")
     weight_sync_s: float | None = Field(None, ge=0, description="None: computed from model size and network")
     tool_latency_default_s: float = Field(2.0, ge=0, description="for trace turns without tool_latency_s")
