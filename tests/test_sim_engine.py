@@ -138,3 +138,34 @@ def test_kv_policies_during_tool(cost):
 def test_request_larger_than_cache_is_reported(small_cost):
     with pytest.raises(RuntimeError, match="exceeds the KV cache"):
         _run(small_cost, [(0.0, small_cost.kv_capacity_tokens() + 10, 5)])
+
+
+def test_driver_spills_agents_past_an_engines_kv_commitment(small_cost):
+    """Agents keep their KV between turns, so an engine's commitment is the contexts of every
+    trajectory living on it, in a turn or in a tool call. Past 90% of the cache the router sees the
+    engine saturated and starts new agents in the neighbouring bucket instead of thrashing it; the
+    commitment returns to zero when they finish."""
+    from libra.core.trajectory import Trajectory, Turn
+    from libra.rollout.base import Bucket
+    from libra.rollout.registry import make_router
+    from libra.sim.rollout_driver import RolloutDriver
+
+    k = Kernel(0)
+    cap = small_cost.kv_capacity_tokens()
+    engines = [Engine(k, n, small_cost, 64, small_cost.max_num_batched_tokens) for n in ("small", "big")]
+    buckets = [Bucket("s", 1, cap), Bucket("l", 1, 10 * cap)]
+    router = make_router("cmlfq-paper", buckets, seed=0)
+    drv = RolloutDriver(k, engines, buckets, {"small": 0, "big": 1}, router, {"small": 0, "big": 0}, 1.0)
+    prompt = cap // 8
+    trajs = [Trajectory(f"t{i}", f"p{i}", 0, prompt, [Turn(16, "bash", 16, tool_latency_s=60.0), Turn(16)])
+             for i in range(12)]  # fmt: skip
+    homes = []
+    for t in trajs:
+        before = dict(drv.committed)
+        drv.start(t)
+        homes += [drv.views[e].bucket for e in drv.committed if drv.committed[e] > before[e]]
+    assert homes[:8] == [0] * 8  # up to 90% of the cache: the smallest bucket, as C-MLFQ starts
+    assert set(homes[8:]) == {1}  # then the small engine is saturated: the neighbour takes the rest
+    assert drv.views["small"].saturated and drv.committed["small"] >= 0.9 * cap
+    k.run()
+    assert len(drv.finished) == 12 and drv.committed == {"small": 0, "big": 0}

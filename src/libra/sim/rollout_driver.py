@@ -55,6 +55,7 @@ class Run:
     t_start: float = 0.0
     generated: int = 0  # output tokens of the turns before `turn` (kept incrementally: no O(turns) sums)
     final: int = 0  # the trajectory's final length, computed once
+    charged: int = 0  # the context this trajectory commits on its engine's KV cache (see _commit)
 
 
 class RolloutDriver:
@@ -70,6 +71,10 @@ class RolloutDriver:
         self.stats = RoutingStats()
         self.on_traj_done: Callable[[Run], None] = lambda run: None
         self.finished: list[tuple[Trajectory, float]] = []
+        # KV each engine is committed to: the contexts of the trajectories that live on it, in a
+        # turn or in a tool call (their prefix stays resident). The cache itself never shows more
+        # than full, so only this tells a router that an engine holds more agents than fit.
+        self.committed = {e.id: 0 for e in engines}
 
     def retune(self, buckets: list[Bucket]) -> None:
         """New bucket boundaries, same engines: only the router's thresholds move."""
@@ -101,9 +106,11 @@ class RolloutDriver:
         seq = Seq(run.traj.id, ctx, max(1, turn.output_tokens), self._turn_done, turn.has_tool, owner=run)
         prev = run.engine
         run.engine = target
-        view = self.views[target.id]
-        view.outstanding += 1
-        view.kv_usage = target.kv_used() / target.kv_cap
+        self.views[target.id].outstanding += 1
+        if prev is not None:
+            self._commit(prev, -run.charged)
+        run.charged = ctx
+        self._commit(target, ctx)
         if prev is None or prev is target:
             target.submit(seq)
             return
@@ -131,10 +138,7 @@ class RolloutDriver:
 
     def _turn_done(self, seq: Seq) -> None:
         run: Run = seq.owner
-        view = self.views[run.engine.id]
-        view.outstanding -= 1
-        # KV use changes on every admission and finish; refreshing the touched engine keeps it O(1).
-        view.kv_usage = run.engine.kv_used() / run.engine.kv_cap
+        self.views[run.engine.id].outstanding -= 1
         turn = run.traj.turns[run.turn]
         if not turn.has_tool:
             self._finish(run)
@@ -151,13 +155,16 @@ class RolloutDriver:
         run.generated += turn.output_tokens
         self._route_and_submit(run, run.contexts[-1] + turn.output_tokens + turn.tool_return_tokens)
 
+    def _commit(self, engine: Engine, tokens: int) -> None:
+        self.committed[engine.id] += tokens
+        self.views[engine.id].kv_usage = self.committed[engine.id] / engine.kv_cap
+
     def _finish(self, run: Run) -> None:
         t = run.traj
+        self._commit(run.engine, -run.charged)
         run.engine.release(t.id)
         self.router.on_finish(
-            FinishedTrajectory(
-                t.id, t.prompt_id, t.step, tuple(run.path), tuple(run.contexts), run.final
-            )
+            FinishedTrajectory(t.id, t.prompt_id, t.step, tuple(run.path), tuple(run.contexts), run.final)
         )
         self.finished.append((t, self.k.now - run.t_start))
         self.on_traj_done(run)
