@@ -215,22 +215,25 @@ class RLSim:
         if self.group_left[key]:
             return
         del self.group_left[key]
-        queue = 0 if self._by_completion() else t.step
-        self.finished.setdefault(queue, deque()).append((self.version[t.step], self.group_done.pop(key)))
+        self.finished.setdefault(self._queue(t.step), deque()).append(
+            (self.version[t.step], self.group_done.pop(key))
+        )
         if self._fill():
             if self.pending is not None and not self.in_flight:
                 self._apply_pending()
             self._try_train()
             self._try_rollout()
 
-    def _by_completion(self) -> bool:
-        return self.sc.pipeline.consume == "completion" and not self.setup.colocated
+    def _queue(self, step: int) -> int:
+        """Where a finished group of batch `step` waits: one queue in completion order, else its step's."""
+        by_completion = self.sc.pipeline.consume == "completion" and not self.setup.colocated
+        return 0 if by_completion else step
 
     def _fill(self) -> bool:
         """Fill the next steps' batches from finished groups; whether any step was filled."""
         filled = False
         while (b := self.in_flight.get(self.filled)) is not None and "groups" in b:
-            queue = self.finished.get(0 if self._by_completion() else self.filled)
+            queue = self.finished.get(self._queue(self.filled))
             if queue is None or len(queue) < b["groups"]:
                 break
             taken = [queue.popleft() for _ in range(b["groups"])]
