@@ -1,0 +1,62 @@
+"""How large a mean-ACT win over k8s any scheduler could get on tangram-coding: the no-queue bound.
+
+Issue 6 asks that `tangram` cut mean ACT to a third of `k8s-per-trajectory`'s. This measures how
+much room the workload leaves. It runs the scenario as shipped (k8s and tangram on the same 4 x 32
+cores), then tangram again with `--cores-scale` times the cores per node. With that many cores no
+action ever queues and every elastic test run gets its widest useful grant, so tangram's mean ACT
+there is a floor: what the actions themselves take. No scheduler on the real cores can go below it,
+so
+
+    best possible win = k8s mean ACT (shipped cores) / tangram mean ACT (ample cores)
+
+and `needed_for_3x` is the mean ACT tangram would need on the shipped cores. The gap between the
+two tangram runs is what queueing and narrow grants cost on the real cores.
+
+Run: .venv/bin/python benchmarks/bench_tangram_bound.py [--cores-scale 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import report  # noqa: E402
+from libra.sim.actions import run  # noqa: E402
+from libra.sim.scenarios import load_scenario  # noqa: E402
+
+
+def mean_act(raw: dict, system: str) -> dict:
+    a = run(raw, systems=[system], seed=0)["systems"][system]["actions"]
+    return {"mean_act_s": round(a["mean_act_s"], 3), "mean_queue_s": round(a["mean_queue_s"], 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cores-scale", type=int, default=16, help="Cores per node multiplier of the ample run.")
+    args = ap.parse_args()
+    raw = load_scenario("tangram-coding")
+    k8s = mean_act(raw, "k8s-per-trajectory")
+    shipped = mean_act(raw, "tangram")
+    cluster = raw["cluster"]
+    ample_raw = {
+        **raw,
+        "cluster": {**cluster, "cores_per_node": cluster["cores_per_node"] * args.cores_scale},
+    }
+    ample = mean_act(ample_raw, "tangram")
+    report("tangram_bound", {
+        "cores": cluster["nodes"] * cluster["cores_per_node"],
+        "ample_cores": cluster["nodes"] * cluster["cores_per_node"] * args.cores_scale,
+        "k8s": k8s,
+        "tangram": shipped,
+        "tangram_ample_cores": ample,
+        "win": round(k8s["mean_act_s"] / shipped["mean_act_s"], 2),
+        "best_possible_win": round(k8s["mean_act_s"] / ample["mean_act_s"], 2),
+        "needed_for_3x_s": round(k8s["mean_act_s"] / 3, 3),
+    })  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
