@@ -132,7 +132,7 @@ class Featurizer:
         self.book = book
         self.width = 1 + sum(_GROUP_WIDTH[g] for g in self.groups)
         self.vocab: dict[str, int] = {}
-        self.tallies: dict[str, tuple[int, list[int]]] = {}
+        self.tallies: dict[str, tuple[int, list[int], int]] = {}  # traj -> (states seen, counts, fails)
 
     def candidates(self) -> list[np.ndarray]:
         """Column masks of nested input sets: the first group alone, then one group more each time."""
@@ -170,9 +170,23 @@ class Featurizer:
         lc = math.log(c)
         return [lc, lc * lc]
 
+    def _tally(self, req: RouteRequest) -> tuple[list[int], int]:
+        """Per-tool call counts and failures so far, extended by the path's new states only."""
+        seen, counts, fails = self.tallies.get(req.traj_id, (0, None, 0))
+        if counts is None or seen > len(req.path):
+            seen, counts, fails = 0, [0] * TOOL_SLOTS, 0
+        if seen < len(req.path):
+            for state in req.path[seen:]:
+                counts[self.slot(state.tool)] += 1
+                fails += state.status != Status.SUCCESS
+            if len(self.tallies) >= MAX_PENDING and req.traj_id not in self.tallies:
+                self.tallies.pop(next(iter(self.tallies)))
+            self.tallies[req.traj_id] = (len(req.path), counts, fails)
+        return counts, fails
+
     def _progress(self, req: RouteRequest, c: int, g: Group) -> list[float]:
         tool_tokens = max(0, req.context_tokens - req.prompt_tokens - req.generated_tokens)
-        fails = sum(1 for s in req.path if s.status != Status.SUCCESS)
+        fails = self._tally(req)[1]
         return [
             math.log1p(req.turn),
             math.log1p(fails),
@@ -187,14 +201,7 @@ class Featurizer:
         return [float(last.size), float(last.status == Status.FAILURE), float(last.status == Status.TIMEOUT)]
 
     def _tools(self, req: RouteRequest, c: int, g: Group) -> list[float]:
-        seen, counts = self.tallies.get(req.traj_id, (0, None))
-        if counts is None or seen > len(req.path):
-            seen, counts = 0, [0] * TOOL_SLOTS
-        for state in req.path[seen:]:
-            counts[self.slot(state.tool)] += 1
-        if len(self.tallies) >= MAX_PENDING:
-            self.tallies.pop(next(iter(self.tallies)))
-        self.tallies[req.traj_id] = (len(req.path), counts)
+        counts = self._tally(req)[0]
         last = [0.0] * TOOL_SLOTS
         if req.path:
             last[self.slot(req.path[-1].tool)] = 1.0
