@@ -56,6 +56,10 @@ def plot_steps(per_step: dict, path: Path) -> Path:
     ax1.set(title="Step time (4-step moving average)", xlabel="RL step", ylabel="seconds")
     ax2.set(title="Throughput so far", xlabel="RL step", ylabel="generated tokens / wall second")
     ax2.legend(fontsize=7, loc="best")
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -79,10 +83,7 @@ def plot_lengths(history: list[dict], system: str, path: Path) -> Path:
     ax.plot(steps, [np.mean(r["lengths"]) for r in history], label="mean")
     ax.set(title=f"Trajectory length over steps ({system})", xlabel="RL step", ylabel="final context, tokens")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_split(history: list[dict], system: str, path: Path) -> Path:
@@ -93,10 +94,7 @@ def plot_split(history: list[dict], system: str, path: Path) -> Path:
                  labels=["training", "rollout"], alpha=0.8, step="post")  # fmt: skip
     ax.set(title=f"GPU split over steps ({system})", xlabel="RL step", ylabel="GPUs")
     ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_layout(history: list[dict], system: str, path: Path) -> Path:
@@ -113,7 +111,4 @@ def plot_layout(history: list[dict], system: str, path: Path) -> Path:
     ax.set(title=f"Rollout buckets over steps ({system}); last: " + ", ".join(f"<= {b[2] // 1024}K" for b in last),
            xlabel="RL step", ylabel="rollout GPUs")  # fmt: skip
     ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
