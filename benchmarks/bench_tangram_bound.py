@@ -37,6 +37,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cores-scale", type=int, default=16, help="Cores per node multiplier of the ample run.")
     args = ap.parse_args()
+    if args.cores_scale < 1:
+        ap.error(f"--cores-scale must be an integer >= 1, got {args.cores_scale}")
     raw = load_scenario("tangram-coding")
     k8s = mean_act(raw, "k8s-per-trajectory")
     shipped = mean_act(raw, "tangram")
