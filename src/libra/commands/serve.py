@@ -23,7 +23,9 @@ SERVICES = {
 
 class _ServeGroup(click.Group):
     def list_commands(self, ctx):
-        return sorted(n for n in SERVICES if importlib.util.find_spec(SERVICES[n][0].split(":")[0].rsplit(".", 1)[0]))
+        return sorted(
+            n for n in SERVICES if importlib.util.find_spec(SERVICES[n][0].split(":")[0].rsplit(".", 1)[0])
+        )
 
     def get_command(self, ctx, name):
         if name not in SERVICES:
@@ -32,7 +34,11 @@ class _ServeGroup(click.Group):
         try:
             return getattr(importlib.import_module(module), attr)
         except ModuleNotFoundError as e:
-            raise ConfigError("serve", name, f"the 'serve' extra installed (missing module {e.name!r}): pip install 'libra[serve,train]'") from None
+            raise ConfigError(
+                "serve",
+                name,
+                f"the 'serve' extra installed (missing module {e.name!r}): pip install 'libra[serve,train]'",
+            ) from None
 
 
 @click.group(cls=_ServeGroup)

@@ -60,6 +60,7 @@ _GROUP_WIDTH = {"context": 2, "progress": 4, "last": 3, "tools": 2 * TOOL_SLOTS,
 START_WIDTH = 5
 START, TOOL_RETURN = 0, 1  # kinds of remembered decisions
 MAX_PENDING = 200_000
+Tally = tuple[list[int], int]  # per-tool call counts, failures: a trajectory's path so far
 
 # ---- what the router knows about GRPO groups -----------------------------------------------------
 
@@ -125,7 +126,7 @@ class Featurizer:
     so a 100-turn path costs no more than a short one.
     """
 
-    __slots__ = ("groups", "book", "width", "vocab", "tallies")
+    __slots__ = ("groups", "book", "width", "vocab", "tallies", "_parts")
 
     def __init__(self, groups: Sequence[str], book: SiblingBook):
         self.groups = tuple(groups)
@@ -133,6 +134,7 @@ class Featurizer:
         self.width = 1 + sum(_GROUP_WIDTH[g] for g in self.groups)
         self.vocab: dict[str, int] = {}
         self.tallies: dict[str, tuple[int, list[int], int]] = {}  # traj -> (states seen, counts, fails)
+        self._parts = [getattr(self, "_" + name) for name in self.groups]  # bound once: row() is hot
 
     def candidates(self) -> list[np.ndarray]:
         """Column masks of nested input sets: the first group alone, then one group more each time."""
@@ -155,9 +157,10 @@ class Featurizer:
 
     def row(self, req: RouteRequest, g: Group) -> list[float]:
         c = max(1, req.context_tokens)
+        tally = self._tally(req)
         x = [1.0]
-        for name in self.groups:
-            x += getattr(self, "_" + name)(req, c, g)
+        for part in self._parts:
+            x += part(req, c, g, tally)
         return x
 
     def start_row(self, req: RouteRequest) -> list[float]:
@@ -166,11 +169,11 @@ class Featurizer:
         lc = math.log(c)
         return [1.0, lc, lc * lc, *self._history(req.prompt_id, c)]
 
-    def _context(self, req: RouteRequest, c: int, g: Group) -> list[float]:
+    def _context(self, req: RouteRequest, c: int, g: Group, tally: Tally) -> list[float]:
         lc = math.log(c)
         return [lc, lc * lc]
 
-    def _tally(self, req: RouteRequest) -> tuple[list[int], int]:
+    def _tally(self, req: RouteRequest) -> Tally:
         """Per-tool call counts and failures so far, extended by the path's new states only."""
         seen, counts, fails = self.tallies.get(req.traj_id, (0, None, 0))
         if counts is None or seen > len(req.path):
@@ -184,9 +187,9 @@ class Featurizer:
             self.tallies[req.traj_id] = (len(req.path), counts, fails)
         return counts, fails
 
-    def _progress(self, req: RouteRequest, c: int, g: Group) -> list[float]:
+    def _progress(self, req: RouteRequest, c: int, g: Group, tally: Tally) -> list[float]:
         tool_tokens = max(0, req.context_tokens - req.prompt_tokens - req.generated_tokens)
-        fails = self._tally(req)[1]
+        fails = tally[1]
         return [
             math.log1p(req.turn),
             math.log1p(fails),
@@ -194,20 +197,20 @@ class Featurizer:
             math.log1p(max(0, req.generated_tokens)),
         ]
 
-    def _last(self, req: RouteRequest, c: int, g: Group) -> list[float]:
+    def _last(self, req: RouteRequest, c: int, g: Group, tally: Tally) -> list[float]:
         if not req.path:
             return [0.0, 0.0, 0.0]
         last = req.path[-1]
         return [float(last.size), float(last.status == Status.FAILURE), float(last.status == Status.TIMEOUT)]
 
-    def _tools(self, req: RouteRequest, c: int, g: Group) -> list[float]:
-        counts = self._tally(req)[0]
+    def _tools(self, req: RouteRequest, c: int, g: Group, tally: Tally) -> list[float]:
+        counts = tally[0]
         last = [0.0] * TOOL_SLOTS
         if req.path:
             last[self.slot(req.path[-1].tool)] = 1.0
         return last + [math.log1p(n) for n in counts]
 
-    def _siblings(self, req: RouteRequest, c: int, g: Group) -> list[float]:
+    def _siblings(self, req: RouteRequest, c: int, g: Group, tally: Tally) -> list[float]:
         fin = g.finished
         others = [v for k, v in g.running.items() if k != req.traj_id]
         out = [0.0, 0.0, 0.0, 0.0]

@@ -101,9 +101,13 @@ class CodingWorkload:
             tool: self._compile(f"coding.tools.{tool}", alts, profiles) for tool, alts in params.tools.items()
         }
         self.default = self._compile("coding.default_tool", params.default_tool, profiles)
-        self.reward = self._compile("coding.reward", [params.reward], profiles, one=True) if params.reward else None
+        self.reward = (
+            self._compile("coding.reward", [params.reward], profiles, one=True) if params.reward else None
+        )
 
-    def _compile(self, field: str, alts: list[ToolAction], profiles, one: bool = False) -> tuple[WeightedChoice, dict]:
+    def _compile(
+        self, field: str, alts: list[ToolAction], profiles, one: bool = False
+    ) -> tuple[WeightedChoice, dict]:
         """Alternatives listed under `field` (errors name it; `one`: a single action, not a list)."""
         if not alts:
             raise ConfigError(field, alts, "at least one action")
@@ -126,7 +130,11 @@ class CodingWorkload:
         scale: dict[str, float] = {}
         for turn in traj.turns:
             gen = self.p.turn_overhead_s + turn.output_tokens / self.p.decode_tok_s
-            act = self._action(self.choices.get(turn.tool, self.default), turn, rng, scale) if turn.has_tool else None
+            act = (
+                self._action(self.choices.get(turn.tool, self.default), turn, rng, scale)
+                if turn.has_tool
+                else None
+            )
             plan.segments.append((gen, act))
         if self.reward is not None:  # the verifier runs once the agent has finished
             # A trajectory cut off on a tool call (at max length) is scored too.

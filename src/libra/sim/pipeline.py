@@ -18,9 +18,11 @@ the moment step s's groups are all in; GPU utilisation = busy GPU-seconds / (all
 
 from __future__ import annotations
 
+import gc
 import random
 from collections import deque
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -160,8 +162,9 @@ class RLSim:
     # ---- the step loop ------------------------------------------------------------------------
 
     def run(self) -> dict:
-        self._try_rollout()
-        self.k.run()
+        with _collector_paused():
+            self._try_rollout()
+            self.k.run()
         if self.train_done < self.steps:
             raise RuntimeError(
                 f"{self.system.name}: simulation stalled after {self.train_done} of {self.steps} steps"
@@ -276,6 +279,8 @@ class RLSim:
         self.training = False
         self.tracer.step_ended(s, self.k.now)
         self.progress(self.system.name, self.train_done / self.steps)
+        if self.train_done % GC_EVERY_STEPS == 0:
+            gc.collect()  # see _collector_paused
         self._replan()
         self._try_train()
         self._try_rollout()
@@ -363,6 +368,29 @@ class RLSim:
                         "mean_length": float(np.mean(r["lengths"])), "p90_length": float(np.percentile(r["lengths"], 90))})  # fmt: skip
             prev = r["train_end"]
         return out
+
+
+GC_EVERY_STEPS = 25
+
+
+@contextmanager
+def _collector_paused():
+    """Run with Python's cyclic garbage collector off, and collect every GC_EVERY_STEPS steps.
+
+    A simulation keeps a few million small objects alive (trajectories, tree nodes, events) and
+    allocates many more, so the automatic collector keeps re-walking the live ones: it took about a
+    quarter of the default job's time (223 s with it, 167 s without, `libra simulate`). Reference
+    counting still frees everything that is not in a cycle; the periodic full collection bounds
+    whatever cycles the run leaves (peak RSS of the whole default job with no collection at all
+    was 534 MB).
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _same_layout(a: Setup, b: Setup) -> bool:
