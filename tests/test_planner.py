@@ -385,6 +385,24 @@ def test_drift_is_followed(problem):
     assert decision.plan.step_time_s < decision.current.step_time_s
 
 
+def test_a_plan_that_no_longer_fits_is_replaced_even_if_one_step_alone_would_keep_it(problem):
+    """The window's longest trajectory decides whether training still fits. Step-by-step
+    robustness checks must not keep a plan that cannot hold the window (found in the default
+    job: ablation:planner kept an out-of-memory training layout for 70 steps)."""
+    planner = GlobalPlanner(problem)
+    short = synthetic(512, 11, out_median=150, turns=(1, 3), step=0)
+    current = planner.decide(WorkloadStats.from_trajectories(short), None).plan
+    cm = planner.train_search.cm
+    assert not cm.memory(current.train, problem.max_length).fits  # sized for short contexts only
+    long = synthetic(512, 12, out_median=150, turns=(1, 3), step=1)
+    long[0] = Trajectory("s1long", "s1p0", 1, 600, [Turn(40000)])
+    window = WorkloadStats.from_trajectories(short + long)
+    decision = planner.decide(window, current)
+    assert math.isinf(decision.current.step_time_s)
+    assert decision.verdict.apply, decision.verdict.reason
+    assert cm.memory(decision.plan.train, window.max_final).fits
+
+
 def test_triggers():
     cfg = PlannerConfig(interval_steps=10, trigger_cooldown_steps=2)
     base = dict(step=13, last_plan_step=10, batch_size=512)

@@ -24,6 +24,7 @@ Everything here is pure: no clocks, no I/O. The caller measures search time.
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass, replace
 
 from libra.core.errors import ConfigError, InfeasibleError
@@ -226,7 +227,7 @@ class GlobalPlanner:
         )
         cost = reconfig_cost_s(diff(now, candidate), self.elastic)
         verdict = self._verdict(now, candidate, cost)
-        if verdict.apply:
+        if verdict.apply and math.isfinite(now.step_time_s):  # a plan that no longer fits must go
             verdict = self._robust(now, candidate, cost, stats, verdict)
         return PlanDecision(candidate, now, verdict)
 
