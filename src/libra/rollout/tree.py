@@ -136,18 +136,11 @@ class CausalTree:
         depth = min(len(remaining) - 1, len(path), self.max_depth)
         if depth < 0:
             return
-        window = self.window
         for node in roots:
-            node.add(remaining[0], window)
-            for k in range(depth):  # child_or_new, inlined: this loop runs ~1M times a simulation
-                children = node.children
-                if children is None:
-                    children = node.children = {}
-                nxt = children.get(path[k])
-                if nxt is None:
-                    nxt = children[path[k]] = Node()
-                nxt.add(remaining[k + 1], window)
-                node = nxt
+            node.add(remaining[0], self.window)
+            for k in range(depth):
+                node = node.child_or_new(path[k])
+                node.add(remaining[k + 1], self.window)
 
     def insert_finished(self, traj: FinishedTrajectory) -> None:
         self.insert(traj.prompt_id, traj.path, remaining_lengths(traj))
