@@ -61,6 +61,7 @@ START_WIDTH = 5
 START, TOOL_RETURN = 0, 1  # kinds of remembered decisions
 MAX_PENDING = 200_000
 Tally = tuple[list[int], int]  # per-tool call counts, failures: a trajectory's path so far
+NO_TALLY: Tally = ([], 0)  # for input sets that read neither counts nor failures
 
 # ---- what the router knows about GRPO groups -----------------------------------------------------
 
@@ -126,7 +127,7 @@ class Featurizer:
     so a 100-turn path costs no more than a short one.
     """
 
-    __slots__ = ("groups", "book", "width", "vocab", "tallies", "_parts")
+    __slots__ = ("groups", "book", "width", "vocab", "tallies", "_parts", "_tallied")
 
     def __init__(self, groups: Sequence[str], book: SiblingBook):
         self.groups = tuple(groups)
@@ -135,6 +136,7 @@ class Featurizer:
         self.vocab: dict[str, int] = {}
         self.tallies: dict[str, tuple[int, list[int], int]] = {}  # traj -> (states seen, counts, fails)
         self._parts = [getattr(self, "_" + name) for name in self.groups]  # bound once: row() is hot
+        self._tallied = not {"progress", "tools"}.isdisjoint(self.groups)  # the groups that read it
 
     def candidates(self) -> list[np.ndarray]:
         """Column masks of nested input sets: the first group alone, then one group more each time."""
@@ -157,7 +159,7 @@ class Featurizer:
 
     def row(self, req: RouteRequest, g: Group) -> list[float]:
         c = max(1, req.context_tokens)
-        tally = self._tally(req)
+        tally = self._tally(req) if self._tallied else NO_TALLY
         x = [1.0]
         for part in self._parts:
             x += part(req, c, g, tally)
