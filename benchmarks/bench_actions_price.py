@@ -27,8 +27,13 @@ def main() -> None:
     try:
         for scale in SCALES:
             orchestrator.PRICE_SCALE = scale
-            a = run(load_scenario("tangram-coding"), systems=["tangram"], seed=0)["systems"]["tangram"]["actions"]
-            rows[str(scale)] = {"mean_act_s": round(a["mean_act_s"], 3), "mean_queue_s": round(a["mean_queue_s"], 3)}
+            a = run(load_scenario("tangram-coding"), systems=["tangram"], seed=0)["systems"]["tangram"][
+                "actions"
+            ]
+            rows[str(scale)] = {
+                "mean_act_s": round(a["mean_act_s"], 3),
+                "mean_queue_s": round(a["mean_queue_s"], 3),
+            }
     finally:
         orchestrator.PRICE_SCALE = shipped
     best = min(r["mean_act_s"] for r in rows.values())

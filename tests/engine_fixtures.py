@@ -79,6 +79,7 @@ class EngineProcess(ProcessControl):
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
             return r.read().decode()
 
+
 def start_engine(*args: str, name: str | None = "tiny", log_dir: Path | None = None, timeout: float = 90.0) -> EngineProcess:  # fmt: skip
     """Start `libra serve engine --port 0 ARGS` and wait until /health answers."""
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="libra-engine-"))
