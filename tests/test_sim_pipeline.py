@@ -7,6 +7,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from libra.core.errors import ConfigError
 from libra.sim.pipeline import RLSim, run
 from libra.sim.rl_config import parse_rl
 from libra.sim.scenarios import load_scenario
@@ -191,6 +192,24 @@ def test_planned_systems_run_feasible_plans(system):
     res = run({**SMALL, "planner": {"interval_steps": 1}}, [system], 3, 0, None, _quiet)["systems"][system]
     assert res["throughput_tokens_per_s"] > 0
     assert res["train_gpus"] + res["rollout_gpus"] <= 16
+
+
+def test_planned_family_is_the_hetero_rung_with_another_router():
+    """`planned:least-loaded` is `ablation:hetero-tp` event for event; `planned:oracle` on the same
+    planner routes every trajectory to the bucket of its true final length, so it never migrates."""
+    workload = {**SMALL["workload"], "prompts_per_step": 8, "samples_per_prompt": 8}  # several buckets
+    cfg = {**SMALL, "workload": workload, "planner": {"interval_steps": 1}}
+    names = ["ablation:hetero-tp", "planned:least-loaded", "planned:oracle"]
+    res = run(cfg, names, 3, 0, None, _quiet)["systems"]
+    assert res["planned:least-loaded"] == res["ablation:hetero-tp"]
+    routing = res["planned:oracle"]["routing"]
+    assert routing["decisions"] > 0 and routing["accuracy"] == 1.0 and routing["migrations"] == 0
+
+
+def test_unknown_router_in_a_family_names_the_choices():
+    with pytest.raises(ConfigError) as e:
+        make_system("planned:nope")
+    assert "planned:oracle" in str(e.value) and "router:oracle" in str(e.value)
 
 
 def test_routing_counts_cover_every_layout_of_a_replanned_run(catalog):

@@ -13,6 +13,7 @@ mechanism per rung:
 | ablation:hetero-tp | libra | TP buckets | least-loaded | yes | no |
 | ablation:cmlfq | libra | TP buckets | cmlfq | yes | no |
 | libra | libra | TP buckets | cmlfq | yes | yes |
+| planned:ROUTER | libra | TP buckets | any registered router | yes | no |
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from libra.planner.plan import place
 from libra.planner.triggers import Trigger
 from libra.rollout.base import Bucket
 from libra.sim.rl_config import RLScenario
-from libra.sim.systems import SYSTEMS, InstanceSpec, Setup, System
+from libra.sim.systems import SYSTEM_FAMILIES, SYSTEMS, InstanceSpec, Setup, System
 
 WINDOW_STEPS = 3  # finished steps the planner's statistics cover
 
@@ -131,3 +132,12 @@ PLANNED = [
     _system("libra", "libra", "cmlfq", replan=True, elastic=True),
 ]
 SYSTEMS.update({cls.name: cls for cls in PLANNED})
+
+
+def planned_with(router: str) -> PlannedSystem:
+    """`planned:ROUTER`: the `ablation:hetero-tp` rung (re-planned heterogeneous buckets) with any
+    router. `planned:oracle` is the ceiling of length-aware routing on the planner's layouts."""
+    return _system(f"planned:{router}", "libra", router, replan=True)()
+
+
+SYSTEM_FAMILIES["planned"] = planned_with

@@ -11,6 +11,7 @@ disaggregated, GPU split, rollout instances and buckets, router, training parall
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from libra.core.errors import ConfigError
@@ -146,6 +147,8 @@ class RouterSystem(System):
 
 
 SYSTEMS: dict[str, type[System]] = {c.name: c for c in (VerlColocated, StaticUniform)}
+# Families of systems that differ only in the router: `PREFIX:ROUTER` for every registered router.
+SYSTEM_FAMILIES: dict[str, Callable[[str], System]] = {"router": RouterSystem}
 
 
 def _register_planned() -> None:
@@ -157,16 +160,17 @@ def known_systems() -> list[str]:
 
     _register_planned()
 
-    return sorted(SYSTEMS) + [f"router:{r}" for r in sorted(ROUTERS)]
+    return sorted(SYSTEMS) + [f"{f}:{r}" for f in sorted(SYSTEM_FAMILIES) for r in sorted(ROUTERS)]
 
 
 def make_system(name: str) -> System:
     _register_planned()
     if name in SYSTEMS:
         return SYSTEMS[name]()
-    if name.startswith("router:"):
+    family, _, router = name.partition(":")
+    if family in SYSTEM_FAMILIES:
         from libra.rollout.registry import ROUTERS
 
-        if name[7:] in ROUTERS:
-            return RouterSystem(name[7:])
+        if router in ROUTERS:
+            return SYSTEM_FAMILIES[family](router)
     raise ConfigError("systems", name, known_systems())
