@@ -137,7 +137,9 @@ SYSTEMS.update({cls.name: cls for cls in PLANNED})
 def planned_with(router: str) -> PlannedSystem:
     """`planned:ROUTER`: the `ablation:hetero-tp` rung (re-planned heterogeneous buckets) with any
     router. `planned:oracle` is the ceiling of length-aware routing on the planner's layouts."""
-    return _system(f"planned:{router}", "libra", router, replan=True)()
+    system = SYSTEMS["ablation:hetero-tp"]()  # an instance with its own name and router, no new class
+    system.name, system.router = f"planned:{router}", router
+    return system
 
 
 SYSTEM_FAMILIES["planned"] = planned_with
