@@ -96,7 +96,7 @@ def libra_plan(problem, stats) -> Plan:
     return GlobalPlanner(problem).plan(stats)
 
 
-def assert_feasible(plan: Plan, p: PlanningProblem, min_concurrent: int = 4) -> None:
+def assert_feasible(plan: Plan, p: PlanningProblem, min_concurrent: int = 4, min_ratio: float = 2.0) -> None:
     """Every constraint, re-derived here from the cost models without the planner's code."""
     t = plan.train
     assert t.gpus == plan.train_gpus and plan.train_gpus + plan.rollout_gpus <= p.gpus
@@ -107,6 +107,8 @@ def assert_feasible(plan: Plan, p: PlanningProblem, min_concurrent: int = 4) -> 
     assert plan.buckets[-1].max_context >= p.max_length
     assert [b.max_context for b in plan.buckets] == sorted(b.max_context for b in plan.buckets)
     assert [b.tp for b in plan.buckets] == sorted({b.tp for b in plan.buckets})  # one bucket per TP, rising
+    tops = [b.max_context for b in plan.buckets]
+    assert all(hi >= min_ratio * lo for lo, hi in zip(tops, tops[1:], strict=False))  # routable apart
     for b in plan.buckets:
         assert b.instances >= 1 and p.hw.gpus_per_node % b.tp == 0 and p.model.heads % b.tp == 0
         cm = RolloutCostModel(p.hw, p.model, b.tp, p.profile.rollout, p.gpu_memory_utilization)
@@ -128,9 +130,10 @@ def test_decode_tables_reproduce_the_cost_model(problem):
 
 
 def _brute_force(
-    dp: LayoutDP, tables: EngineTables, bins, g: int, tps: list[int], min_concurrent: int
+    dp: LayoutDP, tables: EngineTables, bins, g: int, tps: list[int], min_concurrent: int, ratio: float = 1.0
 ) -> float:
-    """Least makespan over every layout: contiguous ranges, TP rising, n >= 1 engines each."""
+    """Least makespan over every layout: contiguous ranges, TP rising, n >= 1 engines each, and each
+    bucket's max context at least `ratio` x the previous one's."""
     B = len(bins)
     jj, ii, r = all_ranges(bins, dp_max_length := int(bins.final_max[-1]) * 2)
     assert dp_max_length
@@ -150,6 +153,9 @@ def _brute_force(
     for cuts_n in range(0, min(len(tps), B)):
         for cuts in itertools.combinations(range(1, B), cuts_n):
             edges = [0, *cuts, B]
+            tops = [0.0, *(float(bins.final_max[c - 1]) for c in cuts), math.inf]
+            if any(hi < ratio * lo for lo, hi in zip(tops, tops[1:], strict=False)):
+                continue
             for chosen in itertools.combinations(tps, len(edges) - 1):
                 best = min(best, _best_counts(edges, chosen, g, cost))
     return best
@@ -164,17 +170,21 @@ def _best_counts(edges, chosen, g, cost) -> float:
     return best
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 10_000), turns=st.sampled_from([(1, 3), (2, 12)]))
-def test_dp_is_optimal_against_brute_force(problem, seed, turns):
+@settings(max_examples=9, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seed=st.integers(0, 10_000),
+    turns=st.sampled_from([(1, 3), (2, 12)]),
+    ratio=st.sampled_from([1.0, 1.5, 3.0]),
+)
+def test_dp_is_optimal_against_brute_force(problem, seed, turns, ratio):
     s = WorkloadStats.from_trajectories(synthetic(64, seed, turns=turns, max_length=20000))
     bins = s.bins(5, problem.batch_size)
     tps = [1, 2, 4]
     tables = EngineTables(problem, tps)
     max_length = int(bins.final_max[-1]) * 2
-    dp = LayoutDP(tables, bins, max_length, 4, tps)
+    dp = LayoutDP(tables, bins, max_length, 4, tps, min_ratio=ratio)
     for g in (1, 3, 6, 9):
-        assert dp.best(g) == pytest.approx(_brute_force(dp, tables, bins, g, tps, 4), rel=1e-12)
+        assert dp.best(g) == pytest.approx(_brute_force(dp, tables, bins, g, tps, 4, ratio), rel=1e-12)
 
 
 def test_dp_memo_extends_and_reuses_rows(problem, stats):

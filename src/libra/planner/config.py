@@ -33,6 +33,12 @@ class PlannerConfig(BaseModel):
     # to a P90 over many trajectories, not to single ones, so a bucket narrower than ~10% of the batch
     # could not be routed to reliably; it would only fit the estimate to this sample's outliers.
     min_bucket_fraction: float = Field(0.1, ge=0, lt=1, description="Least share of the batch per bucket")
+    # Adjacent buckets' max contexts at least this far apart (the paper's layout: 4K / 12K / 40K).
+    # Routers predict a final length to within a spread, so closer boundaries only make them
+    # migrate between buckets they cannot tell apart. 1 turns the rule off.
+    min_bucket_ratio: float = Field(
+        2.0, ge=1, description="Least ratio of a bucket's max context to the previous one's"
+    )
     # A bucket must hold this many sequences at its max context at once; fewer would serialise the
     # tail and make the bucket's latency floor meaningless.
     min_concurrent: int = Field(4, ge=1, description="Sequences at max context a bucket's KV must hold")

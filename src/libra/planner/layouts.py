@@ -110,7 +110,9 @@ class HeterogeneousLayout:
         self.final_max = bins.final_max
         self.max_length = top_context(problem, stats)
         min_bins = max(1, int(cfg.min_bucket_fraction * len(bins)))
-        self.dp = LayoutDP(tables, bins, self.max_length, cfg.min_concurrent, cfg.rollout_tp, min_bins)
+        self.dp = LayoutDP(
+            tables, bins, self.max_length, cfg.min_concurrent, cfg.rollout_tp, min_bins, cfg.min_bucket_ratio
+        )
 
     def best(self, gpus: int) -> float:
         return self.dp.best(gpus)

@@ -196,7 +196,13 @@ class GlobalPlanner:
         min_bins = max(1, int(self.config.min_bucket_fraction * len(bins)))
         engines = [(b.tp, b.instances) for b in plan.buckets]
         ends = fit_boundaries(
-            self.tables, bins, self.problem.max_length, engines, self.config.min_concurrent, min_bins
+            self.tables,
+            bins,
+            self.problem.max_length,
+            engines,
+            self.config.min_concurrent,
+            min_bins,
+            self.config.min_bucket_ratio,
         )
         if ends is None:
             return plan

@@ -226,6 +226,7 @@ class LayoutDP:
         min_concurrent: int,
         tps: list[int],
         min_bins: int = 1,
+        min_ratio: float = 1.0,
     ):
         self.tables, self.B, self.T = tables, len(bins), len(tables)
         jj, ii, r = all_ranges(bins, max_length)
@@ -234,7 +235,7 @@ class LayoutDP:
         jj, ii, r = np.tile(jj, self.T), np.tile(ii, self.T), r.take(np.tile(np.arange(E), self.T))
         # Only the TPs the configuration allows, and never one whose KV cannot hold the range.
         ok = np.isin(tables.tps[ti], tps) & (tables.kvcap[ti] >= min_concurrent * r.max_context)
-        ok &= ii - jj >= min(min_bins, self.B)  # every bucket covers a routable share of the batch
+        ok &= bucket_shape_ok(bins, jj, ii, r, min_bins, min_ratio)
         order = np.flatnonzero(ok)
         order = order[np.lexsort((jj[order], ti[order], ii[order]))]  # grouped by (i, t) for reduceat
         self.ti, self.jj, self.ii, self.r = ti[order], jj[order], ii[order], r.take(order)
@@ -371,6 +372,21 @@ class LayoutDP:
         return out[::-1]
 
 
+def bucket_shape_ok(
+    bins: LengthBins, jj: np.ndarray, ii: np.ndarray, r: RangeArrays, min_bins: int, min_ratio: float
+) -> np.ndarray:
+    """Which ranges (j, i] may be a bucket: a routable share of the batch, and wide enough.
+
+    - At least `min_bins` bins: a bucket narrower than that could not be routed to reliably.
+    - A max context at least `min_ratio` x the previous bucket's: a router sees a trajectory's
+      length grow and predicts its final length only to within a spread, so boundaries close
+      together make it migrate between buckets it cannot tell apart (C-MLFQ on search-r1 moved
+      0.71 of its tokens between boundaries 1K apart; docs/planner.md, "Bucket shape").
+    """
+    lower = np.where(jj > 0, bins.final_max[np.maximum(jj - 1, 0)], 0.0)
+    return (ii - jj >= min(min_bins, len(bins))) & (r.max_context >= min_ratio * lower)
+
+
 def fit_boundaries(
     tables: EngineTables,
     bins: LengthBins,
@@ -378,6 +394,7 @@ def fit_boundaries(
     engines: list[tuple[int, int]],
     min_concurrent: int,
     min_bins: int = 1,
+    min_ratio: float = 1.0,
 ) -> list[int] | None:
     """Bin cut points for fixed buckets ((tp, instances), shortest first) that minimise the makespan.
 
@@ -403,7 +420,9 @@ def fit_boundaries(
         )
         last = ii == B
         ok = tables.kvcap[ti] >= min_concurrent * r.max_context
-        ok &= (ii - jj >= min(min_bins, B)) & (last == (k == K))  # only the last bucket ends at B
+        ok &= bucket_shape_ok(bins, jj, ii, r, min_bins, min_ratio) & (
+            last == (k == K)
+        )  # only the last ends at B
         val = np.where(ok, np.maximum(f[k - 1, jj], cost), INF)
         for i in range(1, B + 1):
             sel = np.flatnonzero(ii == i)
