@@ -89,6 +89,10 @@ class PlannerConfig(BaseModel):
             raise ValueError(f"need ratio_low < 1 < ratio_high, got {self.ratio_low} and {self.ratio_high}")
         return self
 
+    def bucket_shape(self, bins: int) -> tuple[int, float]:
+        """(least bins per bucket, least ratio between adjacent max contexts) for `bins` bins."""
+        return max(1, int(self.min_bucket_fraction * bins)), self.min_bucket_ratio
+
 
 class ElasticConfig(BaseModel):
     """The hybrid pool's hysteresis controller and the published transition costs."""

@@ -109,10 +109,8 @@ class HeterogeneousLayout:
         bins = stats.bins(cfg.bins, problem.batch_size)
         self.final_max = bins.final_max
         self.max_length = top_context(problem, stats)
-        min_bins = max(1, int(cfg.min_bucket_fraction * len(bins)))
-        self.dp = LayoutDP(
-            tables, bins, self.max_length, cfg.min_concurrent, cfg.rollout_tp, min_bins, cfg.min_bucket_ratio
-        )
+        shape = cfg.bucket_shape(len(bins))
+        self.dp = LayoutDP(tables, bins, self.max_length, cfg.min_concurrent, cfg.rollout_tp, *shape)
 
     def best(self, gpus: int) -> float:
         return self.dp.best(gpus)

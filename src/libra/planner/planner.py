@@ -193,16 +193,10 @@ class GlobalPlanner:
         if len(plan.buckets) < 2 or stats.is_empty:
             return plan
         bins = stats.bins(self.config.bins, self.problem.batch_size)
-        min_bins = max(1, int(self.config.min_bucket_fraction * len(bins)))
         engines = [(b.tp, b.instances) for b in plan.buckets]
+        shape = self.config.bucket_shape(len(bins))
         ends = fit_boundaries(
-            self.tables,
-            bins,
-            self.problem.max_length,
-            engines,
-            self.config.min_concurrent,
-            min_bins,
-            self.config.min_bucket_ratio,
+            self.tables, bins, self.problem.max_length, engines, self.config.min_concurrent, *shape
         )
         if ends is None:
             return plan

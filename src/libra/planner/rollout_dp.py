@@ -420,9 +420,8 @@ def fit_boundaries(
         )
         last = ii == B
         ok = tables.kvcap[ti] >= min_concurrent * r.max_context
-        ok &= bucket_shape_ok(bins, jj, ii, r, min_bins, min_ratio) & (
-            last == (k == K)
-        )  # only the last ends at B
+        ok &= bucket_shape_ok(bins, jj, ii, r, min_bins, min_ratio)
+        ok &= last == (k == K)  # only the last bucket ends at B
         val = np.where(ok, np.maximum(f[k - 1, jj], cost), INF)
         for i in range(1, B + 1):
             sel = np.flatnonzero(ii == i)
