@@ -407,6 +407,7 @@ def fit_boundaries(
     if K > B:
         return None
     jj, ii, r = all_ranges(bins, max_length)
+    shaped, last = bucket_shape_ok(bins, jj, ii, r, min_bins, min_ratio), ii == B  # the same for every bucket
     f = np.full((K + 1, B + 1), INF)
     arg = np.zeros((K + 1, B + 1), dtype=np.int64)
     f[0, 0] = 0.0
@@ -418,9 +419,7 @@ def fit_boundaries(
         cost = tables.range_cost(
             ti, np.full(len(jj), n), r, _pf(tables, ti, r.ctx), tables.batch_cap(ti, r.kv_ctx)
         )
-        last = ii == B
-        ok = tables.kvcap[ti] >= min_concurrent * r.max_context
-        ok &= bucket_shape_ok(bins, jj, ii, r, min_bins, min_ratio)
+        ok = (tables.kvcap[ti] >= min_concurrent * r.max_context) & shaped
         ok &= last == (k == K)  # only the last bucket ends at B
         val = np.where(ok, np.maximum(f[k - 1, jj], cost), INF)
         for i in range(1, B + 1):
