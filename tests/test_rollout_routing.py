@@ -125,9 +125,36 @@ def test_fewest_outstanding_inside_the_bucket():
 def test_prefers_the_instance_holding_the_prefix():
     insts = [inst(0, 0, outstanding=5), inst(1, 0, outstanding=0)]
     assert choose_instance(insts, 0, 0, 3, "i0").id == "i0"
-    # ... unless it is saturated
+    # ... even at its request cap: others filled it while this one was in a tool call
     insts[0].outstanding = 8
+    assert choose_instance(insts, 0, 0, 3, "i0").id == "i0"
+    # ... but not when it failed
+    insts[0].healthy = False
     assert choose_instance(insts, 0, 0, 3, "i0").id == "i1"
+
+
+def test_a_larger_bucket_keeps_a_spilled_trajectory_only_when_told():
+    insts = [inst(0, 0), inst(1, 1), inst(2, 2)]
+    assert choose_instance(insts, 0, 0, 3, "i2", stay_above=True).id == "i2"
+    assert choose_instance(insts, 0, 0, 3, "i2", stay_above=False).id == "i0"
+    # never below the target, whatever the flag
+    assert choose_instance(insts, 2, 0, 3, "i1", stay_above=True).id == "i2"
+
+
+def test_a_spill_is_not_a_decision():
+    """Bucket 0 full: the trajectory spills to bucket 1 and stays there while the router's own
+    target is unchanged; a router that lowers its target moves it down once there is room."""
+    r = make_router("oracle", B)
+    insts = [inst(0, 0, outstanding=8), inst(1, 1), inst(2, 2)]
+    d = r.route(req(turn=0, path=(), context=2000, cur=None, inst_id=None, true_final_tokens=2500), insts)
+    assert (d.target, d.bucket) == (0, 1)
+    insts[0].outstanding = 0  # room again in bucket 0
+    again = req(context=2400, cur=d.bucket, inst_id=d.instance, true_final_tokens=2500, target_bucket=d.target)
+    d2 = r.route(again, insts)
+    assert (d2.bucket, d2.migrate) == (1, False)
+    # without the target the caller cannot tell a spill, and the trajectory goes back to bucket 0
+    d3 = r.route(req(context=2400, cur=1, inst_id="i1", true_final_tokens=2500), insts)
+    assert (d3.bucket, d3.migrate) == (0, True)
 
 
 def test_a_full_kv_cache_saturates_new_placements_but_does_not_evict_its_own():
@@ -292,3 +319,22 @@ def test_dotted_path_plugs_in_an_outside_router():
         make_router("no.such.module:Router", B)
     with pytest.raises(ConfigError, match="route, on_finish"):
         make_router("builtins:dict", B)
+
+
+def test_a_router_that_lowers_its_target_moves_the_trajectory_down():
+    class Fixed(BaseRouter):
+        name = "fixed-test"
+
+        def __init__(self, bucket):
+            super().__init__(B)
+            self.bucket = bucket
+
+        def target(self, req, floor):
+            return self.bucket, None
+
+    insts = [inst(0, 0), inst(1, 1), inst(2, 2)]
+    down = Fixed(0).route(req(cur=2, inst_id="i2", target_bucket=2), insts)
+    assert (down.bucket, down.target, down.migrate) == (0, 0, True)
+    # raising the target to a bucket below where it sits keeps it there (no pointless move down)
+    up = Fixed(1).route(req(cur=2, inst_id="i2", target_bucket=0), insts)
+    assert (up.bucket, up.target, up.migrate) == (2, 1, False)

@@ -96,6 +96,8 @@ def test_cli_outputs_and_determinism(small_yaml, tmp_path):
             assert m[key] > 0
     assert set(s["systems"]["router:cmlfq"]["routing"]) == {
         "accuracy",
+        "placement_accuracy",
+        "spilled",
         "migrated_token_ratio",
         "migrations",
         "decisions",

@@ -81,6 +81,12 @@ class RouteRequest:
     """What is known about a trajectory at the start of a turn.
 
     `true_final_tokens` is filled only by the simulator and read only by the oracle baseline.
+
+    `current_bucket` is where the trajectory ran its last turn; `target_bucket` is the bucket the
+    router chose for it then (`RouteDecision.target`). They differ after a spill-over: the target
+    bucket was full and a larger one took the trajectory. A router reasons from `level`, its own
+    last choice, so a spill is not mistaken for a decision (see `placement.choose_instance`).
+    Callers that do not carry the target leave it None, and `level` is the current bucket.
     """
 
     traj_id: str
@@ -94,15 +100,25 @@ class RouteRequest:
     current_bucket: int | None = None
     current_instance: str | None = None
     true_final_tokens: int | None = None
+    target_bucket: int | None = None
+
+    @property
+    def level(self) -> int | None:
+        """The bucket the router last chose for this trajectory (None on its first turn)."""
+        return self.current_bucket if self.target_bucket is None else self.target_bucket
 
 
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
+    """`bucket` is where the trajectory runs; `target` the bucket the router chose (None for the
+    length-blind routers). They differ when the target was full and the turn spilled over."""
+
     bucket: int
     instance: str
     migrate: bool = False
     method: MigrationMethod = MigrationMethod.NONE
     predicted_final_tokens: float | None = None
+    target: int | None = None
 
 
 @dataclass(slots=True)

@@ -84,11 +84,11 @@ class PaperCMLFQRouter(TreeRouterBase):
     name = "cmlfq-paper"
 
     def target(self, req: RouteRequest, floor: int) -> tuple[int, float | None]:
-        if req.current_bucket is None:
+        if req.level is None:
             return 0, None
         match = self.match(req, self.params.min_samples)
         if match is None:  # cold start: nothing learned yet, so no reason to move
-            return req.current_bucket, None
+            return req.level, None
         mean = req.context_tokens + match.node.mean
         upper = req.context_tokens + match.node.quantile(self.params.quantile)
-        return mean_p90_rule(self.buckets, max(req.current_bucket, floor), mean, upper), mean
+        return mean_p90_rule(self.buckets, max(req.level, floor), mean, upper), mean

@@ -156,6 +156,7 @@ class Evaluator:
             current_bucket=None if prev is None else prev.bucket,
             current_instance=None if prev is None else prev.instance,
             true_final_tokens=traj.total_tokens,
+            target_bucket=None if prev is None else prev.target,
         )
         d = router.route(req, self.instances)
         self._score(r, d, k, res)

@@ -89,31 +89,35 @@ def choose_instance(
     floor: int,
     n_buckets: int,
     current: str | None,
+    stay_above: bool = False,
 ) -> InstanceView:
     """The instance for a trajectory whose router chose bucket `target` (see the module doc).
 
-    Inside a bucket: the current instance (it holds the prefix) if it is there and under its
-    request cap, else the one with the fewest outstanding requests among those not saturated
-    (request cap or KV cache), ties to the earliest in the list.
+    The current instance (it holds the prefix) is kept while it is healthy and in the target
+    bucket, or in a larger one when `stay_above` says the larger bucket took the trajectory as a
+    spill-over rather than against the router's will. Its cache holds the trajectory, so neither a
+    full cache nor the request cap, which others filled while it was in a tool call, moves it:
+    moving would pay a migration to free a slot that the trajectory itself needs. Otherwise,
+    inside a bucket: the instance with the fewest outstanding requests among those not saturated
+    (request cap or KV cache), ties to the earliest in the list; then the neighbouring buckets.
     """
     best: dict[int, InstanceView] = {}
-    keep: InstanceView | None = None
     for inst in instances:
-        if inst.id == current and inst.healthy and inst.outstanding < inst.cap:
-            # Its KV cache already holds this trajectory: a full cache is no reason to move it
-            # (the engine evicts or preempts); only the request cap is.
-            keep = inst
+        if inst.id == current and inst.healthy and _keeps(inst.bucket, target, stay_above):
+            return inst
         if inst.saturated:
             continue
         b = best.get(inst.bucket)
         if b is None or inst.outstanding < b.outstanding:
             best[inst.bucket] = inst
     for b in _bucket_order(target, floor, n_buckets):
-        if keep is not None and keep.bucket == b:
-            return keep
         if b in best:
             return best[b]
     return least_loaded(instances, floor)
+
+
+def _keeps(bucket: int, target: int, stay_above: bool) -> bool:
+    return bucket == target or (stay_above and bucket > target)
 
 
 def least_loaded(instances: Sequence[InstanceView], floor: int = 0) -> InstanceView:

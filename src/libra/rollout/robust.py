@@ -276,7 +276,7 @@ class RobustCMLFQRouter(TreeRouterBase):
     # -- routing --
 
     def target(self, req: RouteRequest, floor: int) -> tuple[int, float | None]:
-        if req.current_bucket is None:
+        if req.level is None:
             return self._start(req)
         x = self.featurizer.row(req, self.book.seen(req))
         self._remember(req.traj_id, TOOL_RETURN, x, req.context_tokens)
@@ -284,7 +284,7 @@ class RobustCMLFQRouter(TreeRouterBase):
             return self._cold(req, floor)
         pred = self.model.predict(x, req.context_tokens)
         self._mix_tree(req, pred)
-        cur = max(req.current_bucket, floor)
+        cur = max(req.level, floor)
         if self.params.rule == "mean-p90":
             return mean_p90_rule(self.buckets, cur, pred.mean, pred.quantile(self.params.quantile)), pred.mean
         return self._gain_rule(pred, cur, floor), pred.mean
@@ -331,7 +331,7 @@ class RobustCMLFQRouter(TreeRouterBase):
 
     def _cold(self, req: RouteRequest, floor: int) -> tuple[int, float | None]:
         """Before the first fit: the paper's rule on the exact-path tree (stay when it is empty)."""
-        cur = max(req.current_bucket, floor)
+        cur = max(req.level, floor)
         m = self.match(req, 1) if self.params.tree_prior > 0 else None
         if m is None:
             return cur, None

@@ -72,17 +72,21 @@ class BaseRouter:
 
     def route(self, req: RouteRequest, instances: Sequence[InstanceView]) -> RouteDecision:
         floor = bucket_for_length(self.buckets, req.context_tokens)
-        inst, predicted = self.pick(req, instances, floor)
+        inst, predicted, target = self.pick(req, instances, floor)
         method = migration_method(self.cost, instances, req.current_instance, inst, req.context_tokens)
-        return RouteDecision(inst.bucket, inst.id, method != MigrationMethod.NONE, method, predicted)
+        return RouteDecision(inst.bucket, inst.id, method != MigrationMethod.NONE, method, predicted, target)
 
     def pick(
         self, req: RouteRequest, instances: Sequence[InstanceView], floor: int
-    ) -> tuple[InstanceView, float | None]:
+    ) -> tuple[InstanceView, float | None, int | None]:
+        """(instance, predicted final tokens, target bucket); length-blind routers have no target."""
         target, predicted = self.target(req, floor)
         target = min(max(target, floor), len(self.buckets) - 1)
-        inst = choose_instance(instances, target, floor, len(self.buckets), req.current_instance)
-        return inst, predicted
+        # A trajectory sitting above its target stays there unless the router lowered the target:
+        # then it was spilled (or its context forced the target up), not deliberately moved down.
+        stay_above = req.level is not None and target >= req.level
+        inst = choose_instance(instances, target, floor, len(self.buckets), req.current_instance, stay_above)
+        return inst, predicted, target
 
     def target(self, req: RouteRequest, floor: int) -> tuple[int, float | None]:
         raise NotImplementedError
@@ -95,12 +99,16 @@ class BaseRouter:
 
 
 def _current_usable(req: RouteRequest, instances: Sequence[InstanceView], floor: int) -> InstanceView | None:
-    """The trajectory's current instance, if it can keep serving it (affinity keeps the prefix)."""
+    """The trajectory's current instance, if it can keep serving it (affinity keeps the prefix).
+
+    Only failure or a context too large for its bucket moves it; not the request cap, which
+    others filled while it was in a tool call (see `placement.choose_instance`).
+    """
     if req.current_instance is None:
         return None
     for inst in instances:
         if inst.id == req.current_instance:
-            return inst if (not inst.saturated and inst.bucket >= floor) else None
+            return inst if (inst.healthy and inst.bucket >= floor) else None
     return None
 
 
@@ -108,7 +116,7 @@ class RoundRobinRouter(BaseRouter):
     """Length-blind: each new trajectory goes to the next instance in turn and stays there.
 
     Affinity keeps the prefix cache (what verl and slime do with sticky sessions); a trajectory
-    moves only when its instance fails, saturates, or is too small for its context.
+    moves only when its instance fails or is too small for its context.
     """
 
     name = "round-robin"
@@ -120,14 +128,14 @@ class RoundRobinRouter(BaseRouter):
     def pick(self, req, instances, floor):
         keep = _current_usable(req, instances, floor)
         if keep is not None:
-            return keep, None
+            return keep, None, None
         n = len(instances)
         for k in range(n):
             inst = instances[(self._next + k) % n]
             if not inst.saturated and inst.bucket >= floor:
                 self._next = (self._next + k + 1) % n
-                return inst, None
-        return least_loaded(instances, floor), None
+                return inst, None, None
+        return least_loaded(instances, floor), None, None
 
 
 class LeastLoadedRouter(BaseRouter):
@@ -137,7 +145,7 @@ class LeastLoadedRouter(BaseRouter):
 
     def pick(self, req, instances, floor):
         keep = _current_usable(req, instances, floor)
-        return (keep if keep is not None else least_loaded(instances, floor)), None
+        return (keep if keep is not None else least_loaded(instances, floor)), None, None
 
 
 class ClassicMLFQParams(BaseModel):
@@ -173,7 +181,7 @@ class ClassicMLFQRouter(BaseRouter):
         self.thresholds = th
 
     def target(self, req, floor):
-        level = 0 if req.current_bucket is None else req.current_bucket
+        level = 0 if req.level is None else req.level
         used = req.context_tokens if self.params.measure == "context" else req.generated_tokens
         if level < len(self.thresholds) and used > self.thresholds[level]:
             level += 1
@@ -237,8 +245,8 @@ class LengthPredictorRouter(BaseRouter):
         return math.exp(log_pred)
 
     def target(self, req, floor):
-        if req.current_bucket is not None:
-            return req.current_bucket, None
+        if req.level is not None:
+            return req.level, None
         pred = self.predict(req.prompt_id, req.prompt_tokens)
         return (0, None) if pred is None else (bucket_for_length(self.buckets, pred), pred)
 

@@ -53,7 +53,11 @@ class RolloutCfg(_Strict):
         default_factory=lambda: [1, 1, 2, 4], description="heterogeneous layout"
     )
     buckets: list[BucketCfg]
-    instance_cap: int = Field(256, ge=1, description="outstanding requests per instance before spill-over")
+    # Far below max_num_seqs on purpose: at 256 no instance ever filled, so a length-aware router
+    # left a bucket idle while another queued (docs/rollout.md, "Spill-over").
+    instance_cap: int = Field(
+        48, ge=1, description="outstanding requests per instance before new work spills to a neighbour bucket"
+    )
     router_params: dict = Field(default_factory=dict)
 
     @model_validator(mode="after")

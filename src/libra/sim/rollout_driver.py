@@ -29,14 +29,25 @@ from libra.sim.kernel import Kernel
 
 @dataclass(slots=True)
 class RoutingStats:
+    """Routing quality. A decision is scored on the bucket the router chose (`RouteDecision.target`;
+    the bucket it ran in for the length-blind routers, which choose none): that is what the router
+    predicted. Where it ran can differ when the chosen bucket was full and the turn spilled to a
+    larger one, which says how full the buckets were, not how well the router predicted; that is
+    `placement_accuracy`, and `spilled` the share of decisions that ran above their target."""
+
     decisions: int = 0
     correct: int = 0
+    placed_correct: int = 0
+    spilled: int = 0
     migrations: int = 0
     migrated_tokens: int = 0
 
     def as_dict(self, rollout_tokens: int) -> dict:
+        n = max(1, self.decisions)
         return {
-            "accuracy": self.correct / self.decisions if self.decisions else 0.0,
+            "accuracy": self.correct / n,
+            "placement_accuracy": self.placed_correct / n,
+            "spilled": self.spilled / n,
             "migrated_token_ratio": self.migrated_tokens / rollout_tokens if rollout_tokens else 0.0,
             "migrations": self.migrations,
             "decisions": self.decisions,
@@ -56,6 +67,7 @@ class Run:
     generated: int = 0  # output tokens of the turns before `turn` (kept incrementally: no O(turns) sums)
     final: int = 0  # the trajectory's final length, computed once
     charged: int = 0  # the context this trajectory commits on its engine's KV cache (see _commit)
+    target: int | None = None  # the bucket the router chose at the last turn (RouteDecision.target)
 
 
 class RolloutDriver:
@@ -94,13 +106,14 @@ class RolloutDriver:
         eng = run.engine
         return RouteRequest(t.id, t.prompt_id, t.step, run.turn, t.prompt_tokens, ctx, run.generated, tuple(run.path),
                             None if eng is None else self.views[eng.id].bucket, None if eng is None else eng.id,
-                            run.final)  # fmt: skip
+                            run.final, run.target)  # fmt: skip
 
     def _route_and_submit(self, run: Run, ctx: int) -> None:
         dec = self.router.route(self._request(run, ctx), self.view_list)
         target = self.engines[dec.instance]
+        run.target = dec.target
         if run.turn > 0:
-            self._score(run, dec.bucket)
+            self._score(run, dec.bucket, dec.bucket if dec.target is None else dec.target)
         run.contexts.append(ctx)
         turn = run.traj.turns[run.turn]
         seq = Seq(run.traj.id, ctx, max(1, turn.output_tokens), self._turn_done, turn.has_tool, owner=run)
@@ -131,10 +144,13 @@ class RolloutDriver:
         else:
             target.submit(seq)
 
-    def _score(self, run: Run, bucket: int) -> None:
-        self.stats.decisions += 1
-        if bucket == bucket_for_length(self.buckets, run.final):
-            self.stats.correct += 1
+    def _score(self, run: Run, bucket: int, chosen: int) -> None:
+        st = self.stats
+        true = bucket_for_length(self.buckets, run.final)
+        st.decisions += 1
+        st.correct += chosen == true
+        st.placed_correct += bucket == true
+        st.spilled += bucket > chosen
 
     def _turn_done(self, seq: Seq) -> None:
         run: Run = seq.owner

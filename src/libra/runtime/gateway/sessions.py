@@ -79,6 +79,7 @@ class Session:
     turns: list[TurnRecord] = field(default_factory=list)
     instance: str | None = None
     bucket: int | None = None
+    target: int | None = None  # the router's chosen bucket at the last turn (RouteDecision.target)
     prompt_tokens: int = 0
     generated: int = 0
     # The last backend-reported prompt size, and the conversation's characters at that request.
@@ -167,7 +168,7 @@ class SessionTracker:
         if s.prompt_id is None:
             s.prompt_id = prompt_id_of(s.scan.first_user)
         return RouteRequest(s.id, s.prompt_id, s.step, len(s.turns), s.prompt_tokens, ctx, s.generated,
-                            tuple(s.scan.path), s.bucket, s.instance)  # fmt: skip
+                            tuple(s.scan.path), s.bucket, s.instance, target_bucket=s.target)  # fmt: skip
 
     def _count_unmetered_output(self, s: Session) -> None:
         # The assistant text added since the last turn is that turn's output; count it only when
@@ -182,7 +183,7 @@ class SessionTracker:
         migrated = s.instance is not None and dec.instance != s.instance
         rec = TurnRecord(len(req.path), req.context_tokens, req.generated_tokens, dec.bucket, dec.instance,
                          migrated, int(dec.method))  # fmt: skip
-        s.instance, s.bucket = dec.instance, dec.bucket
+        s.instance, s.bucket, s.target = dec.instance, dec.bucket, dec.target
         s.last_final = max(s.last_final, req.context_tokens)
         if s.id:
             s.turns.append(rec)
