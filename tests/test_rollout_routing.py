@@ -149,7 +149,9 @@ def test_a_spill_is_not_a_decision():
     d = r.route(req(turn=0, path=(), context=2000, cur=None, inst_id=None, true_final_tokens=2500), insts)
     assert (d.target, d.bucket) == (0, 1)
     insts[0].outstanding = 0  # room again in bucket 0
-    again = req(context=2400, cur=d.bucket, inst_id=d.instance, true_final_tokens=2500, target_bucket=d.target)
+    again = req(
+        context=2400, cur=d.bucket, inst_id=d.instance, true_final_tokens=2500, target_bucket=d.target
+    )
     d2 = r.route(again, insts)
     assert (d2.bucket, d2.migrate) == (1, False)
     # without the target the caller cannot tell a spill, and the trajectory goes back to bucket 0
