@@ -133,12 +133,23 @@ def test_prefers_the_instance_holding_the_prefix():
     assert choose_instance(insts, 0, 0, 3, "i0").id == "i1"
 
 
-def test_a_larger_bucket_keeps_a_spilled_trajectory_only_when_told():
+def test_a_larger_bucket_keeps_a_spilled_trajectory_only_if_the_choice_did_not_go_down():
     insts = [inst(0, 0), inst(1, 1), inst(2, 2)]
-    assert choose_instance(insts, 0, 0, 3, "i2", stay_above=True).id == "i2"
-    assert choose_instance(insts, 0, 0, 3, "i2", stay_above=False).id == "i0"
-    # never below the target, whatever the flag
-    assert choose_instance(insts, 2, 0, 3, "i1", stay_above=True).id == "i2"
+    assert choose_instance(insts, 0, 0, 3, "i2", level=0).id == "i2"  # spilled there: stays
+    assert choose_instance(insts, 0, 0, 3, "i2", level=2).id == "i0"  # the router moved it down
+    assert choose_instance(insts, 0, 0, 3, "i2").id == "i0"  # the caller does not know: the target
+    assert choose_instance(insts, 1, 0, 3, "i2", level=0).id == "i2"  # the choice went up: stays
+    # never below the target
+    assert choose_instance(insts, 2, 0, 3, "i1", level=2).id == "i2"
+
+
+def test_a_full_target_never_shuffles_a_trajectory_inside_its_own_bucket():
+    """Spilled down to bucket 0 while bucket 1 is still full: it stays on its instance rather than
+    moving to a less loaded one of the same bucket."""
+    insts = [inst(0, 0, outstanding=5), inst(1, 0, outstanding=0), inst(2, 1, outstanding=8)]
+    assert choose_instance(insts, 1, 0, 2, "i0", level=1).id == "i0"
+    insts[2].outstanding = 0  # room in its bucket again: it goes up
+    assert choose_instance(insts, 1, 0, 2, "i0", level=1).id == "i2"
 
 
 def test_a_spill_is_not_a_decision():

@@ -82,10 +82,7 @@ class BaseRouter:
         """(instance, predicted final tokens, target bucket); length-blind routers have no target."""
         target, predicted = self.target(req, floor)
         target = min(max(target, floor), len(self.buckets) - 1)
-        # A trajectory sitting above its target stays there unless the router lowered the target:
-        # then it was spilled (or its context forced the target up), not deliberately moved down.
-        stay_above = req.level is not None and target >= req.level
-        inst = choose_instance(instances, target, floor, len(self.buckets), req.current_instance, stay_above)
+        inst = choose_instance(instances, target, floor, len(self.buckets), req.current_instance, req.level)
         return inst, predicted, target
 
     def target(self, req: RouteRequest, floor: int) -> tuple[int, float | None]:
