@@ -1,0 +1,65 @@
+"""What sets a step's rollout time: GPUs, TP, or how many batches may overlap (the staleness bound).
+
+The ablation ladder (issue 5) moves GPUs between training and rollout and changes the rollout
+layout. Both help only if a batch's rollout gets faster with more or faster engines. This runs
+`static-uniform` on the default scenario under a small grid and reports, per setting, the mean
+rollout makespan (batch start until the step's GRPO groups were in), the training time and the
+throughput:
+
+- rollout GPUs 16 or 32 (the rest train), at staleness k = 1, 2, 4;
+- the homogeneous TP at 2, 4 and 8, at the scenario's split and k = 1.
+
+If the makespan stays put while GPUs and TP change, rollout is bound by the trajectories' own
+latency (turns, tool calls, the slowest groups a step waits for), not by engine capacity; then only
+more overlap between batches (a larger k) raises throughput, until training binds.
+
+Run: .venv/bin/python benchmarks/bench_pipeline_bound.py [--steps N] [--scenario NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import report  # noqa: E402
+from libra.core.config import apply_overrides  # noqa: E402
+from libra.costmodel.catalog import load_catalog  # noqa: E402
+from libra.sim.pipeline import Batches, RLSim  # noqa: E402
+from libra.sim.rl_config import parse_rl  # noqa: E402
+from libra.sim.scenarios import load_scenario  # noqa: E402
+from libra.sim.systems import make_system  # noqa: E402
+
+
+def run_one(scenario: str, steps: int, overrides: list[str]) -> dict:
+    raw = apply_overrides(load_scenario(scenario), overrides)
+    sc = parse_rl(raw, load_catalog())
+    res = RLSim(sc, make_system("static-uniform"), Batches(sc, 0), steps, 0).run()
+    return {
+        "rollout_makespan_s": round(res["mean_rollout_makespan_s"], 1),
+        "train_s": round(res["mean_train_time_s"], 1),
+        "tokens_per_s": round(res["throughput_tokens_per_s"]),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--scenario", default="libra-r2e-48gpu")
+    args = ap.parse_args()
+    total = parse_rl(load_scenario(args.scenario), load_catalog()).cluster
+    gpus = total.nodes * load_catalog().hardware(total.hardware).gpus_per_node
+    grid: dict[str, dict] = {}
+    for k in (1, 2, 4):
+        for r in (16, 32):
+            over = [f"pipeline.staleness={k}", f"split.rollout_gpus={r}", f"split.train_gpus={gpus - r}"]
+            grid[f"k={k},rollout_gpus={r}"] = run_one(args.scenario, args.steps, over)
+    for tp in (2, 4, 8):
+        grid[f"k=1,tp={tp}"] = run_one(args.scenario, args.steps, [f"rollout.homogeneous_tp={tp}"])
+    report("pipeline_bound", {"scenario": args.scenario, "steps": args.steps, "static_uniform": grid})
+
+
+if __name__ == "__main__":
+    main()
