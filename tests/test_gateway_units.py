@@ -264,6 +264,20 @@ def test_context_is_anchored_on_usage_and_generated_tokens_counted_once():
         tr.finish("s")
 
 
+def test_a_session_carries_the_routers_chosen_bucket_to_its_next_turn():
+    """The router's choice (RouteDecision.target) comes back as RouteRequest.target_bucket, so a
+    turn that spilled to a larger bucket is not read as the router's decision (docs/rollout.md)."""
+    tr = SessionTracker(SessionConfig(), TH)
+    s = tr.open("s", None, 0)
+    msgs = [{"role": "user", "content": "go"}]
+    req = tr.begin_turn(s, msgs)
+    assert req.target_bucket is None and req.level is None
+    tr.routed(s, req, RouteDecision(2, "i2", target=0))  # bucket 0 was full: spilled to bucket 2
+    msgs += [call("c0", "run", "x"), {"role": "tool", "tool_call_id": "c0", "content": "ok"}]
+    req = tr.begin_turn(s, msgs)
+    assert (req.current_bucket, req.target_bucket, req.level) == (2, 0, 0)
+
+
 @settings(max_examples=200, deadline=None)
 @given(jumps=st.lists(st.integers(0, 3), min_size=1, max_size=10))
 def test_turn_contexts_have_one_entry_per_path_depth(jumps):

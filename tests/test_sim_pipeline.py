@@ -318,3 +318,26 @@ def test_completion_order_beats_batch_order_under_a_tail(catalog):
     )
     # Colocated systems are synchronous: one batch at a time, consumed whole either way.
     assert out["completion"]["verl-colocated"] == out["batch"]["verl-colocated"]
+
+
+def test_a_trajectory_spilled_to_a_larger_bucket_is_never_moved_back_down(monkeypatch):
+    """With a request cap of 1 almost every turn spills. The oracle's choice never changes, so the
+    simulator must carry it back to the router (RouteRequest.target_bucket) for the placement to
+    tell a spill from a decision: no migration ever goes to a smaller bucket."""
+    from libra.rollout.routers import OracleRouter
+
+    moves = []
+    route = OracleRouter.route
+
+    def spy(self, req, instances):
+        d = route(self, req, instances)
+        if d.migrate:
+            moves.append((req.current_bucket, d.bucket))
+        return d
+
+    monkeypatch.setattr(OracleRouter, "route", spy)
+    wl = {**SMALL["workload"], "prompts_per_step": 8, "samples_per_prompt": 8}
+    cfg = {**SMALL, "workload": wl, "rollout": {**SMALL["rollout"], "instance_cap": 1}}
+    routing = run(cfg, ["router:oracle"], 3, 0, None, _quiet)["systems"]["router:oracle"]["routing"]
+    assert routing["spilled"] > 0.2 and routing["accuracy"] == 1.0
+    assert all(dst > src for src, dst in moves), moves
