@@ -11,7 +11,9 @@ throughput:
 
 If the makespan stays put while GPUs and TP change, rollout is bound by the trajectories' own
 latency (turns, tool calls, the slowest groups a step waits for), not by engine capacity; then only
-more overlap between batches (a larger k) raises throughput, until training binds.
+more overlap between batches (a larger k) raises throughput, until training binds. Each setting
+also reports which batches a step's trained trajectories came from (`trained_from_batch`): with
+completion order, fast groups of the next batch overtake the slow ones of this batch.
 
 Run: .venv/bin/python benchmarks/bench_pipeline_bound.py [--steps N] [--scenario NAME]
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -36,12 +39,23 @@ from libra.sim.systems import make_system  # noqa: E402
 def run_one(scenario: str, steps: int, overrides: list[str]) -> dict:
     raw = apply_overrides(load_scenario(scenario), overrides)
     sc = parse_rl(raw, load_catalog())
-    res = RLSim(sc, make_system("static-uniform"), Batches(sc, 0), steps, 0).run()
+    sim = RLSim(sc, make_system("static-uniform"), Batches(sc, 0), steps, 0)
+    res = sim.run()
     return {
         "rollout_makespan_s": round(res["mean_rollout_makespan_s"], 1),
         "train_s": round(res["mean_train_time_s"], 1),
         "tokens_per_s": round(res["throughput_tokens_per_s"]),
+        "trained_from_batch": batch_mix(sim.history[2:]),
     }
+
+
+def batch_mix(history: list[dict]) -> dict[str, float]:
+    """Which batches a step's trained trajectories come from, as shares: "0" its own, "+1" the
+    next batch's fast groups that overtook it, "-1" and below the stragglers of earlier batches
+    (completion order; the first two steps, which start together, are left out)."""
+    counts = Counter(t.step - rec["step"] for rec in history for t in rec["trajs"])
+    n = sum(counts.values()) or 1
+    return {f"{k:+d}" if k else "0": round(v / n, 3) for k, v in sorted(counts.items())}
 
 
 def main() -> None:
