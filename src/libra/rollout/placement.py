@@ -9,7 +9,9 @@ them, and it is where the safety rules live, so it is written once here:
   to keep the request and retry;
 - a bucket must hold the context: an instance's engine is started with max_model_len equal to its
   bucket's max_context, so buckets below `bucket_for_length(context)` are never chosen while a
-  feasible one is healthy.
+  feasible one is healthy;
+- a trajectory is not moved for load alone: its current instance holds its prefix, so it stays
+  there while that is healthy and where its router wants it, spill-over included (`_keeps`).
 
 The migration method (move the KV cache or re-prefill) is priced by a `MigrationCoster`; without
 one the router assumes KV transfer, which the published measurements show is the cheaper method
