@@ -6,7 +6,8 @@ layout. Both help only if a batch's rollout gets faster with more or faster engi
 rollout makespan (batch start until the step's GRPO groups were in), the training time and the
 throughput:
 
-- rollout GPUs 16 or 32 (the rest train), at staleness k = 1, 2, 4;
+- rollout GPUs a third or two thirds of the cluster (16 or 32 of 48; the rest train), at
+  staleness k = 1, 2, 4;
 - the homogeneous TP at 2, 4 and 8, at the scenario's split and k = 1.
 
 If the makespan stays put while GPUs and TP change, rollout is bound by the trajectories' own
@@ -29,16 +30,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import report  # noqa: E402
 from libra.core.config import apply_overrides  # noqa: E402
-from libra.costmodel.catalog import load_catalog  # noqa: E402
+from libra.core.errors import ConfigError  # noqa: E402
+from libra.costmodel.catalog import Catalog, load_catalog  # noqa: E402
 from libra.sim.pipeline import Batches, RLSim  # noqa: E402
 from libra.sim.rl_config import parse_rl  # noqa: E402
 from libra.sim.scenarios import load_scenario  # noqa: E402
 from libra.sim.systems import make_system  # noqa: E402
 
 
-def run_one(scenario: str, steps: int, overrides: list[str]) -> dict:
-    raw = apply_overrides(load_scenario(scenario), overrides)
-    sc = parse_rl(raw, load_catalog())
+def run_one(raw: dict, cat: Catalog, steps: int, overrides: list[str]) -> dict:
+    sc = parse_rl(apply_overrides(raw, overrides), cat)
     sim = RLSim(sc, make_system("static-uniform"), Batches(sc, 0), steps, 0)
     res = sim.run()
     return {
@@ -61,17 +62,26 @@ def batch_mix(history: list[dict]) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--scenario", default="libra-r2e-48gpu")
+    ap.add_argument("--scenario", default="libra-r2e-48gpu", help="an RL scenario name or YAML path")
     args = ap.parse_args()
-    total = parse_rl(load_scenario(args.scenario), load_catalog()).cluster
-    gpus = total.nodes * load_catalog().hardware(total.hardware).gpus_per_node
+    if args.steps < 3:
+        ap.error(f"--steps must be an integer >= 3 (the first two steps start together), got {args.steps}")
+    cat = load_catalog()
+    try:
+        raw = load_scenario(args.scenario)
+        cluster = parse_rl(raw, cat).cluster
+    except ConfigError as e:
+        ap.error(str(e))
+    per_node = cat.hardware(cluster.hardware).gpus_per_node
+    gpus = cluster.nodes * per_node
+    third = max(per_node, gpus // 3 // per_node * per_node)  # 16 and 32 of the paper scenarios' 48
     grid: dict[str, dict] = {}
     for k in (1, 2, 4):
-        for r in (16, 32):
+        for r in (third, gpus - third):
             over = [f"pipeline.staleness={k}", f"split.rollout_gpus={r}", f"split.train_gpus={gpus - r}"]
-            grid[f"k={k},rollout_gpus={r}"] = run_one(args.scenario, args.steps, over)
+            grid[f"k={k},rollout_gpus={r}"] = run_one(raw, cat, args.steps, over)
     for tp in (2, 4, 8):
-        grid[f"k=1,tp={tp}"] = run_one(args.scenario, args.steps, [f"rollout.homogeneous_tp={tp}"])
+        grid[f"k=1,tp={tp}"] = run_one(raw, cat, args.steps, [f"rollout.homogeneous_tp={tp}"])
     report("pipeline_bound", {"scenario": args.scenario, "steps": args.steps, "static_uniform": grid})
 
 

@@ -120,6 +120,11 @@ class RouteDecision:
     predicted_final_tokens: float | None = None
     target: int | None = None
 
+    @property
+    def chosen(self) -> int:
+        """The bucket this decision is scored on: the router's choice, or where it placed the turn."""
+        return self.bucket if self.target is None else self.target
+
 
 @dataclass(slots=True)
 class FinishedTrajectory:

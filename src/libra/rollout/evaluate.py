@@ -174,8 +174,8 @@ class Evaluator:
             res.migrated_tokens += r.contexts[k]
         if k >= 1:
             res.decisions += 1
-            res.correct += d.bucket == r.final_bucket
-            chosen = min(max(d.bucket, 0), len(self.buckets) - 1)
+            res.correct += d.chosen == r.final_bucket
+            chosen = min(max(d.chosen, 0), len(self.buckets) - 1)
             res.confusion[r.final_bucket][chosen] += 1
 
     def _run_lockstep(self, router: Router, reps: list[_Replay], res: EvalResult) -> None:

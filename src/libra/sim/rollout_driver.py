@@ -19,6 +19,7 @@ from libra.rollout.base import (
     FinishedTrajectory,
     InstanceView,
     MigrationMethod,
+    RouteDecision,
     RouteRequest,
     bucket_for_length,
 )
@@ -113,7 +114,7 @@ class RolloutDriver:
         target = self.engines[dec.instance]
         run.target = dec.target
         if run.turn > 0:
-            self._score(run, dec.bucket, dec.bucket if dec.target is None else dec.target)
+            self._score(run, dec)
         run.contexts.append(ctx)
         turn = run.traj.turns[run.turn]
         seq = Seq(run.traj.id, ctx, max(1, turn.output_tokens), self._turn_done, turn.has_tool, owner=run)
@@ -144,13 +145,13 @@ class RolloutDriver:
         else:
             target.submit(seq)
 
-    def _score(self, run: Run, bucket: int, chosen: int) -> None:
+    def _score(self, run: Run, dec: RouteDecision) -> None:
         st = self.stats
         true = bucket_for_length(self.buckets, run.final)
         st.decisions += 1
-        st.correct += chosen == true
-        st.placed_correct += bucket == true
-        st.spilled += bucket > chosen
+        st.correct += dec.chosen == true
+        st.placed_correct += dec.bucket == true
+        st.spilled += dec.bucket > dec.chosen
 
     def _turn_done(self, seq: Seq) -> None:
         run: Run = seq.owner
