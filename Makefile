@@ -5,23 +5,27 @@ BIN := $(VENV)/bin
 STAMP_CORE := $(VENV)/.core-installed
 STAMP_TEST := $(VENV)/.test-installed
 
-.PHONY: demo test lint bench clean sysdeps
+.PHONY: demo test lint bench clean sysdeps native
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
 $(STAMP_CORE): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q -e ".[native]"
 	touch $@
 
 # torch==2.13.0 is the CPU build that installs offline on these machines (see README).
 $(STAMP_TEST): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e ".[test,serve,train]"
+	$(BIN)/pip install -q -e ".[test,serve,train,native]"
 	touch $@ $(STAMP_CORE)
 
-demo: $(STAMP_CORE)
+demo: $(STAMP_CORE) native
 	$(BIN)/libra simulate
+
+# Compiles the simulator's hot modules (libra.native); if that fails, everything runs as Python.
+native: $(STAMP_CORE)
+	-$(BIN)/libra native build --if-stale
 
 # The actions service sandboxes with bubblewrap and uses util-linux's setpriv/prlimit/taskset.
 sysdeps:
@@ -31,7 +35,7 @@ sysdeps:
 	      || echo "warning: could not install bubblewrap/util-linux"; \
 	  else echo "note: bubblewrap (bwrap) is not installed; sandbox tests will be skipped"; fi; }
 
-test: $(STAMP_TEST) sysdeps
+test: $(STAMP_TEST) sysdeps native
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest
 
@@ -44,4 +48,5 @@ bench: $(STAMP_TEST)
 	$(BIN)/python benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache src/libra/_native.json
+	find src -name "*.so" -delete

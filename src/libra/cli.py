@@ -25,6 +25,7 @@ COMMANDS = {
         "Replay a real vLLM benchmark on the simulated engine.",
     ),
     "plan": ("libra.commands.plan:plan", "Run the global resource planner on a scenario."),
+    "native": ("libra.commands.native:native", "Build or check the compiled simulator modules."),
     "serve": ("libra.commands.serve:serve", "Run a live service: gateway, engine or actions."),
 }
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from libra import native
 from libra.commands.common import (
     console,
     emit_json,
@@ -110,8 +111,10 @@ def simulate(scenario, trace_file, systems, steps, seed, out_dir, list_only, ove
         emit_json({k: v for k, v in result.items() if k != "per_step"})
         return
     console.print(comparison_table(result))
+    compiled, why = native.status()
     err_console.print(
-        f"simulated in {elapsed:.1f} s; results in {out}/ (summary.json, steps.json, *.png, trace.json)"
+        f"simulated in {elapsed:.1f} s ({'compiled' if compiled else 'pure Python: ' + why}); "
+        f"results in {out}/ (summary.json, steps.json, *.png, trace.json)"
     )
 
 

@@ -14,6 +14,11 @@ class LibraError(Exception):
     """Base class for errors caused by input (configuration, files, requests)."""
 
 
+class SimulationError(RuntimeError):
+    """An internal invariant of the simulation broke (a bug, not bad input). It lives here, not in
+    `libra.sim.kernel`, because a compiled module cannot define an exception class (`libra.native`)."""
+
+
 class ConfigError(LibraError):
     """A field has a value that is not allowed."""
 

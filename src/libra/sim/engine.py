@@ -89,7 +89,8 @@ class Engine:
         self._busy: Handle | None = None
         self._seg: tuple | None = None  # (t0, K, A, B, C0, n) of the running decode segment
         self._counter = 0
-        self.busy_s = self.prefill_tokens = self.decode_tokens = self.preemptions = 0
+        self.busy_s: float = 0.0
+        self.prefill_tokens = self.decode_tokens = self.preemptions = 0
         self.evicted_tokens = 0
         self.healthy = True
         self._stepping = False
@@ -298,7 +299,9 @@ class Engine:
     def _decode_segment(self) -> None:
         self._room_for_decode()
         n, free = self.n_dec, self._free()
-        k_fin = self._top_live()[0] - self.step_no
+        top = self._top_live()
+        assert top is not None  # a decode segment runs only with live decodes
+        k_fin = top[0] - self.step_no
         k = max(1, min(k_fin, free // n))
         if self.max_segment_steps:
             k = min(k, self.max_segment_steps)
@@ -310,6 +313,7 @@ class Engine:
 
     def _cut_segment(self) -> None:
         """An admissible request arrived mid-segment: stop after the step now running."""
+        assert self._seg is not None and self._busy is not None
         t0, k, a, b, c0, n = self._seg
         qa, qb = b * n / 2, a + b * c0 - b * n / 2  # S(j) = qa j^2 + qb j
         el = self.k.now - t0
@@ -325,6 +329,7 @@ class Engine:
 
     def _end_segment(self, k: int) -> None:
         self._busy, seg = None, self._seg
+        assert seg is not None
         self._seg, self._stepping = None, True
         if self.tracer is not None:
             self.tracer.engine_span(self, seg[0], self.k.now, seg[5], 0)

@@ -13,6 +13,10 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from libra.core.errors import SimulationError
+
+__all__ = ["Handle", "Kernel", "SimulationError"]
+
 
 class Handle:
     """A scheduled event. `cancel()` makes the kernel skip it."""
@@ -24,10 +28,6 @@ class Handle:
 
     def cancel(self) -> None:
         self.cancelled = True
-
-
-class SimulationError(RuntimeError):
-    """An internal invariant of the simulation broke (a bug, not bad input)."""
 
 
 class Kernel:

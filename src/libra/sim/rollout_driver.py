@@ -155,6 +155,7 @@ class RolloutDriver:
 
     def _turn_done(self, seq: Seq) -> None:
         run: Run = seq.owner
+        assert run.engine is not None
         self.views[run.engine.id].outstanding -= 1
         turn = run.traj.turns[run.turn]
         if not turn.has_tool:
@@ -178,6 +179,7 @@ class RolloutDriver:
 
     def _finish(self, run: Run) -> None:
         t = run.traj
+        assert run.engine is not None
         self._commit(run.engine, -run.charged)
         run.engine.release(t.id)
         self.router.on_finish(
