@@ -29,7 +29,15 @@ import sys
 from pathlib import Path
 
 # The modules compiled together, in one mypyc group. They must stay mypy-clean.
-MODULES = ("libra.sim.kernel", "libra.sim.engine", "libra.sim.rollout_driver")
+MODULES = (
+    "libra.sim.kernel",
+    "libra.sim.engine",
+    "libra.sim.rollout_driver",
+    "libra.rollout.placement",
+    "libra.rollout.tree",
+    "libra.rollout.predictor",
+    "libra.rollout.features",
+)
 PACKAGE_DIR = Path(__file__).resolve().parent
 MANIFEST = PACKAGE_DIR / "_native.json"
 PURE_ENV = "LIBRA_PURE_PYTHON"

@@ -28,13 +28,19 @@ class ConfigError(LibraError):
         self.field, self.value, self.allowed = field, value, allowed
         super().__init__(f"{field}: got {value!r}; allowed: {allowed}")
 
+    def __reduce__(self):  # picklable: a simulation's error crosses a process boundary (sim.isolation)
+        return type(self), (self.field, self.value, self.allowed)
+
 
 class TraceError(LibraError):
     """A record of a trace file is malformed. Names file:line and the field."""
 
     def __init__(self, path: str, line: int, field: str, problem: str):
-        self.path, self.line, self.field = path, line, field
+        self.path, self.line, self.field, self.problem = path, line, field, problem
         super().__init__(f"{path}:{line}: field {field!r}: {problem}")
+
+    def __reduce__(self):
+        return type(self), (self.path, self.line, self.field, self.problem)
 
 
 class InfeasibleError(LibraError):

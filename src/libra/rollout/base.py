@@ -140,6 +140,17 @@ class FinishedTrajectory:
 
 
 @runtime_checkable
+class MigrationCoster(Protocol):
+    """Prices the two ways of moving a trajectory's context to another instance."""
+
+    def costs(
+        self, src_bucket: int, dst_bucket: int, context_tokens: int, inter_node: bool
+    ) -> tuple[float, float]:
+        """(kv_transfer_s, reprefill_s) for `context_tokens` moving from src to dst bucket."""
+        ...
+
+
+@runtime_checkable
 class Router(Protocol):
     """Every routing policy implements this. Registered by short name in `libra.rollout.registry`."""
 

@@ -22,21 +22,9 @@ re-prefill).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
 
 from libra.costmodel.rollout import RolloutCostModel
-from libra.rollout.base import InstanceView, MigrationMethod, NoInstanceError
-
-
-@runtime_checkable
-class MigrationCoster(Protocol):
-    """Prices the two ways of moving a trajectory's context to another instance."""
-
-    def costs(
-        self, src_bucket: int, dst_bucket: int, context_tokens: int, inter_node: bool
-    ) -> tuple[float, float]:
-        """(kv_transfer_s, reprefill_s) for `context_tokens` moving from src to dst bucket."""
-        ...
+from libra.rollout.base import InstanceView, MigrationCoster, MigrationMethod, NoInstanceError
 
 
 class CostModelCoster:
@@ -115,11 +103,11 @@ def choose_instance(
         b = best.get(inst.bucket)
         if b is None or inst.outstanding < b.outstanding:
             best[inst.bucket] = inst
-    for b in _bucket_order(target, floor, n_buckets):
-        if here is not None and here.bucket == b:
+    for k in _bucket_order(target, floor, n_buckets):
+        if here is not None and here.bucket == k:
             return here
-        if b in best:
-            return best[b]
+        if k in best:
+            return best[k]
     return least_loaded(instances, floor)
 
 

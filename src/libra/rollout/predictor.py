@@ -125,6 +125,7 @@ class LogLinearModel:
         self.rows = len(y)
 
     def predict(self, x: Sequence[float], context: int) -> Prediction:
+        assert self.beta is not None, "predict() before fit()"
         yhat = sum(map(operator.mul, self.beta, x))
         k = bisect.bisect_left(self.edges, yhat)
         return Prediction(context, yhat, self.mexp[k], self.resid[k])

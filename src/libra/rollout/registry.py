@@ -11,9 +11,8 @@ import importlib
 from collections.abc import Sequence
 
 from libra.core.errors import ConfigError
-from libra.rollout.base import Bucket, Router
+from libra.rollout.base import Bucket, MigrationCoster, Router
 from libra.rollout.cmlfq import PaperCMLFQRouter
-from libra.rollout.placement import MigrationCoster
 from libra.rollout.robust import ContextPriorRouter, RobustCMLFQRouter
 from libra.rollout.routers import (
     ClassicMLFQRouter,

@@ -26,13 +26,13 @@ from libra.rollout.base import (
     Bucket,
     FinishedTrajectory,
     InstanceView,
+    MigrationCoster,
     MigrationMethod,
     RouteDecision,
     RouteRequest,
     bucket_for_length,
 )
 from libra.rollout.placement import (
-    MigrationCoster,
     choose_instance,
     least_loaded,
     migration_method,

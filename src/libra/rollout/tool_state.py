@@ -234,11 +234,14 @@ def classify(
 
 def from_turn(turn: Turn, thresholds: SizeThresholds = DEFAULT_THRESHOLDS) -> ToolState:
     """The state of a trace turn's tool return (the turn must have a tool)."""
-    return ToolState(
-        tool_name(turn.tool),
-        thresholds.size_of_tokens(max(0, turn.tool_return_tokens)),
-        Status(int(turn.tool_status)),
-    )
+    return _interned(turn.tool, thresholds.size_of_tokens(max(0, turn.tool_return_tokens)), turn.tool_status)
+
+
+@functools.lru_cache(maxsize=4096)
+def _interned(tool: str | None, size: PayloadSize, status: int) -> ToolState:
+    """One shared object per state: the simulator asks for one at every tool return (a frozen
+    dataclass costs ~1 us to build), and the tree's dict lookups hit on identity."""
+    return ToolState(tool_name(tool), size, Status(int(status)))
 
 
 def trajectory_path(

@@ -155,9 +155,9 @@ class CausalTree:
     def walk(self, start: Node, path: Sequence[ToolState]) -> list[Node]:
         """Nodes along `path` from `start` (start first) until the path leaves the tree."""
         nodes = [start]
-        node = start
+        node: Node | None = start
         for state in path[: self.max_depth]:
-            node = node.child(state)
+            node = nodes[-1].child(state)
             if node is None:
                 break
             nodes.append(node)
@@ -253,9 +253,8 @@ class Cursor:
             self.generation, nodes = tree.generation, [root]
             self.nodes = nodes
         limit = min(len(path), tree.max_depth)
-        node = nodes[-1]
         while len(nodes) <= limit:
-            node = node.child(path[len(nodes) - 1])
+            node = nodes[-1].child(path[len(nodes) - 1])
             if node is None:
                 break
             nodes.append(node)

@@ -23,7 +23,8 @@ import random
 from collections import deque
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,7 @@ from libra.costmodel.catalog import load_catalog
 from libra.costmodel.efficiency import Profile
 from libra.costmodel.training import TrainCostModel
 from libra.rollout.registry import make_router
+from libra.sim import isolation
 from libra.sim.kernel import Kernel
 from libra.sim.rl_config import RLScenario, parse_rl
 from libra.sim.rollout_driver import RolloutDriver, RoutingStats, make_engines
@@ -42,6 +44,15 @@ from libra.sim.systems import Setup, System, make_system
 from libra.sim.tracing import Tracer
 
 Progress = Callable[[str, float], None]
+
+
+@dataclass(slots=True)
+class SimRecord:
+    """One system's run as the report reads it: its per-step history and its traced step."""
+
+    name: str
+    history: list[dict]
+    tracer: Tracer
 
 
 class Batches:
@@ -359,6 +370,11 @@ class RLSim:
             **({"routing": self.routing.as_dict(rollout_tokens)} if self.bucketed else {}),
         }
 
+    def record(self) -> SimRecord:
+        """What the report needs of this run (without the trajectories: they stay with the batches)."""
+        history = [{k: v for k, v in r.items() if k != "trajs"} for r in self.history]
+        return SimRecord(self.system.name, history, self.tracer)
+
     def per_step(self) -> list[dict]:
         out, prev = [], 0.0
         for r in self.history:
@@ -383,12 +399,18 @@ def _collector_paused():
     counting still frees everything that is not in a cycle; the periodic full collection bounds
     whatever cycles the run leaves (peak RSS of the whole default job with no collection at all
     was 534 MB).
+
+    What existed before this run (the shared batches; in-process, also the systems simulated
+    earlier) is frozen out of the collector's sight: it is alive either way, and in a forked child
+    walking it would also copy every page it touches.
     """
     was = gc.isenabled()
     gc.disable()
+    gc.freeze()
     try:
         yield
     finally:
+        gc.unfreeze()
         if was:
             gc.enable()
 
@@ -407,8 +429,13 @@ def _coster(costs: dict, n_buckets: int):
 
 
 def run(scenario: dict, systems: list[str] | None, steps: int | None, seed: int, out_dir: Path | None,
-        progress: Progress, trace: str | None = None, profile: Profile | None = None) -> dict:  # fmt: skip
-    """Simulate each system on the scenario; return the summary (and write plots/trace to out_dir)."""
+        progress: Progress, trace: str | None = None, profile: Profile | None = None,
+        isolate: bool = True) -> dict:  # fmt: skip
+    """Simulate each system on the scenario; return the summary (and write plots/trace to out_dir).
+
+    Each system runs in a forked child process, one after another (`sim.isolation`); tests that
+    spy on a system's objects pass `isolate=False` to keep it in this process.
+    """
     cat = load_catalog()
     sc = parse_rl(scenario, cat)
     trajs = read_trace(trace) if trace else None
@@ -418,18 +445,24 @@ def run(scenario: dict, systems: list[str] | None, steps: int | None, seed: int,
     if n < 1:
         raise ConfigError("steps", n, "an integer >= 1")
     trace_step = sc.trace_step if sc.trace_step is not None else min(2, n - 1)
-    results, per_step, sims, shared = {}, {}, {}, {}
+    for s in range(n):  # generated once, here: every system's process reads the same batches
+        batches.get(s)
+    results, per_step, records, shared = {}, {}, {}, {}
     for name in names:
-        system = make_system(name)
+        system = make_system(name)  # an unknown name fails here, before anything runs
         system.shared = shared
-        sim = RLSim(sc, system, batches, n, seed, profile, trace_step)
-        sim.progress = progress
-        results[name] = sim.run()
-        per_step[name] = sim.per_step()
-        sims[name] = sim
+        job = partial(_simulate, sc, system, batches, n, seed, profile, trace_step)
+        results[name], per_step[name], records[name] = isolation.call(job, progress, isolate)
     out = {"scenario": sc.name, "seed": seed, "steps": n, "systems": results, "per_step": per_step}
     if out_dir is not None:
         from libra.sim.report import write_outputs
 
-        write_outputs(out, sims, Path(out_dir))
+        write_outputs(out, records, Path(out_dir))
     return out
+
+
+def _simulate(sc: RLScenario, system: System, batches: Batches, n: int, seed: int, profile: Profile | None,
+              trace_step: int, progress: Progress) -> tuple[dict, list[dict], SimRecord]:  # fmt: skip
+    sim = RLSim(sc, system, batches, n, seed, profile, trace_step)
+    sim.progress = progress
+    return sim.run(), sim.per_step(), sim.record()

@@ -20,26 +20,23 @@ def write_json(obj: object, path: Path) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def write_outputs(out: dict, sims: dict, out_dir: Path) -> list[Path]:
+def write_outputs(out: dict, records: dict, out_dir: Path) -> list[Path]:
+    """`records`: each system's `pipeline.SimRecord`, in the order the systems ran."""
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = {k: out[k] for k in ("scenario", "seed", "steps", "systems")}
     write_json(summary, out_dir / "summary.json")
     write_json(out["per_step"], out_dir / "steps.json")
     paths = [out_dir / "summary.json", out_dir / "steps.json"]
     paths.append(plot_steps(out["per_step"], out_dir / "steps.png"))
-    last = list(sims.values())[-1]
-    paths.append(plot_lengths(last.history, last.system.name, out_dir / "lengths.png"))
-    focus = sims.get("libra", last)
-    paths.append(plot_split(focus.history, focus.system.name, out_dir / "split.png"))
-    paths.append(plot_layout(focus.history, focus.system.name, out_dir / "layout.png"))
+    last = list(records.values())[-1]
+    paths.append(plot_lengths(last.history, last.name, out_dir / "lengths.png"))
+    focus = records.get("libra", last)
+    paths.append(plot_split(focus.history, focus.name, out_dir / "split.png"))
+    paths.append(plot_layout(focus.history, focus.name, out_dir / "layout.png"))
     trace = last.tracer.chrome_trace()
-    trace["metadata"] = {"system": last.system.name, "step": last.tracer.step}
+    trace["metadata"] = {"system": last.name, "step": last.tracer.step}
     write_json(trace, out_dir / "trace.json")
     paths.append(out_dir / "trace.json")
-    for name, sim in sims.items():
-        extra = getattr(sim, "extra_plots", None)
-        if extra:
-            paths += extra(out_dir, name)
     return paths
 
 
