@@ -40,7 +40,8 @@ out = sys.argv[4] or None
 t = time.perf_counter()
 res = run(load_scenario(sys.argv[1]), systems, int(sys.argv[3]), 0, out, lambda a, b: None)
 wall = time.perf_counter() - t
-rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 / 1024
+# Each system simulates in a forked child (libra.sim.isolation): the peak is the larger of the two.
+rss = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 1024 / 1024
 tok = {k: v["throughput_tokens_per_s"] for k, v in res["systems"].items()}
 print(json.dumps({"seconds": wall, "peak_gib": rss, "compiled": native.active(), "tok_s": tok}))
 """

@@ -452,7 +452,8 @@ def run(scenario: dict, systems: list[str] | None, steps: int | None, seed: int,
         system = make_system(name)  # an unknown name fails here, before anything runs
         system.shared = shared
         job = partial(_simulate, sc, system, batches, n, seed, profile, trace_step)
-        results[name], per_step[name], records[name] = isolation.call(job, progress, isolate)
+        # `shared` comes back with this system's memoised planner searches, for the next ones.
+        results[name], per_step[name], records[name], shared = isolation.call(job, progress, isolate)
     out = {"scenario": sc.name, "seed": seed, "steps": n, "systems": results, "per_step": per_step}
     if out_dir is not None:
         from libra.sim.report import write_outputs
@@ -462,7 +463,7 @@ def run(scenario: dict, systems: list[str] | None, steps: int | None, seed: int,
 
 
 def _simulate(sc: RLScenario, system: System, batches: Batches, n: int, seed: int, profile: Profile | None,
-              trace_step: int, progress: Progress) -> tuple[dict, list[dict], SimRecord]:  # fmt: skip
+              trace_step: int, progress: Progress) -> tuple[dict, list[dict], SimRecord, dict]:  # fmt: skip
     sim = RLSim(sc, system, batches, n, seed, profile, trace_step)
     sim.progress = progress
-    return sim.run(), sim.per_step(), sim.record()
+    return sim.run(), sim.per_step(), sim.record(), system.shared
