@@ -109,6 +109,7 @@ def build(if_stale: bool = False) -> int:
         print("libra.native: builds only in a source checkout (src/libra); running as Python")
         return 1
     repo = PACKAGE_DIR.parent.parent
+    _remove_build()  # a failed build must leave nothing that looks usable
     paths = [str(source_path(m).relative_to(repo)) for m in MODULES]
     print(f"libra.native: compiling {len(paths)} modules with mypyc (about a minute)...", flush=True)
     proc = subprocess.run([sys.executable, "-m", "mypyc", *paths], cwd=repo, capture_output=True, text=True)
@@ -119,3 +120,14 @@ def build(if_stale: bool = False) -> int:
     MANIFEST.write_text(json.dumps({m: digest(source_path(m)) for m in MODULES}, indent=1) + "\n")
     print("libra.native: built", ", ".join(MODULES))
     return 0
+
+
+def _remove_build() -> None:
+    """Delete the manifest, the modules' compiled files and mypyc's shared libraries (whose names
+    change with the module list, so old ones would otherwise pile up in src/)."""
+    MANIFEST.unlink(missing_ok=True)
+    for m in MODULES:
+        for path in compiled_paths(m):
+            path.unlink()
+    for path in PACKAGE_DIR.parent.glob("*__mypyc.*"):
+        path.unlink()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import gc
 import random
 from collections import deque
-from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
@@ -37,13 +36,12 @@ from libra.costmodel.efficiency import Profile
 from libra.costmodel.training import TrainCostModel
 from libra.rollout.registry import make_router
 from libra.sim import isolation
+from libra.sim.isolation import Progress
 from libra.sim.kernel import Kernel
 from libra.sim.rl_config import RLScenario, parse_rl
 from libra.sim.rollout_driver import RolloutDriver, RoutingStats, make_engines
 from libra.sim.systems import Setup, System, make_system
 from libra.sim.tracing import Tracer
-
-Progress = Callable[[str, float], None]
 
 
 @dataclass(slots=True)
@@ -445,8 +443,9 @@ def run(scenario: dict, systems: list[str] | None, steps: int | None, seed: int,
     if n < 1:
         raise ConfigError("steps", n, "an integer >= 1")
     trace_step = sc.trace_step if sc.trace_step is not None else min(2, n - 1)
-    for s in range(n):  # generated once, here: every system's process reads the same batches
-        batches.get(s)
+    if trajs is None:  # generated once, here: every system's process reads the same batches
+        for s in range(n):
+            batches.get(s)
     results, per_step, records, shared = {}, {}, {}, {}
     for name in names:
         system = make_system(name)  # an unknown name fails here, before anything runs
