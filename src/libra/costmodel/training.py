@@ -15,6 +15,8 @@ The memory model answers "does this fit?" so that no planner emits a configurati
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from libra.core.errors import ConfigError
@@ -112,7 +114,7 @@ class TrainCostModel:
         par.validate(self.hw, self.model)
         if not seq_lens:
             raise ConfigError("seq_lens", "[]", "at least one sequence")
-        ranks = _deal(seq_lens, par.dp)
+        ranks = _deal(tuple(seq_lens), par.dp)
         slowest = max(ranks, key=lambda r: self._rank_flops(r, par))
         n_micro = max(1, -(-len(slowest) // par.micro_batch))
         compute = self._rank_flops(slowest, par) / self._gpu_flops(par)
@@ -128,7 +130,7 @@ class TrainCostModel:
     def _gpu_flops(self, par: TrainParallel) -> float:
         return self.hw.bf16_tflops * 1e12 * self.eff.mfu * par.tp * par.pp * par.cp
 
-    def _rank_flops(self, lens: list[int], par: TrainParallel) -> float:
+    def _rank_flops(self, lens: Sequence[int], par: TrainParallel) -> float:
         m = self.model
         per_tok = (8 if par.recompute else 6) * m.active_matmul_params
         attn = (4 if par.recompute else 3) * 2 * m.layers * m.heads * m.head_dim  # fwd QK+PV=4, /2 causal
@@ -168,12 +170,15 @@ class TrainCostModel:
         return 2 * (group - 1) / group * grad_bytes / self._link_bw(group, cross)
 
 
-def _deal(lens: list[int], dp: int) -> list[list[int]]:
-    """Longest-first onto the rank with the fewest quadratic-weighted tokens (balanced FLOPs)."""
+@functools.lru_cache(maxsize=256)
+def _deal(lens: tuple[int, ...], dp: int) -> tuple[tuple[int, ...], ...]:
+    """Longest-first onto the rank with the fewest quadratic-weighted tokens (balanced FLOPs).
+
+    Cached: the planner prices one step's lengths under hundreds of layouts that share a DP size."""
     ranks: list[list[int]] = [[] for _ in range(dp)]
     loads = [0.0] * dp
     for n in sorted(lens, reverse=True):
         i = loads.index(min(loads))
         ranks[i].append(n)
         loads[i] += n + n * n / 8192
-    return ranks
+    return tuple(tuple(r) for r in ranks)
