@@ -59,3 +59,9 @@ def test_isolated_and_in_process_runs_are_identical(tmp_path):
     assert a == b
     assert (tmp_path / "a" / "summary.json").read_bytes() == (tmp_path / "b" / "summary.json").read_bytes()
     assert (tmp_path / "a" / "trace.json").read_bytes() == (tmp_path / "b" / "trace.json").read_bytes()
+
+
+def test_the_environment_switch_keeps_the_work_in_this_process(monkeypatch):
+    monkeypatch.setenv(isolation.NO_FORK_ENV, "1")
+    assert not isolation.forking()
+    assert isolation.call(lambda progress: os.getpid(), _quiet) == os.getpid()

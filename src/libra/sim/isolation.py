@@ -9,9 +9,10 @@ sends its results back through a pipe and exits, and the OS frees its heap in on
 one core: the parent only waits, relaying the child's progress.
 
 An error in the child comes back as the same exception (a `LibraError` keeps its exit code 2);
-one that cannot be pickled comes back as a `SimulationError` carrying the child's traceback. Where
-fork is unavailable (Windows), or with LIBRA_NO_FORK=1, or `isolate=False`, the work runs in this
-process, with identical results.
+one that cannot be pickled comes back as a `SimulationError` carrying the child's traceback. Only
+on Linux: on macOS, system frameworks (Accelerate's BLAS among them) are not safe to use after a
+fork, and Windows has none. There, or with LIBRA_NO_FORK=1, or `isolate=False`, the work runs in
+this process, with identical results.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -31,7 +33,7 @@ T = TypeVar("T")
 
 
 def forking() -> bool:
-    return os.environ.get(NO_FORK_ENV, "") in ("", "0") and "fork" in mp.get_all_start_methods()
+    return os.environ.get(NO_FORK_ENV, "") in ("", "0") and sys.platform.startswith("linux")
 
 
 def call(fn: Callable[[Progress], T], progress: Progress, isolate: bool = True) -> T:
