@@ -50,8 +50,8 @@ def source_path(module: str) -> Path:
 
 def compiled_paths(module: str) -> list[Path]:
     src = source_path(module)
-    return [src.with_name(src.stem + suffix) for suffix in importlib.machinery.EXTENSION_SUFFIXES
-            if src.with_name(src.stem + suffix).exists()]  # fmt: skip
+    candidates = (src.with_name(src.stem + suffix) for suffix in importlib.machinery.EXTENSION_SUFFIXES)
+    return [path for path in candidates if path.exists()]
 
 
 def digest(path: Path) -> str:
