@@ -32,12 +32,13 @@ import asyncio
 import itertools
 import json
 import os
-import signal
 import socket
 import time
 
 import click
 from aiohttp import web
+
+from libra.runtime.serving import serve_until_signalled
 
 CHARS_PER_TOKEN = 4
 
@@ -247,12 +248,7 @@ async def _serve(backend: InstantBackend, socks: list[socket.socket]) -> None:
         await web.SockSite(runner, sock, backlog=4096).start()
         host, port = sock.getsockname()[:2]
         print(f"libra instant backend {backend.model!r} listening on http://{host}:{port}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await runner.cleanup()
+    await serve_until_signalled(runner)
 
 
 @click.command()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 
 import click
 
@@ -47,6 +46,7 @@ async def serve(cfg: ServiceConfig, iso) -> None:
     from aiohttp import web
 
     from libra.runtime.actions.service import ActionsService
+    from libra.runtime.serving import serve_until_signalled
 
     service = ActionsService(cfg, iso)
     runner = web.AppRunner(service.app(), access_log=None)
@@ -57,9 +57,4 @@ async def serve(cfg: ServiceConfig, iso) -> None:
     isolation = "bwrap" if iso.sandboxed else "NONE"
     click.echo(f"libra actions service listening on http://{cfg.host}:{port} "
                f"(isolation: {isolation}, cores: {len(service.cores)})", err=True)  # fmt: skip
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await runner.cleanup()
+    await serve_until_signalled(runner)

@@ -19,7 +19,6 @@ import json
 import logging
 import random
 import secrets
-import signal
 import socket
 import time
 from dataclasses import dataclass, replace
@@ -36,6 +35,7 @@ from libra.runtime.engine.model import TinyTransformer, build_model
 from libra.runtime.engine.sequence import SamplingParams, SeqEvent, Sequence, TextOutput, ToolOutput
 from libra.runtime.engine.tokenizer import render_chat, render_prompt
 from libra.runtime.openai_errors import ApiError, json_error
+from libra.runtime.serving import serve_until_signalled
 
 log = logging.getLogger("libra.engine")
 
@@ -411,9 +411,4 @@ async def _serve(server: EngineServer, sock: socket.socket, access_log: bool) ->
     host, port = sock.getsockname()[:2]
     cfg = server.cfg
     print(f"libra engine {cfg.served_name!r} (model {cfg.model}, {cfg.tp_label}) listening on http://{host}:{port}", flush=True)  # fmt: skip
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await runner.cleanup()
+    await serve_until_signalled(runner)

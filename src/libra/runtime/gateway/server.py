@@ -23,7 +23,6 @@ import asyncio
 import json
 import logging
 import resource
-import signal
 import socket
 import time
 
@@ -47,6 +46,7 @@ from libra.runtime.gateway.metrics import GatewayMetrics
 from libra.runtime.gateway.pool import HealthChecker, Instance, Pool, StateError
 from libra.runtime.gateway.sessions import Session, SessionError, SessionTracker, TurnRecord
 from libra.runtime.gateway.tree_store import TreeStore
+from libra.runtime.serving import serve_until_signalled
 
 log = logging.getLogger("libra.gateway")
 perf = time.perf_counter
@@ -470,9 +470,4 @@ async def _serve(gw: Gateway, sock: socket.socket, access_log: bool) -> None:
     host, port = sock.getsockname()[:2]
     buckets = ", ".join(f"{b.name} (tp{b.tp}, {b.max_context})" for b in gw.buckets)
     print(f"libra gateway (router {gw.cfg.router}; buckets {buckets}; {len(gw.pool.views)} backends) listening on http://{host}:{port}", flush=True)  # fmt: skip
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await runner.cleanup()
+    await serve_until_signalled(runner)
