@@ -85,7 +85,9 @@ def main() -> None:
         ap.error(f"--trace: no such file {args.trace}")
     rows = [json.loads(line) for line in args.trace.read_text().splitlines() if line.strip()]
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [replay(reordered(rows, seed), Path(tmp) / f"order{seed}.jsonl") for seed in range(args.orderings)]
+        runs = [
+            replay(reordered(rows, seed), Path(tmp) / f"order{seed}.jsonl") for seed in range(args.orderings)
+        ]
     report("tau_replay", {"orderings": args.orderings, **summarise(runs)})
 
 
