@@ -44,13 +44,13 @@ def test_coding_systems_share_cores_and_tangram_beats_fixed_dop(coding):
     assert s["tangram"]["actions"]["by_kind"]["reward-tests"]["count"] == 2 * 512
 
 
-# Known shortfall, recorded rather than hidden (README "Known gaps"): on the calibrated r2e-gym
+# Known shortfall, recorded rather than hidden (README "Known gaps", docs/gaps.md): on the calibrated r2e-gym
 # turns, with reward calls, tangram's mean-ACT win is ~1.8x, not the 3x issue 6 asks for. Strict:
 # if a change makes this pass, the xfail itself fails and must be removed.
 @pytest.mark.xfail(
     strict=True,
     reason="tangram-coding ACT win ~1.8x < 3x; the no-queue bound is 3.19x "
-    "(benchmarks/bench_tangram_bound.py; issue 6 open; README Known gaps)",
+    "(benchmarks/bench_tangram_bound.py; issue 6 open; docs/gaps.md)",
 )
 def test_coding_tangram_cuts_act_to_a_third_of_k8s(coding):
     s = coding["systems"]
