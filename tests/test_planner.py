@@ -36,6 +36,7 @@ from libra.planner import (
     WorkloadStats,
     check_plan,
     check_triggers,
+    completion_wait,
     diff,
     make_planner,
     pack,
@@ -227,7 +228,10 @@ def test_plan_is_feasible_and_priced_consistently(problem, stats, libra_plan):
     again = GlobalPlanner(problem).evaluate(libra_plan, stats)
     assert again.step_time_s == pytest.approx(libra_plan.step_time_s, rel=1e-9)
     p = libra_plan
-    assert p.step_time_s == pipeline_period(p.t_train_s, p.t_rollout_s, p.rollout_work_s, p.staleness)
+    assert p.group_spread == stats.group_spread() and p.group_spread[-1] == 1.0
+    assert p.step_time_s == pipeline_period(
+        p.t_train_s, p.t_rollout_s, p.rollout_work_s, p.staleness, p.group_spread
+    )
     assert 0 < p.rollout_work_s <= p.t_rollout_s
 
 
@@ -236,6 +240,84 @@ def test_pipeline_period():
     assert pipeline_period(100.0, 60.0, 10.0, staleness=1) == 100.0  # training-bound
     assert pipeline_period(60.0, 200.0, 10.0, staleness=1) == 130.0  # (200 + 60) / 2
     assert pipeline_period(60.0, 200.0, 90.0, staleness=9) == 90.0  # deep overlap: the engines' work
+
+
+# ---- completion order: training takes the first groups to finish ---------------------------------
+
+
+def _balance(x: float, t_train: float, t_rollout: float, spread: list[float], k: int) -> float:
+    """Later batches' finished groups minus earlier batches' stragglers at wait x (the docstring's
+    equation, written out again here independently of the bisection)."""
+
+    def done(t: float) -> float:
+        return sum(1 for q in spread if q * t_rollout <= t) / len(spread)
+
+    period = max(t_train, (x + t_train) / (k + 1))
+    ahead = sum(done(x - i * period) for i in range(1, k + 1))
+    behind = sum(1 - done(x + i * period) for i in range(0, 1000) if x + i * period < t_rollout)
+    return ahead - behind
+
+
+def test_completion_wait_alike_groups_wait_for_the_slowest():
+    # Every group within 10% of the slowest: no group of the next batch finishes first.
+    assert completion_wait(60.0, 300.0, [0.9] * 60 + [1.0] * 4) == 300.0
+    assert completion_wait(60.0, 300.0, [0.1] * 63 + [1.0], staleness=0) == 300.0  # nothing overlaps
+
+
+def test_completion_wait_few_slow_groups():
+    # Half the groups take a fifth of the slowest's time, most of the rest half of it.
+    spread = [0.2] * 32 + [0.5] * 28 + [1.0] * 4
+    x = completion_wait(60.0, 300.0, spread)
+    assert x == pytest.approx(180.0, abs=1e-6)  # batch k+1's fast half is done by then
+    assert _balance(x, 60.0, 300.0, spread, 1) >= 0 > _balance(x - 1.0, 60.0, 300.0, spread, 1)
+    assert pipeline_period(60.0, 300.0, 0.0, 1, spread) == pytest.approx((x + 60.0) / 2)
+    assert pipeline_period(60.0, 300.0, 0.0, 1) == 180.0  # waiting for the batch: (300 + 60) / 2
+
+
+@given(
+    t_train=st.floats(1.0, 500.0),
+    t_rollout=st.floats(1.0, 2000.0),
+    k=st.integers(1, 4),
+    fracs=st.lists(st.floats(0.01, 1.0), min_size=1, max_size=64),
+)
+@settings(max_examples=150, deadline=None)
+def test_completion_wait_solves_its_equation_and_never_exceeds_the_batch(t_train, t_rollout, k, fracs):
+    spread = sorted(fracs) + [1.0]
+    x = completion_wait(t_train, t_rollout, spread, k)
+    assert 0 < x <= t_rollout
+    assert _balance(x, t_train, t_rollout, spread, k) >= 0
+    below = x - 1e-8 * t_rollout  # bisection stops within 1e-9 of T_rollout; balance grows with x
+    if below > 0:
+        assert _balance(below, t_train, t_rollout, spread, k) < 0
+    assert pipeline_period(t_train, t_rollout, 0.0, k, spread) <= pipeline_period(t_train, t_rollout, 0.0, k)
+
+
+def test_group_spread_from_trajectories():
+    trajs = synthetic(256, 5) + synthetic(256, 6, step=1)
+    s = WorkloadStats.from_trajectories(trajs)
+    spread = s.group_spread()
+    assert len(spread) == 64 and spread == tuple(sorted(spread)) and spread[-1] == 1.0 and spread[0] > 0
+    # Each step's groups are scaled by that step's slowest group, then pooled.
+    parts = s.by_step()
+    assert [len(set(part.groups)) for part in parts] == [32, 32]
+    assert all(part.group_spread()[-1] == 1.0 for part in parts)
+    # A histogram knows no groups: the planner then waits for the batch.
+    assert WorkloadStats.from_histogram([0, 1000, 4000], [10, 5]).group_spread() == ()
+
+
+def test_consume_batch_prices_the_batch(catalog, stats):
+    batch = PlanningProblem(
+        catalog.hardware("a800-80g"), 6, catalog.model("qwen3-14b"), 32, 16, 40960, consume="batch"
+    )
+    plan = GlobalPlanner(batch).plan(stats)
+    assert plan.group_spread == ()
+    assert plan.step_time_s == pipeline_period(
+        plan.t_train_s, plan.t_rollout_s, plan.rollout_work_s, plan.staleness
+    )
+    with pytest.raises(ConfigError, match="consume"):
+        PlanningProblem(
+            catalog.hardware("a800-80g"), 6, catalog.model("qwen3-14b"), 32, 16, 40960, consume="bogus"
+        )
 
 
 @pytest.mark.parametrize("seed,out_median", [(2, 200), (3, 800), (4, 2500)])
@@ -527,6 +609,7 @@ def test_cli_table_gpus_override_and_trace(tmp_path):
         (["--scenario", "nope"], "scenario: got 'nope'"),
         (["--set", "cluster=3"], "cluster: got 3"),
         (["--set", "workload.prompts_per_step=abc"], "workload.prompts_per_step"),
+        (["--set", "pipeline.consume=first"], "pipeline.consume: got 'first'"),
     ],
 )
 def test_cli_bad_input_is_one_line_exit_2(args, needle):

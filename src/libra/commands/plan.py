@@ -30,6 +30,7 @@ from libra.core.trace import read_trace
 from libra.costmodel.catalog import load_catalog
 from libra.costmodel.efficiency import load_profile
 from libra.planner import (
+    CONSUME,
     ElasticConfig,
     PlannerConfig,
     PlanningProblem,
@@ -104,6 +105,9 @@ def build_problem(sc: dict, gpus: int | None, catalogs, profile) -> PlanningProb
     staleness = _section(sc, "pipeline").get("staleness", 1)
     if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
         raise ConfigError("pipeline.staleness", staleness, "an integer >= 0")
+    consume = _section(sc, "pipeline").get("consume", "completion")
+    if consume not in CONSUME:
+        raise ConfigError("pipeline.consume", consume, list(CONSUME))
     cat = load_catalog(catalogs)
     hw = cat.hardware(str(cluster.get("hardware")), "cluster.hardware")
     model = cat.model(str(sc.get("model")), "model")
@@ -121,7 +125,7 @@ def build_problem(sc: dict, gpus: int | None, catalogs, profile) -> PlanningProb
         max_length=_int(wl, "workload.max_length", 40960),
         max_num_seqs=_int(ro, "rollout.max_num_seqs", 256),
         max_num_batched_tokens=_int(ro, "rollout.max_num_batched_tokens", 8192),
-        profile=load_profile(profile), staleness=staleness,
+        profile=load_profile(profile), staleness=staleness, consume=consume,
     )  # fmt: skip
 
 
@@ -186,6 +190,7 @@ def _print(out: dict) -> None:
         ("hybrid replicas", out["hybrid_replicas"]),
         ("t_train_s", out["t_train_s"]),
         ("t_rollout_s", out["t_rollout_s"]),
+        ("rollout_wait_s", out["rollout_wait_s"]),
         ("step_time_s", out["step_time_s"]),
         ("search_time_s", out["search_time_s"]),
     ]

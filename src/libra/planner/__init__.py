@@ -29,6 +29,7 @@ from libra.planner.plan import (
     Plan,
     PlanDiff,
     check_plan,
+    completion_wait,
     diff,
     pack,
     pipeline_period,
@@ -43,16 +44,16 @@ from libra.planner.planner import (
     PlanDecision,
     make_planner,
 )
-from libra.planner.problem import PlanningProblem
+from libra.planner.problem import CONSUME, PlanningProblem
 from libra.planner.selector import ParallelismSelector, ParallelismSwitch
 from libra.planner.stats import WorkloadStats
 from libra.planner.triggers import ApplyVerdict, PipelineSignals, Trigger, check_triggers, should_apply
 
 __all__ = [
-    "PLANNERS", "ApplyVerdict", "BucketPlan", "ElasticConfig", "ElasticController", "ElasticDecision",
+    "CONSUME", "PLANNERS", "ApplyVerdict", "BucketPlan", "ElasticConfig", "ElasticController", "ElasticDecision",
     "ElasticSignals", "GlobalPlanner", "GreedyShiftPlanner", "HomogeneousPlanner", "HybridReplica",
     "JoinReplica", "JoinState", "ParallelismSelector", "ParallelismSwitch", "PipelineSignals", "Plan",
     "Placement", "PlanDecision", "PlanDiff", "PlannerConfig", "PlanningProblem", "ReleaseReplica", "Role",
     "SelectorConfig", "TransitionError", "Trigger", "WorkloadStats", "check_plan", "check_triggers",
-    "diff", "make_planner", "make_pool", "pack", "phase_seconds", "pipeline_period", "place", "reconfig_cost_s", "should_apply",
+    "completion_wait", "diff", "make_planner", "make_pool", "pack", "phase_seconds", "pipeline_period", "place", "reconfig_cost_s", "should_apply",
 ]  # fmt: skip

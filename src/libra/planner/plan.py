@@ -11,6 +11,7 @@ so tests (and a cautious mechanism) can verify that a plan is feasible rather th
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,10 +53,20 @@ class Plan:
     planner: str = ""
     rollout_work_s: float = 0.0  # the busiest bucket's engine time per batch: a throughput floor
     staleness: int = 1
+    # The groups' latencies over the slowest's (`WorkloadStats.group_spread`) when each step trains
+    # the first groups to finish; empty when each step trains its own batch.
+    group_spread: tuple[float, ...] = ()
 
     @property
     def step_time_s(self) -> float:
-        return pipeline_period(self.t_train_s, self.t_rollout_s, self.rollout_work_s, self.staleness)
+        return pipeline_period(
+            self.t_train_s, self.t_rollout_s, self.rollout_work_s, self.staleness, self.group_spread
+        )
+
+    @property
+    def rollout_wait_s(self) -> float:
+        """From a batch's start until its step can train: T_rollout, or `completion_wait`."""
+        return completion_wait(self.t_train_s, self.t_rollout_s, self.group_spread, self.staleness)
 
     @property
     def idle_gpus(self) -> int:
@@ -89,6 +100,7 @@ class Plan:
             "buckets": [b.to_dict() for b in self.buckets],
             "t_train_s": round(self.t_train_s, 3),
             "t_rollout_s": round(self.t_rollout_s, 3),
+            "rollout_wait_s": round(self.rollout_wait_s, 3),
             "step_time_s": round(self.step_time_s, 3),
             "rollout_work_s": round(self.rollout_work_s, 3),
             "staleness": self.staleness,
@@ -98,18 +110,65 @@ class Plan:
         }
 
 
-def pipeline_period(t_train: float, t_rollout: float, work: float = 0.0, staleness: int = 1) -> float:
+def pipeline_period(
+    t_train: float, t_rollout: float, work: float = 0.0, staleness: int = 1, spread: Sequence[float] = ()
+) -> float:
     """Seconds per step of the asynchronous pipeline in steady state.
 
     With staleness s, rollout of step k+s+1 starts when training of step k ends, and training of
-    step k starts when its rollout ends (and step k-1 has trained). When rollout is the slower
-    stage, s+1 step periods therefore hold one rollout makespan plus one training step:
-    (s+1) P = T_rollout + T_train. Training alone bounds P from below (it runs one step at a
-    time), and so does the rollout engines' busy time per batch (they cannot overlap more work
-    than they can do). s = 0 gives the sequential T_rollout + T_train; a large s gives
-    max(T_train, work): the "max(T_train, T_rollout)" of a fully overlapped pipeline.
+    step k starts when its groups are in (and step k-1 has trained). When rollout is the slower
+    stage, s+1 step periods therefore hold one rollout wait plus one training step:
+    (s+1) P = wait + T_train. Training alone bounds P from below (it runs one step at a time), and
+    so does the rollout engines' busy time per batch (they cannot overlap more work than they can
+    do). s = 0 gives the sequential T_rollout + T_train; a large s gives max(T_train, work): the
+    "max(T_train, T_rollout)" of a fully overlapped pipeline.
+
+    The wait is T_rollout, the batch's makespan, when each step trains its own batch. With
+    `spread` (`WorkloadStats.group_spread`) each step trains the first groups to finish, whatever
+    their batch, and the wait is `completion_wait`: usually well short of the slowest group.
     """
-    return max(t_train, (t_rollout + t_train) / (staleness + 1), work)
+    wait = completion_wait(t_train, t_rollout, spread, staleness) if spread else t_rollout
+    return max(t_train, (wait + t_train) / (staleness + 1), work)
+
+
+def completion_wait(t_train: float, t_rollout: float, spread: Sequence[float], staleness: int = 1) -> float:
+    """Seconds from a batch's start until enough groups are done to train its step, in steady state.
+
+    Training step k takes the first groups to finish (as many as a batch has) among those not
+    trained yet. A group of the batch started i periods earlier is done by then with probability
+    F(x + i P), and one of a batch started i periods later with F(x - i P), where x is this wait,
+    P = (x + T_train) / (s + 1) the period, and F the groups' latency distribution: `spread` (sorted
+    fractions of the slowest group's latency) scaled by T_rollout. The steps before k trained as
+    many groups as their batches held, so step k can start when the later batches' finished groups
+    make up for the earlier batches' stragglers:
+
+        sum_{i=1..s} F(x - i P) = sum_{i>=0} (1 - F(x + i P))
+
+    The left side grows with x and the right side shrinks, so bisection finds x in (0, T_rollout].
+    When the groups are alike (Search-R1) no later group finishes first and x = T_rollout; when a
+    few groups are far slower than the rest (R2E-Gym) x is a fraction of it.
+    """
+    if t_rollout <= 0 or not spread or staleness < 1:
+        return t_rollout
+    q, n = spread, len(spread)
+
+    def done(t: float) -> float:  # F(t): the share of a batch's groups done t seconds after it began
+        return bisect_right(q, t / t_rollout) / n
+
+    def balance(x: float) -> float:
+        period = max(t_train, (x + t_train) / (staleness + 1), t_rollout / 1000)
+        ahead = sum(done(x - i * period) for i in range(1, staleness + 1))
+        behind, t = 0.0, x
+        while t < t_rollout:
+            behind += 1.0 - done(t)
+            t += period
+        return ahead - behind
+
+    lo, hi = 0.0, t_rollout
+    for _ in range(30):  # to within 1e-9 of T_rollout
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if balance(mid) >= 0 else (mid, hi)
+    return hi
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,8 @@
 """The global resource planner: split, training parallelism and rollout buckets, jointly.
 
 Objective: the asynchronous pipeline overlaps rollout of step k+1 with training of step k, so a
-step takes max(T_train, T_rollout); the planner minimises that over
+step takes about max(T_train, T_rollout) (exactly: `plan.pipeline_period`, which also prices a
+pipeline that trains the first groups to finish); the planner minimises that over
 - the split (training GPUs; the rest roll out),
 - training TP/PP/DP/CP and micro-batch (`train_search`, with the context bound from EARL's
   selector so the configuration holds the longest context of the current range),
@@ -106,9 +107,9 @@ class GlobalPlanner:
         bound = self.selector.context_bound(stats.max_final)
         lengths = stats.batch_lengths(self.problem.batch_size)
         trains = self._train_frontier(lengths, bound)
-        layout = self._layout(stats)
-        ranked = sorted(trains.values(), key=lambda c: self._score(c, layout, stats))
-        finals = [self._build(c, layout, stats, bound) for c in ranked[:FINALISTS]]
+        layout, spread = self._layout(stats), self.spread(stats)
+        ranked = sorted(trains.values(), key=lambda c: self._score(c, layout, stats, spread))
+        finals = [self._build(c, layout, stats, bound, spread) for c in ranked[:FINALISTS]]
         # Belt and braces: every constraint is re-derived from the cost models before a plan leaves.
         finals = [
             p for p in finals if p is not None and not check_plan(p, self.problem, self.config.min_concurrent)
@@ -139,14 +140,28 @@ class GlobalPlanner:
             self._layouts = {key: LAYOUTS[self.layout](self.tables, self.problem, stats, self.config)}
         return self._layouts[key]
 
-    def _score(self, c: TrainChoice, layout, stats: WorkloadStats) -> tuple[float, float]:
+    def spread(self, stats: WorkloadStats) -> tuple[float, ...]:
+        """The groups' latency spread the step time is priced with: empty when each step waits
+        for its own batch (`consume: batch`), so the wait is the batch's makespan."""
+        return stats.group_spread() if self.problem.consume == "completion" else ()
+
+    def _score(
+        self, c: TrainChoice, layout, stats: WorkloadStats, spread: tuple[float, ...]
+    ) -> tuple[float, float]:
         rollout_gpus = self.problem.gpus - c.par.gpus
         if not self.config.memoise:  # the no-memo baseline: solve each split's rollout side afresh
             layout = LAYOUTS[self.layout](self.tables, self.problem, stats, self.config)
         t_roll = layout.best(rollout_gpus)
-        return (pipeline_period(c.time_s, t_roll, 0.0, self.problem.staleness), c.time_s + t_roll)
+        return (pipeline_period(c.time_s, t_roll, 0.0, self.problem.staleness, spread), c.time_s + t_roll)
 
-    def _build(self, c: TrainChoice, layout, stats: WorkloadStats, bound: int) -> Plan | None:
+    def _build(
+        self,
+        c: TrainChoice,
+        layout,
+        stats: WorkloadStats,
+        bound: int,
+        spread: tuple[float, ...] | None = None,
+    ) -> Plan | None:
         gpus = self.problem.gpus - c.par.gpus
         try:
             buckets = layout.buckets(gpus)
@@ -161,6 +176,7 @@ class GlobalPlanner:
             buckets=buckets, t_train_s=c.time_s, t_rollout_s=max(b.predicted_s for b in buckets),
             context_bound=bound, hybrid_replicas=int(self.config.hybrid_fraction * used // replica_gpus),
             planner=self.name, rollout_work_s=ev.work(buckets), staleness=self.problem.staleness,
+            group_spread=self.spread(stats) if spread is None else spread,
         )  # fmt: skip
 
     def _no_rollout_message(self, trains: dict[int, TrainChoice]) -> str:
@@ -186,7 +202,10 @@ class GlobalPlanner:
         ev = RolloutEvaluator(self.tables, self.problem, stats)
         buckets = ev.with_times(plan.buckets)
         t_roll, work = max(b.predicted_s for b in buckets), ev.work(plan.buckets)
-        return replace(plan, t_train_s=t_train, t_rollout_s=t_roll, buckets=buckets, rollout_work_s=work)
+        return replace(
+            plan, t_train_s=t_train, t_rollout_s=t_roll, buckets=buckets, rollout_work_s=work,
+            group_spread=self.spread(stats),
+        )  # fmt: skip
 
     def retune(self, plan: Plan, stats: WorkloadStats) -> Plan:
         """`plan` with the bucket boundaries that suit `stats` best; engines and split unchanged."""

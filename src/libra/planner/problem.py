@@ -15,6 +15,8 @@ from libra.costmodel.efficiency import Profile
 from libra.costmodel.rollout import RolloutCostModel
 from libra.costmodel.training import TrainCostModel
 
+CONSUME = ("completion", "batch")  # see PlanningProblem.consume
+
 
 @dataclass(frozen=True, slots=True)
 class PlanningProblem:
@@ -29,6 +31,8 @@ class PlanningProblem:
     gpu_memory_utilization: float = 0.9
     profile: Profile = field(default_factory=Profile)
     staleness: int = 1  # rollout may run this many steps ahead of training (scenario pipeline.staleness)
+    # What a training step takes (scenario pipeline.consume): the first groups to finish, or its batch.
+    consume: str = "completion"
 
     def __post_init__(self) -> None:
         for name in ("nodes", "prompts_per_step", "samples_per_prompt", "max_length", "max_num_seqs",
@@ -38,6 +42,8 @@ class PlanningProblem:
                 raise ConfigError(name, v, "an integer >= 1")
         if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) or self.staleness < 0:
             raise ConfigError("staleness", self.staleness, "an integer >= 0")
+        if self.consume not in CONSUME:
+            raise ConfigError("consume", self.consume, list(CONSUME))
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("gpu_memory_utilization", self.gpu_memory_utilization, "a number in (0, 1]")
 

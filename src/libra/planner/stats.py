@@ -6,6 +6,11 @@ record per trajectory (final length, generated tokens, prefilled tokens, mean de
 summed tool latency, turns), which is a histogram at its finest grain; `from_histogram` builds the
 same thing from a coarse length histogram when that is all a live system kept.
 
+From trajectories it also keeps each one's GRPO group, so `group_spread` can say how the groups'
+latencies spread below the slowest one: what a pipeline that trains the first groups to finish
+waits for (`plan.completion_wait`). A histogram has no groups, and then the planner assumes a step
+waits for its slowest group.
+
 The rollout DP needs the batch in quantile bins, and training needs a list of sequence lengths of
 the batch's size; both are derived here, deterministically, so two planners given the same stats
 agree exactly.
@@ -20,6 +25,8 @@ import numpy as np
 
 from libra.core.errors import ConfigError
 from libra.core.trajectory import Trajectory
+
+SPREAD_POINTS = 64  # quantiles kept by `WorkloadStats.group_spread`
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,11 +65,15 @@ class WorkloadStats:
     train_time_s: float | None = None
     rollout_time_s: float | None = None
     steps: tuple[int, ...] = ()  # the RL step of each trajectory, when known
+    groups: tuple[int, ...] = ()  # the GRPO group (prompt) of each trajectory, when known
 
     def __post_init__(self) -> None:
         n = len(self.final_tokens)
-        if self.steps and len(self.steps) != n:
-            raise ConfigError("stats.steps", len(self.steps), f"{n} entries, one per trajectory, or none")
+        for name in ("steps", "groups"):
+            if getattr(self, name) and len(getattr(self, name)) != n:
+                raise ConfigError(
+                    f"stats.{name}", len(getattr(self, name)), f"{n} entries, one per trajectory, or none"
+                )
         for name in ("generated_tokens", "prefill_tokens", "decode_context", "tool_latency_s", "turns"):
             if len(getattr(self, name)) != n:
                 raise ConfigError(
@@ -89,9 +100,11 @@ class WorkloadStats:
         `default_tool_latency_s` (the trace format leaves the latency optional)."""
         recs = [_record(t, default_tool_latency_s) for t in trajs]
         cols = list(zip(*recs, strict=True)) if recs else [()] * 6
+        group_of: dict[tuple[int, str], int] = {}
+        groups = tuple(group_of.setdefault((t.step, t.prompt_id), len(group_of)) for t in trajs)
         return cls(
             *(tuple(c) for c in cols), train_time_s=train_time_s, rollout_time_s=rollout_time_s,
-            steps=tuple(t.step for t in trajs),
+            steps=tuple(t.step for t in trajs), groups=groups,
         )  # fmt: skip
 
     @classmethod
@@ -163,8 +176,34 @@ class WorkloadStats:
         for step in sorted(set(self.steps)):
             keep = [k for k, s in enumerate(self.steps) if s == step]
             sub = {c: tuple(getattr(self, c)[k] for k in keep) for c in cols}
-            out.append(WorkloadStats(**sub, steps=(step,) * len(keep)))
+            groups = tuple(self.groups[k] for k in keep) if self.groups else ()
+            out.append(WorkloadStats(**sub, steps=(step,) * len(keep), groups=groups))
         return out
+
+    def group_spread(self, points: int = SPREAD_POINTS) -> tuple[float, ...]:
+        """How the GRPO groups' latencies spread below the slowest group's, as sorted quantiles.
+
+        A group is done when its slowest sample is; a sample's serial time is taken on the line
+        D * X_REF_S + S (its decode tokens at a typical iteration, plus its tool seconds). Each
+        group's time is divided by the slowest group's of the same step, and the fractions of every
+        step are pooled: `points` quantiles, the last one 1.0. Empty without group labels.
+        """
+        if not self.groups or self.is_empty:
+            return ()
+        serial = np.asarray(self.generated_tokens) * X_REF_S + np.asarray(self.tool_latency_s)
+        by_group: dict[int, float] = {}
+        step_of: dict[int, int] = {}
+        for k, g in enumerate(self.groups):
+            by_group[g] = max(by_group.get(g, 0.0), float(serial[k]))
+            step_of[g] = self.steps[k] if self.steps else 0
+        slowest: dict[int, float] = {}
+        for g, t in by_group.items():
+            slowest[step_of[g]] = max(slowest.get(step_of[g], 0.0), t)
+        frac = np.asarray(
+            [t / slowest[step_of[g]] if slowest[step_of[g]] > 0 else 1.0 for g, t in by_group.items()]
+        )
+        levels = np.arange(1, points + 1) / points
+        return tuple(float(v) for v in np.quantile(frac, levels))
 
     def step_groups(self, batch_size: int) -> np.ndarray:
         """Each trajectory's step in the history as 0..S-1, S <= MAX_STEP_GROUPS.
