@@ -108,6 +108,31 @@ def test_cli_outputs_and_determinism(small_yaml, tmp_path):
     for png in ("steps.png", "lengths.png"):
         assert (outs[0] / png).read_bytes()[:4] == b"\x89PNG"
     assert "static-uniform" in r.stdout and "tok/s" in r.stdout
+    assert "Ablation ladder" not in r.stdout  # one rung is no ladder
+
+
+def test_cli_prints_the_ladder_and_libras_ratios(small_yaml, tmp_path):
+    systems = "verl-colocated,static-uniform,ablation:planner,libra"
+    r = run_cli(
+        "simulate",
+        "--scenario",
+        str(small_yaml),
+        "--systems",
+        systems,
+        "--steps",
+        "2",
+        "--out",
+        str(tmp_path),
+    )
+    assert r.returncode == 0, r.stderr
+    s = json.loads((tmp_path / "summary.json").read_text())["systems"]
+    ladder = r.stdout[r.stdout.index("Ablation ladder") :]
+    rows = [line for line in ladder.splitlines() if line.startswith("│")]
+    assert [row.split("│")[1].strip() for row in rows] == ["static-uniform", "ablation:planner", "libra"]
+    step = s["libra"]["throughput_tokens_per_s"] / s["ablation:planner"]["throughput_tokens_per_s"] - 1
+    assert f"{100 * step:+.1f}%" in rows[2]
+    ratio = s["libra"]["throughput_tokens_per_s"] / s["verl-colocated"]["throughput_tokens_per_s"]
+    assert f"libra: {ratio:.2f}x verl-colocated" in r.stdout
 
 
 def test_replays_a_real_trace(shared_data, tmp_path):

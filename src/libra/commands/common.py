@@ -56,10 +56,11 @@ def _json_default(o: object):
     return str(o)
 
 
-def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> Table:
+def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]], left: int = 1) -> Table:
+    """A rich table: the first `left` columns (labels) left-justified, the rest (figures) right."""
     t = Table(title=title, title_justify="left")
     for i, c in enumerate(columns):
-        t.add_column(c, justify="left" if i == 0 else "right")
+        t.add_column(c, justify="left" if i < left else "right")
     for r in rows:
         t.add_row(*[fmt(v) for v in r])
     return t

@@ -59,6 +59,39 @@ def comparison_table(summary: dict):
     return table(title, ["system"] + [h for h, _ in cols], rows)
 
 
+def ladder_table(summary: dict):
+    """The ablation ladder's rungs present in `summary`, each against the one below; None if < 2."""
+    from libra.sim.planned import LADDER
+
+    systems = summary.get("systems", {})
+    rungs = [
+        (name, adds, systems[name]["throughput_tokens_per_s"]) for name, adds in LADDER if name in systems
+    ]
+    if len(rungs) < 2:
+        return None
+    rows, prev = [], None
+    for name, adds, tput in rungs:
+        step = "-" if prev is None else f"{100 * (tput / prev - 1):+.1f}%"
+        rows.append([name, adds, f"{tput:,.0f}", step])
+        prev = tput
+    cols = ["system", "adds", "tok/s", "vs rung below"]
+    return table("Ablation ladder (each rung adds one mechanism)", cols, rows, left=2)
+
+
+def libra_ratios(summary: dict) -> str | None:
+    """`libra`'s throughput over the baselines it is judged against, as one line."""
+    systems = summary.get("systems", {})
+    if "libra" not in systems:
+        return None
+    mine = systems["libra"]["throughput_tokens_per_s"]
+    parts = [
+        f"{mine / systems[b]['throughput_tokens_per_s']:.2f}x {b}"
+        for b in ("verl-colocated", "static-optimal", "static-uniform")
+        if b in systems and systems[b].get("throughput_tokens_per_s")
+    ]
+    return f"libra: {', '.join(parts)}" if parts else None
+
+
 @click.command()
 @click.option("--scenario", default=DEFAULT_SCENARIO, show_default=True, help="Scenario name or YAML path.")
 @click.option(
@@ -111,6 +144,11 @@ def simulate(scenario, trace_file, systems, steps, seed, out_dir, list_only, ove
         emit_json({k: v for k, v in result.items() if k != "per_step"})
         return
     console.print(comparison_table(result))
+    ladder, ratios = ladder_table(result), libra_ratios(result)
+    if ladder is not None:
+        console.print(ladder)
+    if ratios is not None:
+        console.print(ratios)
     compiled, why = native.status()
     err_console.print(
         f"simulated in {elapsed:.1f} s ({'compiled' if compiled else 'pure Python: ' + why}); "

@@ -41,6 +41,15 @@ from libra.sim.systems import SYSTEM_FAMILIES, SYSTEMS, InstanceSpec, Setup, Sys
 
 WINDOW_STEPS = 3  # finished steps the planner's statistics cover
 
+# The ablation ladder, bottom rung first: (system, the mechanism that rung adds).
+LADDER = (
+    ("static-uniform", "baseline: the scenario's split, one TP, least-loaded"),
+    ("ablation:planner", "+ global planner (split, parallelism, one TP), re-planned"),
+    ("ablation:hetero-tp", "+ heterogeneous TP buckets (least-loaded routing)"),
+    ("ablation:cmlfq", "+ C-MLFQ routing"),
+    ("libra", "+ elastic hybrid pool"),
+)
+
 
 def problem_of(sc: RLScenario, hw: HardwareSpec) -> PlanningProblem:
     cat = load_catalog()
