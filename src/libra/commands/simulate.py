@@ -60,20 +60,27 @@ def comparison_table(summary: dict):
 
 
 def ladder_table(summary: dict):
-    """The ablation ladder's rungs present in `summary`, each against the one below; None if < 2."""
+    """The ablation ladder's rungs present in `summary`, each against the one below; None if < 2.
+
+    A rung whose lower neighbour did not run is compared with the nearest lower rung that did, and
+    the cell names it, since the difference then spans more than one mechanism."""
     from libra.sim.planned import LADDER
 
     systems = summary.get("systems", {})
-    rungs = [
-        (name, adds, systems[name]["throughput_tokens_per_s"]) for name, adds in LADDER if name in systems
-    ]
-    if len(rungs) < 2:
-        return None
     rows, prev = [], None
-    for name, adds, tput in rungs:
-        step = "-" if prev is None else f"{100 * (tput / prev - 1):+.1f}%"
-        rows.append([name, adds, f"{tput:,.0f}", step])
-        prev = tput
+    for k, (name, adds) in enumerate(LADDER):
+        if name not in systems:
+            continue
+        tput = systems[name]["throughput_tokens_per_s"]
+        change = "-"
+        if prev is not None:
+            change = f"{100 * (tput / prev[1] - 1):+.1f}%"
+            if prev[0] != k - 1:
+                change += f" (vs {LADDER[prev[0]][0]})"
+        rows.append([name, adds, f"{tput:,.0f}", change])
+        prev = (k, tput)
+    if len(rows) < 2:
+        return None
     cols = ["system", "adds", "tok/s", "vs rung below"]
     return table("Ablation ladder (each rung adds one mechanism)", cols, rows, left=2)
 
