@@ -286,11 +286,23 @@ def test_elastic_pool_joins_when_training_is_slow(catalog):
     sim.train_cost.step = lambda par, lens: replace(
         real_step(par, lens), step_time_s=30 * real_step(par, lens).step_time_s
     )
-    sim.run()
+    res = sim.run()
     assert sim.pool.joins >= 1
+    assert res["elastic"]["hybrid_replicas"] == 1 and res["elastic"]["joins"] == sim.pool.joins
+    assert res["elastic"]["last_decision"]  # the controller's reason, e.g. "r=1.40: borrow 1"
     gpus = [r["train_gpus"] for r in sim.history]
     assert max(gpus) == gpus[0] + tp  # the ACTIVE replica trains as one more DP replica
     assert gpus.index(max(gpus)) >= 2  # not before the join's drain, fetch and restore
+
+
+def test_elastic_pool_without_replicas_says_so(catalog):
+    from libra.sim.pipeline import Batches
+
+    sc = parse_rl({**SMALL, "steps": 2}, catalog)
+    res = RLSim(sc, make_system("libra"), Batches(sc, 0), 2, 0).run()
+    assert res["elastic"] == {
+        "hybrid_replicas": 0, "joins": 0, "releases": 0, "last_decision": "the plan sets aside no hybrid replica",
+    }  # fmt: skip
 
 
 def _straggler_trace():

@@ -24,6 +24,9 @@ class ElasticPool:
         self.hosts = self._choose_hosts()
         self.replicas = [r for r in self.replicas if r.id in self.hosts]
         self.joins = self.releases = 0
+        self.last_reason = (
+            "no step has ended yet" if self.replicas else "the plan sets aside no hybrid replica"
+        )
 
     def _choose_hosts(self) -> dict[str, list[str]]:
         """Whole replicas on whole engines of one node: largest TP first, one node per replica."""
@@ -40,6 +43,15 @@ class ElasticPool:
                     break
         return hosts
 
+    def summary(self) -> dict:
+        """What `summary.json` reports: the pool's size, its moves, and why it last did what it did."""
+        return {
+            "hybrid_replicas": len(self.replicas),
+            "joins": self.joins,
+            "releases": self.releases,
+            "last_decision": self.last_reason,
+        }
+
     @property
     def active(self) -> int:
         return sum(1 for r in self.replicas if r.contributes_gradients)
@@ -55,6 +67,7 @@ class ElasticPool:
         roll = setup.rollout_gpus - self.lent_gpus()
         sig = ElasticSignals(t_train, t_rollout, pressure, setup.train.dp, roll, self.sim.prompts_per_step)
         dec = self.ctrl.decide(sig, self.replicas)
+        self.last_reason = dec.reason
         for j in dec.joins:
             self._join(self._by_id(j.replica))
         for rel in dec.releases:

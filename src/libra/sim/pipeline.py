@@ -334,8 +334,9 @@ class RLSim:
         self.setup, self.driver = new, self._build_driver(new, keep)
         self.next_batch_delay += new.reconfig_s
         self.replans += 1
-        if self.pool is not None:
-            self.pool = self._make_pool()
+        if self.pool is not None:  # the new layout's hybrid replicas; the counts run on
+            old, self.pool = self.pool, self._make_pool()
+            self.pool.joins, self.pool.releases = old.joins, old.releases
 
     # ---- metrics ------------------------------------------------------------------------------
 
@@ -364,7 +365,7 @@ class RLSim:
             "replans": self.replans,
             "mean_staleness": float(np.mean([x for r in h for x in r["staleness"]])),
             "max_staleness": max(x for r in h for x in r["staleness"]),
-            **({"elastic": {"joins": self.pool.joins, "releases": self.pool.releases}} if self.pool else {}),
+            **({"elastic": self.pool.summary()} if self.pool else {}),
             **({"routing": self.routing.as_dict(rollout_tokens)} if self.bucketed else {}),
         }
 
