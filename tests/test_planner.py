@@ -228,7 +228,7 @@ def test_plan_is_feasible_and_priced_consistently(problem, stats, libra_plan):
     again = GlobalPlanner(problem).evaluate(libra_plan, stats)
     assert again.step_time_s == pytest.approx(libra_plan.step_time_s, rel=1e-9)
     p = libra_plan
-    assert p.group_spread == stats.group_spread() and p.group_spread[-1] == 1.0
+    assert p.group_spread == stats.group_spread() and p.group_spread[-1][0] == 1.0
     assert p.step_time_s == pipeline_period(
         p.t_train_s, p.t_rollout_s, p.rollout_work_s, p.staleness, p.group_spread
     )
@@ -245,28 +245,35 @@ def test_pipeline_period():
 # ---- completion order: training takes the first groups to finish ---------------------------------
 
 
-def _balance(x: float, t_train: float, t_rollout: float, spread: list[float], k: int) -> float:
+def _balance(x: float, t_train: float, t_rollout: float, spread, k: int, work: float = 0.0) -> float:
     """Later batches' finished groups minus earlier batches' stragglers at wait x (the docstring's
     equation, written out again here independently of the bisection)."""
+    done_at = [max(lat * t_rollout, shared * work) for lat, shared in spread]
+    last = max(done_at)
 
     def done(t: float) -> float:
-        return sum(1 for q in spread if q * t_rollout <= t) / len(spread)
+        return sum(1 for d in done_at if d <= t) / len(done_at)
 
     period = max(t_train, (x + t_train) / (k + 1))
     ahead = sum(done(x - i * period) for i in range(1, k + 1))
-    behind = sum(1 - done(x + i * period) for i in range(0, 1000) if x + i * period < t_rollout)
+    behind = sum(1 - done(x + i * period) for i in range(0, 1000) if x + i * period < last)
     return ahead - behind
+
+
+def _latency_only(fracs: list[float]) -> list[tuple[float, float]]:
+    return [(f, 0.0) for f in fracs]
 
 
 def test_completion_wait_alike_groups_wait_for_the_slowest():
     # Every group within 10% of the slowest: no group of the next batch finishes first.
-    assert completion_wait(60.0, 300.0, [0.9] * 60 + [1.0] * 4) == 300.0
-    assert completion_wait(60.0, 300.0, [0.1] * 63 + [1.0], staleness=0) == 300.0  # nothing overlaps
+    assert completion_wait(60.0, 300.0, _latency_only([0.9] * 60 + [1.0] * 4)) == 300.0
+    # No overlap at staleness 0: the step waits for its whole batch.
+    assert completion_wait(60.0, 300.0, _latency_only([0.1] * 63 + [1.0]), staleness=0) == 300.0
 
 
 def test_completion_wait_few_slow_groups():
     # Half the groups take a fifth of the slowest's time, most of the rest half of it.
-    spread = [0.2] * 32 + [0.5] * 28 + [1.0] * 4
+    spread = _latency_only([0.2] * 32 + [0.5] * 28 + [1.0] * 4)
     x = completion_wait(60.0, 300.0, spread)
     assert x == pytest.approx(180.0, abs=1e-6)  # batch k+1's fast half is done by then
     assert _balance(x, 60.0, 300.0, spread, 1) >= 0 > _balance(x - 1.0, 60.0, 300.0, spread, 1)
@@ -274,35 +281,68 @@ def test_completion_wait_few_slow_groups():
     assert pipeline_period(60.0, 300.0, 0.0, 1) == 180.0  # waiting for the batch: (300 + 60) / 2
 
 
+def test_completion_wait_full_engines_finish_groups_late():
+    # The same latencies, but the engines are the bottleneck (work 280 of 300 s) and most groups
+    # have had nearly all their share of it by the time they finish: they finish late, and the wait
+    # grows towards the batch's.
+    spread = [(0.2, 0.9)] * 32 + [(0.5, 0.95)] * 28 + [(1.0, 1.0)] * 4
+    light = completion_wait(60.0, 300.0, spread, work=0.0)
+    full = completion_wait(60.0, 300.0, spread, work=280.0)
+    assert light == pytest.approx(180.0, abs=1e-6) and full > 250.0
+    assert (
+        _balance(full, 60.0, 300.0, spread, 1, 280.0)
+        >= 0
+        > _balance(full - 1.0, 60.0, 300.0, spread, 1, 280.0)
+    )
+
+
 @given(
     t_train=st.floats(1.0, 500.0),
     t_rollout=st.floats(1.0, 2000.0),
+    work_share=st.floats(0.0, 1.0),
     k=st.integers(1, 4),
-    fracs=st.lists(st.floats(0.01, 1.0), min_size=1, max_size=64),
+    groups=st.lists(st.tuples(st.floats(0.01, 1.0), st.floats(0.01, 1.0)), min_size=1, max_size=64),
 )
 @settings(max_examples=150, deadline=None)
-def test_completion_wait_solves_its_equation_and_never_exceeds_the_batch(t_train, t_rollout, k, fracs):
-    spread = sorted(fracs) + [1.0]
-    x = completion_wait(t_train, t_rollout, spread, k)
+def test_completion_wait_solves_its_equation_and_never_exceeds_the_batch(
+    t_train, t_rollout, work_share, k, groups
+):
+    spread = [*groups, (1.0, 1.0)]
+    work = work_share * t_rollout  # the work bound never exceeds the makespan
+    x = completion_wait(t_train, t_rollout, spread, k, work)
     assert 0 < x <= t_rollout
-    assert _balance(x, t_train, t_rollout, spread, k) >= 0
+    assert _balance(x, t_train, t_rollout, spread, k, work) >= 0
     below = x - 1e-8 * t_rollout  # bisection stops within 1e-9 of T_rollout; balance grows with x
     if below > 0:
-        assert _balance(below, t_train, t_rollout, spread, k) < 0
-    assert pipeline_period(t_train, t_rollout, 0.0, k, spread) <= pipeline_period(t_train, t_rollout, 0.0, k)
+        assert _balance(below, t_train, t_rollout, spread, k, work) < 0
+    assert pipeline_period(t_train, t_rollout, work, k, spread) <= pipeline_period(
+        t_train, t_rollout, work, k
+    )
 
 
 def test_group_spread_from_trajectories():
     trajs = synthetic(256, 5) + synthetic(256, 6, step=1)
     s = WorkloadStats.from_trajectories(trajs)
     spread = s.group_spread()
-    assert len(spread) == 64 and spread == tuple(sorted(spread)) and spread[-1] == 1.0 and spread[0] > 0
+    assert len(spread) == 64  # 32 groups per step, pooled
+    lat = [a for a, _ in spread]
+    assert lat == sorted(lat) and lat[-1] == 1.0 and lat[0] > 0
+    assert all(0 < b <= 1 for _, b in spread) and max(b for _, b in spread) == 1.0
     # Each step's groups are scaled by that step's slowest group, then pooled.
     parts = s.by_step()
     assert [len(set(part.groups)) for part in parts] == [32, 32]
-    assert all(part.group_spread()[-1] == 1.0 for part in parts)
+    assert all(part.group_spread()[-1][0] == 1.0 for part in parts)
+    assert len(s.group_spread(points=10)) == 10  # evenly spaced in latency order
     # A histogram knows no groups: the planner then waits for the batch.
     assert WorkloadStats.from_histogram([0, 1000, 4000], [10, 5]).group_spread() == ()
+
+
+def test_group_spread_shared_fraction_is_processor_sharing():
+    # Two groups of one sample each: 100 and 300 decode tokens, no tools. Sharing the engines, the
+    # short one is done when each has had 100 tokens (200 of 400), the long one at the end.
+    trajs = [Trajectory("a", "p0", 0, 10, [Turn(100)]), Trajectory("b", "p1", 0, 10, [Turn(300)])]
+    spread = WorkloadStats.from_trajectories(trajs).group_spread()
+    assert spread == ((pytest.approx(1 / 3), pytest.approx(0.5)), (1.0, 1.0))
 
 
 def test_consume_batch_prices_the_batch(catalog, stats):

@@ -53,9 +53,9 @@ class Plan:
     planner: str = ""
     rollout_work_s: float = 0.0  # the busiest bucket's engine time per batch: a throughput floor
     staleness: int = 1
-    # The groups' latencies over the slowest's (`WorkloadStats.group_spread`) when each step trains
-    # the first groups to finish; empty when each step trains its own batch.
-    group_spread: tuple[float, ...] = ()
+    # When each group is done (`WorkloadStats.group_spread`) if each step trains the first groups to
+    # finish; empty when each step trains its own batch.
+    group_spread: tuple[tuple[float, float], ...] = ()
 
     @property
     def step_time_s(self) -> float:
@@ -66,7 +66,9 @@ class Plan:
     @property
     def rollout_wait_s(self) -> float:
         """From a batch's start until its step can train: T_rollout, or `completion_wait`."""
-        return completion_wait(self.t_train_s, self.t_rollout_s, self.group_spread, self.staleness)
+        return completion_wait(
+            self.t_train_s, self.t_rollout_s, self.group_spread, self.staleness, self.rollout_work_s
+        )
 
     @property
     def idle_gpus(self) -> int:
@@ -111,7 +113,11 @@ class Plan:
 
 
 def pipeline_period(
-    t_train: float, t_rollout: float, work: float = 0.0, staleness: int = 1, spread: Sequence[float] = ()
+    t_train: float,
+    t_rollout: float,
+    work: float = 0.0,
+    staleness: int = 1,
+    spread: Sequence[tuple[float, float]] = (),
 ) -> float:
     """Seconds per step of the asynchronous pipeline in steady state.
 
@@ -127,45 +133,56 @@ def pipeline_period(
     `spread` (`WorkloadStats.group_spread`) each step trains the first groups to finish, whatever
     their batch, and the wait is `completion_wait`: usually well short of the slowest group.
     """
-    wait = completion_wait(t_train, t_rollout, spread, staleness) if spread else t_rollout
+    wait = completion_wait(t_train, t_rollout, spread, staleness, work) if spread else t_rollout
     return max(t_train, (wait + t_train) / (staleness + 1), work)
 
 
-def completion_wait(t_train: float, t_rollout: float, spread: Sequence[float], staleness: int = 1) -> float:
+def completion_wait(
+    t_train: float,
+    t_rollout: float,
+    spread: Sequence[tuple[float, float]],
+    staleness: int = 1,
+    work: float = 0.0,
+) -> float:
     """Seconds from a batch's start until enough groups are done to train its step, in steady state.
 
     Training step k takes the first groups to finish (as many as a batch has) among those not
     trained yet. A group of the batch started i periods earlier is done by then with probability
     F(x + i P), and one of a batch started i periods later with F(x - i P), where x is this wait,
-    P = (x + T_train) / (s + 1) the period, and F the groups' latency distribution: `spread` (sorted
-    fractions of the slowest group's latency) scaled by T_rollout. The steps before k trained as
-    many groups as their batches held, so step k can start when the later batches' finished groups
-    make up for the earlier batches' stragglers:
+    P = (x + T_train) / (s + 1) the period, and F the groups' completion-time distribution. The
+    steps before k trained as many groups as their batches held, so step k can start when the later
+    batches' finished groups make up for the earlier batches' stragglers:
 
         sum_{i=1..s} F(x - i P) = sum_{i>=0} (1 - F(x + i P))
 
-    The left side grows with x and the right side shrinks, so bisection finds x in (0, T_rollout].
-    When the groups are alike (Search-R1) no later group finishes first and x = T_rollout; when a
-    few groups are far slower than the rest (R2E-Gym) x is a fraction of it.
+    The left side grows with x and the right side shrinks, so bisection finds x. A group's
+    completion time is the later of its latency fraction x T_rollout and its shared-pool fraction
+    x `work` (`WorkloadStats.group_spread`): where the engines have room, groups finish as their
+    own latency allows and a few slow groups trail far behind the rest; where the engines are the
+    bottleneck, every group waits its turn and most finish near the end. When the groups are alike
+    (Search-R1), no later group finishes first and x is the slowest group's time.
     """
     if t_rollout <= 0 or not spread or staleness < 1:
         return t_rollout
-    q, n = spread, len(spread)
+    done_at = sorted(max(lat * t_rollout, shared * work) for lat, shared in spread)
+    last, n = done_at[-1], len(done_at)
+    if last <= 0:
+        return t_rollout
 
     def done(t: float) -> float:  # F(t): the share of a batch's groups done t seconds after it began
-        return bisect_right(q, t / t_rollout) / n
+        return bisect_right(done_at, t) / n
 
     def balance(x: float) -> float:
-        period = max(t_train, (x + t_train) / (staleness + 1), t_rollout / 1000)
+        period = max(t_train, (x + t_train) / (staleness + 1), last / 1000)
         ahead = sum(done(x - i * period) for i in range(1, staleness + 1))
         behind, t = 0.0, x
-        while t < t_rollout:
+        while t < last:
             behind += 1.0 - done(t)
             t += period
         return ahead - behind
 
-    lo, hi = 0.0, t_rollout
-    for _ in range(30):  # to within 1e-9 of T_rollout
+    lo, hi = 0.0, last
+    for _ in range(30):  # to within 1e-9 of the slowest group
         mid = (lo + hi) / 2
         lo, hi = (lo, mid) if balance(mid) >= 0 else (mid, hi)
     return hi

@@ -107,9 +107,11 @@ class GlobalPlanner:
         bound = self.selector.context_bound(stats.max_final)
         lengths = stats.batch_lengths(self.problem.batch_size)
         trains = self._train_frontier(lengths, bound)
-        layout, spread = self._layout(stats), self.spread(stats)
-        ranked = sorted(trains.values(), key=lambda c: self._score(c, layout, stats, spread))
-        finals = [self._build(c, layout, stats, bound, spread) for c in ranked[:FINALISTS]]
+        spread, finals = self.spread(stats), []
+        for name in self.finalist_layouts():
+            layout = self._layout(stats, name)
+            ranked = sorted(trains.values(), key=lambda c: self._score(c, layout, stats, spread))
+            finals += [self._build(c, layout, stats, bound, spread) for c in ranked[:FINALISTS]]
         # Belt and braces: every constraint is re-derived from the cost models before a plan leaves.
         finals = [
             p for p in finals if p is not None and not check_plan(p, self.problem, self.config.min_concurrent)
@@ -134,23 +136,38 @@ class GlobalPlanner:
             )
         return frontier(best)
 
-    def _layout(self, stats: WorkloadStats):
-        key = (stats.final_tokens, stats.generated_tokens, stats.tool_latency_s, stats.steps)
+    def finalist_layouts(self) -> tuple[str, ...]:
+        """The layout strategies whose best splits are priced in full; the shortest step wins.
+
+        The bucket DP ranks layouts by their makespan, which is what a step waits for when it
+        trains its own batch. When it trains the first groups to finish, the step also depends on
+        how the groups' completions spread, which a split by length changes (short groups on
+        small-TP engines) and the DP cannot see. So the heterogeneous planner also prices the best
+        single-TP layouts and keeps one when it predicts the shorter step: one bucket is a layout
+        like any other.
+        """
+        return (self.layout,) if self.layout == "homogeneous" else (self.layout, "homogeneous")
+
+    def _layout(self, stats: WorkloadStats, name: str | None = None):
+        name = name or self.layout
+        key = (name, stats.final_tokens, stats.generated_tokens, stats.tool_latency_s, stats.steps)
         if not self.config.memoise or key not in self._layouts:
-            self._layouts = {key: LAYOUTS[self.layout](self.tables, self.problem, stats, self.config)}
+            if len(self._layouts) >= 2 * len(LAYOUTS):
+                self._layouts.clear()
+            self._layouts[key] = LAYOUTS[name](self.tables, self.problem, stats, self.config)
         return self._layouts[key]
 
-    def spread(self, stats: WorkloadStats) -> tuple[float, ...]:
+    def spread(self, stats: WorkloadStats) -> tuple[tuple[float, float], ...]:
         """The groups' latency spread the step time is priced with: empty when each step waits
         for its own batch (`consume: batch`), so the wait is the batch's makespan."""
         return stats.group_spread() if self.problem.consume == "completion" else ()
 
     def _score(
-        self, c: TrainChoice, layout, stats: WorkloadStats, spread: tuple[float, ...]
+        self, c: TrainChoice, layout, stats: WorkloadStats, spread: tuple[tuple[float, float], ...]
     ) -> tuple[float, float]:
         rollout_gpus = self.problem.gpus - c.par.gpus
         if not self.config.memoise:  # the no-memo baseline: solve each split's rollout side afresh
-            layout = LAYOUTS[self.layout](self.tables, self.problem, stats, self.config)
+            layout = type(layout)(self.tables, self.problem, stats, self.config)
         t_roll = layout.best(rollout_gpus)
         return (pipeline_period(c.time_s, t_roll, 0.0, self.problem.staleness, spread), c.time_s + t_roll)
 
@@ -160,7 +177,7 @@ class GlobalPlanner:
         layout,
         stats: WorkloadStats,
         bound: int,
-        spread: tuple[float, ...] | None = None,
+        spread: tuple[tuple[float, float], ...] | None = None,
     ) -> Plan | None:
         gpus = self.problem.gpus - c.par.gpus
         try:

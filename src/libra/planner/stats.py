@@ -26,7 +26,7 @@ import numpy as np
 from libra.core.errors import ConfigError
 from libra.core.trajectory import Trajectory
 
-SPREAD_POINTS = 64  # quantiles kept by `WorkloadStats.group_spread`
+SPREAD_POINTS = 256  # groups kept by `WorkloadStats.group_spread`
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,30 +180,45 @@ class WorkloadStats:
             out.append(WorkloadStats(**sub, steps=(step,) * len(keep), groups=groups))
         return out
 
-    def group_spread(self, points: int = SPREAD_POINTS) -> tuple[float, ...]:
-        """How the GRPO groups' latencies spread below the slowest group's, as sorted quantiles.
+    def group_spread(self, points: int = SPREAD_POINTS) -> tuple[tuple[float, float], ...]:
+        """When each GRPO group is done, relative to its step, in the two regimes a rollout spans.
 
-        A group is done when its slowest sample is; a sample's serial time is taken on the line
-        D * X_REF_S + S (its decode tokens at a typical iteration, plus its tool seconds). Each
-        group's time is divided by the slowest group's of the same step, and the fractions of every
-        step are pooled: `points` quantiles, the last one 1.0. Empty without group labels.
+        A group is done when its slowest sample is. Per group, two fractions in (0, 1]:
+        - latency: the slowest sample's serial time on the line D * X_REF_S + S (decode tokens at
+          a typical iteration, plus tool seconds) over the slowest group's of the same step. This
+          is when it finishes where the engines have room (latency-bound);
+        - shared: the share of its step's decode tokens served by the time its slowest sample is
+          done, when the engines are full and share their iterations (processor sharing: a sample
+          of D tokens is done once every sample has had min(D, its own) tokens). This is when it
+          finishes where the engines are the bottleneck (capacity-bound).
+
+        `plan.completion_wait` scales the first by T_rollout and the second by the work bound.
+        At most `points` groups are kept, evenly spaced in latency order. Empty without group
+        labels.
         """
         if not self.groups or self.is_empty:
             return ()
-        serial = np.asarray(self.generated_tokens) * X_REF_S + np.asarray(self.tool_latency_s)
-        by_group: dict[int, float] = {}
-        step_of: dict[int, int] = {}
-        for k, g in enumerate(self.groups):
-            by_group[g] = max(by_group.get(g, 0.0), float(serial[k]))
-            step_of[g] = self.steps[k] if self.steps else 0
-        slowest: dict[int, float] = {}
-        for g, t in by_group.items():
-            slowest[step_of[g]] = max(slowest.get(step_of[g], 0.0), t)
-        frac = np.asarray(
-            [t / slowest[step_of[g]] if slowest[step_of[g]] > 0 else 1.0 for g, t in by_group.items()]
-        )
-        levels = np.arange(1, points + 1) / points
-        return tuple(float(v) for v in np.quantile(frac, levels))
+        gen = np.asarray(self.generated_tokens, dtype=np.float64)
+        serial = gen * X_REF_S + np.asarray(self.tool_latency_s, dtype=np.float64)
+        steps = np.asarray(self.steps) if self.steps else np.zeros(self.size, dtype=np.int64)
+        groups = np.asarray(self.groups)
+        lat, shared = np.zeros(self.size), np.zeros(self.size)
+        for step in np.unique(steps):
+            m = steps == step
+            lat[m] = serial[m] / max(serial[m].max(), 1e-12)
+            srt = np.sort(gen[m])
+            cum = np.concatenate(([0.0], np.cumsum(srt)))
+            k = np.searchsorted(srt, gen[m], side="right")
+            shared[m] = (cum[k] + gen[m] * (len(srt) - k)) / max(cum[-1], 1e-12)
+        _, g = np.unique(groups, return_inverse=True)
+        n = int(g.max()) + 1
+        lat_g, shared_g = np.zeros(n), np.zeros(n)
+        np.maximum.at(lat_g, g, lat)
+        np.maximum.at(shared_g, g, shared)
+        order = np.argsort(lat_g, kind="stable")
+        if n > points:
+            order = order[np.linspace(0, n - 1, points).round().astype(np.int64)]
+        return tuple((float(lat_g[i]), float(shared_g[i])) for i in order)
 
     def step_groups(self, batch_size: int) -> np.ndarray:
         """Each trajectory's step in the history as 0..S-1, S <= MAX_STEP_GROUPS.
