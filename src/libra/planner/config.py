@@ -43,8 +43,9 @@ class PlannerConfig(BaseModel):
     # tail and make the bucket's latency floor meaningless.
     min_concurrent: int = Field(4, ge=1, description="Sequences at max context a bucket's KV must hold")
     # The rollout estimate's tail: once the bulk of a bucket's work is done, stragglers run with this
-    # fraction of the full batch. Calibrated against the simulator (docs/planner.md, "Accuracy").
-    tail_fraction: float = Field(0.25, gt=0, le=1)
+    # fraction of the full batch. Calibrated against the simulator's steady-state steps, where the
+    # next batch keeps the engines about half full (docs/planner.md, "Measured figures").
+    tail_fraction: float = Field(0.5, gt=0, le=1)
     # The share of the KV cache a bucket's trajectories per engine may fill, each charged its final
     # context. Past it engines preempt and recompute, and the estimate grows with the fourth power
     # of the overload (see rollout_dp.EngineTables.range_cost).

@@ -13,7 +13,7 @@
   tool time, most D * 30 ms + S; see `stats.champions`) and takes the largest. The batch drains as
   the bulk finishes: while the work bound W lasts the straggler runs at the full batch (serial
   time F), after it at `tail_fraction` of the batch (serial time F'), so the floor is
-  W + (1 - W / F) * F' when F > W. `PlannerConfig.tail_fraction` (0.25) is calibrated against the
+  W + (1 - W / F) * F' when F > W. `PlannerConfig.tail_fraction` (0.5) is calibrated against the
   simulator; docs/planner.md gives the error table and the command that measures it.
 Iteration times come from `RolloutCostModel.step_time` itself: a decode step is exactly
 A(batch) + K * (summed context), so A is tabulated per batch size and K read off once, which lets
@@ -52,7 +52,7 @@ class EngineTables:
     __slots__ = ("tps", "kvcap", "A", "K", "_pf_grid", "_pf", "max_num_seqs", "tail_fraction", "kv_headroom")
 
     def __init__(
-        self, problem: PlanningProblem, tps: list[int], tail_fraction: float = 0.25, kv_headroom: float = 0.75
+        self, problem: PlanningProblem, tps: list[int], tail_fraction: float = 0.5, kv_headroom: float = 0.75
     ):
         self.tail_fraction, self.kv_headroom = tail_fraction, kv_headroom
         self.tps = np.asarray([t for t in tps if problem.tp_allowed(t)], dtype=np.int64)
@@ -381,10 +381,12 @@ def bucket_shape_ok(
     - A max context at least `min_ratio` x the previous bucket's: a router sees a trajectory's
       length grow and predicts its final length only to within a spread, so boundaries close
       together make it migrate between buckets it cannot tell apart (C-MLFQ on search-r1 moved
-      0.71 of its tokens between boundaries 1K apart; docs/planner.md, "Bucket shape").
+      0.71 of its tokens between boundaries 1K apart; docs/planner.md, "Bucket shape"). The last
+      bucket is exempt: its max context is the length limit, not a boundary a router decides on.
     """
     lower = np.where(jj > 0, bins.final_max[np.maximum(jj - 1, 0)], 0.0)
-    return (ii - jj >= min(min_bins, len(bins))) & (r.max_context >= min_ratio * lower)
+    wide = (r.max_context >= min_ratio * lower) | (ii == len(bins))
+    return (ii - jj >= min(min_bins, len(bins))) & wide
 
 
 def fit_boundaries(
