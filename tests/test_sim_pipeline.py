@@ -134,6 +134,9 @@ def test_cli_prints_the_ladder_and_libras_ratios(small_yaml, tmp_path):
     assert "(vs" not in rows[1]  # static-uniform is ablation:planner's own lower rung
     ratio = s["libra"]["throughput_tokens_per_s"] / s["verl-colocated"]["throughput_tokens_per_s"]
     assert f"libra: {ratio:.2f}x verl-colocated" in r.stdout
+    pool = s["libra"]["elastic"]
+    assert f"libra's hybrid pool: {pool['hybrid_replicas']} replicas, {pool['joins']} joins" in r.stdout
+    assert ("nothing was routed" in r.stdout) == ("routing" not in s["libra"])
 
 
 def test_replays_a_real_trace(shared_data, tmp_path):

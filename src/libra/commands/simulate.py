@@ -99,6 +99,27 @@ def libra_ratios(summary: dict) -> str | None:
     return f"libra: {', '.join(parts)}" if parts else None
 
 
+# Rungs whose mechanism needs more than one bucket; the planner may choose one.
+ROUTED_RUNGS = ("ablation:hetero-tp", "ablation:cmlfq", "libra")
+
+
+def ladder_notes(summary: dict) -> list[str]:
+    """Why a rung may add nothing: the planner chose one bucket, or the pool lent nothing."""
+    systems, notes = summary.get("systems", {}), []
+    single = [n for n in ROUTED_RUNGS if n in systems and "routing" not in systems[n]]
+    if single:
+        notes.append(
+            f"{', '.join(single)}: the planner chose one bucket (it predicted no split by length would be faster), so nothing was routed"
+        )
+    pool = systems.get("libra", {}).get("elastic")
+    if pool:
+        notes.append(
+            f"libra's hybrid pool: {pool['hybrid_replicas']} replicas, {pool['joins']} joins, "
+            f"{pool['releases']} releases; last decision: {pool['last_decision']}"
+        )
+    return notes
+
+
 @click.command()
 @click.option("--scenario", default=DEFAULT_SCENARIO, show_default=True, help="Scenario name or YAML path.")
 @click.option(
@@ -154,8 +175,10 @@ def simulate(scenario, trace_file, systems, steps, seed, out_dir, list_only, ove
     ladder, ratios = ladder_table(result), libra_ratios(result)
     if ladder is not None:
         console.print(ladder)
+        for note in ladder_notes(result):
+            console.print(note, soft_wrap=True)
     if ratios is not None:
-        console.print(ratios)
+        console.print(ratios, soft_wrap=True)
     compiled, why = native.status()
     err_console.print(
         f"simulated in {elapsed:.1f} s ({'compiled' if compiled else 'pure Python: ' + why}); "
