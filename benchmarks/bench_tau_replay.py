@@ -17,8 +17,6 @@ Run: .venv/bin/python benchmarks/bench_tau_replay.py [--orderings 6]
 from __future__ import annotations
 
 import argparse
-import json
-import random
 import sys
 import tempfile
 from pathlib import Path
@@ -27,6 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import report  # noqa: E402
 from libra.core.config import apply_overrides  # noqa: E402
+from libra.core.errors import LibraError  # noqa: E402
+from libra.core.trace import deal_prompts, read_trace, write_trace  # noqa: E402
+from libra.core.trajectory import Trajectory  # noqa: E402
 from libra.sim.pipeline import run  # noqa: E402
 from libra.sim.scenarios import load_scenario  # noqa: E402
 
@@ -38,19 +39,8 @@ BUCKETS = (
 )
 
 
-def reordered(rows: list[dict], seed: int) -> list[dict]:
-    """The trace with its tasks dealt to its steps in a random order (seed 0: the trace's own)."""
-    if seed == 0:
-        return rows
-    tasks = sorted({r["prompt_id"] for r in rows})
-    n_steps = len({r["step"] for r in rows})
-    random.Random(seed).shuffle(tasks)
-    step = {p: i * n_steps // len(tasks) for i, p in enumerate(tasks)}
-    return sorted(({**r, "step": step[r["prompt_id"]]} for r in rows), key=lambda r: r["step"])
-
-
-def replay(rows: list[dict], path: Path) -> dict[str, dict]:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+def replay(trajs: list[Trajectory], path: Path) -> dict[str, dict]:
+    write_trace(trajs, path)
     scenario = apply_overrides(load_scenario("libra-searchr1-48gpu"), [BUCKETS])
     systems = [f"router:{r}" for r in ROUTERS]
     out = run(scenario, systems, None, 0, None, lambda *a: None, trace=str(path))["systems"]
@@ -83,10 +73,14 @@ def main() -> None:
         ap.error(f"--orderings must be an integer >= 1, got {args.orderings}")
     if not args.trace.is_file():
         ap.error(f"--trace: no such file {args.trace}")
-    rows = [json.loads(line) for line in args.trace.read_text().splitlines() if line.strip()]
+    try:
+        trajs = read_trace(args.trace)
+    except LibraError as e:  # a malformed line: FILE:LINE: field ...
+        ap.error(f"--trace: {e}")
     with tempfile.TemporaryDirectory() as tmp:
         runs = [
-            replay(reordered(rows, seed), Path(tmp) / f"order{seed}.jsonl") for seed in range(args.orderings)
+            replay(deal_prompts(trajs, seed), Path(tmp) / f"order{seed}.jsonl")
+            for seed in range(args.orderings)
         ]
     report("tau_replay", {"orderings": args.orderings, **summarise(runs)})
 

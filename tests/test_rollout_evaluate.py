@@ -9,12 +9,9 @@
 
 from __future__ import annotations
 
-import copy
-import random
-
 import pytest
 
-from libra.core.trace import read_trace
+from libra.core.trace import deal_prompts, read_trace
 from libra.core.trajectory import ToolStatus, Trajectory, Turn
 from libra.rollout.base import Bucket, FinishedTrajectory
 from libra.rollout.evaluate import Evaluator, evaluate
@@ -96,21 +93,6 @@ def test_interleaved_order_finishes_short_siblings_first():
 TAU_BUCKETS = [Bucket("short", 1, 4096), Bucket("medium", 2, 6144), Bucket("long", 4, 16384)]
 
 
-def _with_steps(trajs: list[Trajectory], seed: int) -> list[Trajectory]:
-    """The same trajectories with tasks dealt to the 5 steps in another random order."""
-    if seed == 0:
-        return trajs
-    tasks = sorted({t.prompt_id for t in trajs})
-    random.Random(seed).shuffle(tasks)
-    step = {p: i * 5 // len(tasks) for i, p in enumerate(tasks)}
-    out = []
-    for t in trajs:
-        t2 = copy.copy(t)
-        t2.step = step[t.prompt_id]
-        out.append(t2)
-    return out
-
-
 @pytest.fixture(scope="module")
 def tau(shared_data):
     return read_trace(shared_data / "trajectories" / "tau-bench-airline.jsonl")
@@ -124,7 +106,7 @@ def tau_scores(tau):
     the claims are made on the mean and checked on every ordering."""
     out: dict[str, list[float]] = {"cmlfq": [], "context-prior": [], "classic-mlfq": []}
     for seed in range(6):
-        trajs = _with_steps(tau, seed)
+        trajs = deal_prompts(tau, seed)
         for name in out:
             res = evaluate(make_router(name, TAU_BUCKETS), trajs, TAU_BUCKETS, order="interleaved")
             out[name].append(res.accuracy)

@@ -99,14 +99,12 @@ def libra_ratios(summary: dict) -> str | None:
     return f"libra: {', '.join(parts)}" if parts else None
 
 
-# Rungs whose mechanism needs more than one bucket; the planner may choose one.
-ROUTED_RUNGS = ("ablation:hetero-tp", "ablation:cmlfq", "libra")
-
-
 def ladder_notes(summary: dict) -> list[str]:
     """Why a rung may add nothing: the planner chose one bucket, or the pool lent nothing."""
+    from libra.sim.planned import BUCKETED, LADDER
+
     systems, notes = summary.get("systems", {}), []
-    single = [n for n in ROUTED_RUNGS if n in systems and "routing" not in systems[n]]
+    single = [n for n, _ in LADDER if n in BUCKETED and n in systems and "routing" not in systems[n]]
     if single:
         notes.append(
             f"{', '.join(single)}: the planner chose one bucket (it predicted no split by length would be faster), so nothing was routed"

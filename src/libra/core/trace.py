@@ -9,7 +9,9 @@ traces from that simulator replay unchanged.
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 from libra.core.errors import TraceError
@@ -137,3 +139,16 @@ def write_trace(trajs: list[Trajectory], path: str | Path) -> None:
     with Path(path).open("w", encoding="utf-8") as fh:
         for t in trajs:
             fh.write(json.dumps(t.to_dict(), separators=(",", ":")) + "\n")
+
+
+def deal_prompts(trajs: list[Trajectory], seed: int) -> list[Trajectory]:
+    """The same trajectories with their prompts dealt to the trace's steps in another random order
+    (seed 0: the trace's own order). A small trace's figures depend on which prompts share a step,
+    so evaluations report the mean over several deals."""
+    if seed == 0:
+        return trajs
+    prompts = sorted({t.prompt_id for t in trajs})
+    n_steps = len({t.step for t in trajs})
+    random.Random(seed).shuffle(prompts)
+    step = {p: i * n_steps // len(prompts) for i, p in enumerate(prompts)}
+    return [replace(t, step=step[t.prompt_id]) for t in trajs]

@@ -141,6 +141,8 @@ PLANNED = [
     _system("libra", "libra", "cmlfq", replan=True, elastic=True),
 ]
 SYSTEMS.update({cls.name: cls for cls in PLANNED})
+# The planned systems whose planner may split the rollout into buckets by length (and may not).
+BUCKETED = tuple(cls.name for cls in PLANNED if cls.planner == "libra")
 
 
 def planned_with(router: str) -> PlannedSystem:
