@@ -57,7 +57,10 @@ class PlanDecision:
         return self.candidate if self.verdict.apply or self.current is None else self.current
 
 
-PLAN_MEMO = 16  # searches remembered per planner (a window of recent statistics each)
+# Searches remembered per planner, least recently used out first. A window of statistics each;
+# 128 covers every re-plan of a 100-step run with pressure triggers (about one in two steps), so
+# the later rungs of the ladder, which see the same windows, search none of them again.
+PLAN_MEMO = 128
 
 
 class GlobalPlanner:
@@ -96,11 +99,12 @@ class GlobalPlanner:
         if not self.config.memoise:
             return self._search(stats)
         key = stats.with_times(None, None)
-        found = self._plans.get(key)
+        found = self._plans.pop(key, None)  # re-inserted below: the dict's order is recency
         if found is None:
             if len(self._plans) >= PLAN_MEMO:
-                self._plans.clear()
-            found = self._plans[key] = self._search(stats)
+                self._plans.pop(next(iter(self._plans)))
+            found = self._search(stats)
+        self._plans[key] = found
         return found
 
     def _search(self, stats: WorkloadStats) -> Plan:

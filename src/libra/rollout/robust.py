@@ -105,6 +105,7 @@ class RobustCMLFQRouter(TreeRouterBase):
         self.candidates = self.featurizer.candidates()
         self.chosen = 0  # index of the input set the last fit selected
         self._fitted_rows = 0
+        self._fit_caps: list[int] | None = None  # the bucket boundaries the last fit scored on
 
     # -- routing --
 
@@ -113,6 +114,10 @@ class RobustCMLFQRouter(TreeRouterBase):
             return self._start(req)
         x = self.featurizer.row(req, self.book.seen(req))
         self._remember(req.traj_id, TOOL_RETURN, x, req.context_tokens)
+        if len(self.buckets) == 1:  # nothing to choose: keep learning, skip the prediction
+            return 0, None
+        if self._fit_caps is not None and len(self._fit_caps) == 1:  # fits waited for buckets
+            self._fit()
         if not self.model.fitted:
             return self._cold(req, floor)
         pred = self.model.predict(x, req.context_tokens)
@@ -126,7 +131,7 @@ class RobustCMLFQRouter(TreeRouterBase):
         self.book.seen(req)
         x = self.featurizer.start_row(req)
         self._remember(req.traj_id, START, x, req.context_tokens)
-        if self.params.start == "smallest" or not self.start_model.fitted:
+        if self.params.start == "smallest" or not self.start_model.fitted or len(self.buckets) == 1:
             return 0, None
         pred = self.start_model.predict(x, req.context_tokens)
         probs = pred.bucket_probs(self.buckets)
@@ -199,9 +204,16 @@ class RobustCMLFQRouter(TreeRouterBase):
         self.book.end_step(step)
         self._fit()
 
+    def _caps(self) -> list[int]:
+        return [b.max_context for b in self.buckets]
+
     def _fit(self) -> None:
-        p = self.params
-        caps = [b.max_context for b in self.buckets]
+        """Refit both models. With one bucket there is nothing to predict (a re-plan's layout
+        often has one), so the rows are kept and the fit waits until there are buckets again."""
+        p, caps = self.params, self._caps()
+        self._fit_caps = caps
+        if len(caps) == 1:
+            return
         if self.start_rows.n >= p.min_rows:
             x, y, _ = self.start_rows.arrays()
             self.start_model.fit(x, y, p.ridge, p.residual_bins)
