@@ -218,6 +218,17 @@ def test_search_is_memoised_on_the_statistics_not_the_measured_times(problem, st
     assert GlobalPlanner(problem, PlannerConfig(memoise=False)).plan(stats) is not first
 
 
+def test_the_search_memo_drops_the_least_recently_used(problem, stats, monkeypatch):
+    monkeypatch.setattr("libra.planner.planner.PLAN_MEMO", 2)
+    planner = GlobalPlanner(problem)
+    other, third = (WorkloadStats.from_trajectories(synthetic(256, seed=s)) for s in (7, 8))
+    a, b = planner.plan(stats), planner.plan(other)
+    assert planner.plan(stats) is a  # a hit, and now the most recent
+    planner.plan(third)  # full: evicts `other`, not `stats`
+    assert planner.plan(stats) is a
+    assert planner.plan(other) is not b
+
+
 def test_rollout_time_falls_with_gpus(problem, stats):
     planner = GlobalPlanner(problem)
     layout = planner._layout(stats)

@@ -227,3 +227,23 @@ def test_eval_command_errors_are_one_line_and_exit_2(tmp_path):
     assert bad.returncode == 2 and "move_cost" in bad.stderr
     bad = _run("eval", "--trace", str(path), "--routers", "nope")
     assert bad.returncode == 2 and "cmlfq-paper" in bad.stderr
+
+
+def test_one_bucket_keeps_learning_and_predicts_once_buckets_return(swe):
+    """A re-plan may leave one bucket, where there is nothing to choose: the router then skips
+    prediction and fitting (the default job's cost), but it keeps the rows, so when the layout
+    splits again it fits on them at once and routes as well as a router that never stopped."""
+    one = [Bucket("all", 4, 131072)]
+    first, rest = swe[: len(swe) // 2], swe[len(swe) // 2 :]
+    paused = make_router("cmlfq", one)
+    result = evaluate(paused, first, one)
+    assert result.accuracy == 1.0 and result.migrations == 0
+    assert not paused.model.fitted and paused.rows.n > paused.params.min_rows
+    paused.buckets = list(SWE_BUCKETS)  # what the simulator does on a re-plan
+    steady = make_router("cmlfq", SWE_BUCKETS)
+    evaluate(steady, first, SWE_BUCKETS)
+    assert paused.rows.n == steady.rows.n
+    after = evaluate(paused, rest, SWE_BUCKETS)
+    assert paused.model.fitted
+    assert after.accuracy >= evaluate(steady, rest, SWE_BUCKETS).accuracy - 0.02
+    assert after.accuracy >= evaluate(make_router("cmlfq", SWE_BUCKETS), rest, SWE_BUCKETS).accuracy
