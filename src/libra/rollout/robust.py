@@ -105,7 +105,7 @@ class RobustCMLFQRouter(TreeRouterBase):
         self.candidates = self.featurizer.candidates()
         self.chosen = 0  # index of the input set the last fit selected
         self._fitted_rows = 0
-        self._fit_caps: list[int] | None = None  # the bucket boundaries the last fit scored on
+        self._fit_waiting = False  # the last fit was skipped: the layout had one bucket
 
     # -- routing --
 
@@ -116,7 +116,7 @@ class RobustCMLFQRouter(TreeRouterBase):
         self._remember(req.traj_id, TOOL_RETURN, x, req.context_tokens)
         if len(self.buckets) == 1:  # nothing to choose: keep learning, skip the prediction
             return 0, None
-        if self._fit_caps is not None and len(self._fit_caps) == 1:  # fits waited for buckets
+        if self._fit_waiting:  # a re-plan brought buckets back: fit on the rows kept meanwhile
             self._fit()
         if not self.model.fitted:
             return self._cold(req, floor)
@@ -204,15 +204,12 @@ class RobustCMLFQRouter(TreeRouterBase):
         self.book.end_step(step)
         self._fit()
 
-    def _caps(self) -> list[int]:
-        return [b.max_context for b in self.buckets]
-
     def _fit(self) -> None:
         """Refit both models. With one bucket there is nothing to predict (a re-plan's layout
         often has one), so the rows are kept and the fit waits until there are buckets again."""
-        p, caps = self.params, self._caps()
-        self._fit_caps = caps
-        if len(caps) == 1:
+        p, caps = self.params, [b.max_context for b in self.buckets]
+        self._fit_waiting = len(caps) == 1
+        if self._fit_waiting:
             return
         if self.start_rows.n >= p.min_rows:
             x, y, _ = self.start_rows.arrays()
