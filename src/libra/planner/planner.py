@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import importlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from libra.core.errors import ConfigError, InfeasibleError
 from libra.planner.config import ElasticConfig, PlannerConfig, SelectorConfig
@@ -61,6 +63,19 @@ class PlanDecision:
 # 128 covers every re-plan of a 100-step run with pressure triggers (about one in two steps), so
 # the later rungs of the ladder, which see the same windows, search none of them again.
 PLAN_MEMO = 128
+T = TypeVar("T")
+
+
+def _memo(cache: dict, key, limit: int, make: Callable[[], T]) -> T:
+    """`cache[key]`, made by `make()` on a miss; past `limit` entries the least recently used
+    goes (the dict's order is recency: a hit is moved to the end)."""
+    found = cache.pop(key, None)
+    if found is None:
+        if len(cache) >= limit:
+            cache.pop(next(iter(cache)))
+        found = make()
+    cache[key] = found
+    return found
 
 
 class GlobalPlanner:
@@ -98,14 +113,7 @@ class GlobalPlanner:
             raise ConfigError("stats", "empty history", "at least one finished trajectory to plan from")
         if not self.config.memoise:
             return self._search(stats)
-        key = stats.with_times(None, None)
-        found = self._plans.pop(key, None)  # re-inserted below: the dict's order is recency
-        if found is None:
-            if len(self._plans) >= PLAN_MEMO:
-                self._plans.pop(next(iter(self._plans)))
-            found = self._search(stats)
-        self._plans[key] = found
-        return found
+        return _memo(self._plans, stats.with_times(None, None), PLAN_MEMO, lambda: self._search(stats))
 
     def _search(self, stats: WorkloadStats) -> Plan:
         bound = self.selector.context_bound(stats.max_final)
@@ -154,12 +162,14 @@ class GlobalPlanner:
 
     def _layout(self, stats: WorkloadStats, name: str | None = None):
         name = name or self.layout
+
+        def make():
+            return LAYOUTS[name](self.tables, self.problem, stats, self.config)
+
+        if not self.config.memoise:
+            return make()
         key = (name, stats.final_tokens, stats.generated_tokens, stats.tool_latency_s, stats.steps)
-        if not self.config.memoise or key not in self._layouts:
-            if len(self._layouts) >= 2 * len(LAYOUTS):
-                self._layouts.clear()
-            self._layouts[key] = LAYOUTS[name](self.tables, self.problem, stats, self.config)
-        return self._layouts[key]
+        return _memo(self._layouts, key, 2 * len(LAYOUTS), make)
 
     def spread(self, stats: WorkloadStats) -> tuple[tuple[float, float], ...]:
         """The groups' latency spread the step time is priced with: empty when each step waits
