@@ -28,6 +28,13 @@ class ElasticPool:
             "no step has ended yet" if self.replicas else "the plan sets aside no hybrid replica"
         )
 
+    def carry_over(self, old: ElasticPool) -> None:
+        """After a re-plan: the run's counts go on, and so does the last decision while this
+        layout still has replicas to decide about."""
+        self.joins, self.releases = old.joins, old.releases
+        if self.replicas:
+            self.last_reason = old.last_reason
+
     def _choose_hosts(self) -> dict[str, list[str]]:
         """Whole replicas on whole engines of one node: largest TP first, one node per replica."""
         by_node: dict[int, list] = {}

@@ -336,7 +336,7 @@ class RLSim:
         self.replans += 1
         if self.pool is not None:  # the new layout's hybrid replicas; the counts run on
             old, self.pool = self.pool, self._make_pool()
-            self.pool.joins, self.pool.releases = old.joins, old.releases
+            self.pool.carry_over(old)
 
     # ---- metrics ------------------------------------------------------------------------------
 
