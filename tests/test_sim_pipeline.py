@@ -308,6 +308,23 @@ def test_elastic_pool_without_replicas_says_so(catalog):
     }  # fmt: skip
 
 
+def test_a_replan_carries_the_pools_counts_and_last_decision():
+    from libra.sim.elastic_pool import ElasticPool
+
+    def pool(replicas, reason, moves=0):  # the fields carry_over reads, without a simulation
+        p = object.__new__(ElasticPool)
+        p.replicas, p.last_reason, p.joins, p.releases = replicas, reason, moves, moves
+        return p
+
+    old = pool(["r0"], "r=1.40: borrow 1", moves=2)
+    new = pool(["r0"], "no step has ended yet")
+    new.carry_over(old)
+    assert (new.joins, new.releases, new.last_reason) == (2, 2, "r=1.40: borrow 1")
+    none = pool([], "the plan sets aside no hybrid replica")
+    none.carry_over(old)
+    assert (none.joins, none.last_reason) == (2, "the plan sets aside no hybrid replica")
+
+
 def _straggler_trace():
     """Two steps of two GRPO groups of two samples; one sample of step 0's group "slow" makes 12
     tool calls of 30 s, every other sample one turn."""
