@@ -1,7 +1,7 @@
 """Configuration: YAML files and dotted overrides, validated into typed models.
 
 YAML is only a serialisation of pydantic models. `--set a.b=c` edits one value before validation,
-and the value is parsed as YAML, so `--set rollout.tp=4` gives an int and `--set x=[1,2]` a list.
+and the value is parsed as YAML, so `--set split.train_gpus=32` gives an int and `--set x=[1,2]` a list.
 Validation errors become one `ConfigError` line naming the field, the value and what is allowed.
 """
 
@@ -40,7 +40,7 @@ def load_yaml(path: str | Path) -> dict:
 def parse_override(text: str) -> tuple[list[str], Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
-        raise ConfigError("--set", text, "KEY=VALUE with a dotted KEY, e.g. rollout.tp=4")
+        raise ConfigError("--set", text, "KEY=VALUE with a dotted KEY, e.g. split.train_gpus=32")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
@@ -69,14 +69,26 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return out
 
 
-def _first_error(err: ValidationError, prefix: str) -> ConfigError:
+def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
+    """The field names a model accepts at a validation-error location (walks nested models)."""
+    node: type[BaseModel] = model
+    for part in loc[:-1]:
+        field = node.model_fields.get(str(part)) if isinstance(part, str) else None
+        ann = getattr(field, "annotation", None) if field else None
+        args = getattr(ann, "__args__", ())
+        nested = next((a for a in (ann, *args) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if nested is not None:
+            node = nested
+    return sorted(node.model_fields)
+
+
+def _first_error(err: ValidationError, prefix: str, model: type[BaseModel]) -> ConfigError:
     e = err.errors()[0]
     loc = ".".join(str(p) for p in e.get("loc", ()) if p != "__root__")
     field = f"{prefix}.{loc}" if prefix and loc else (loc or prefix or "config")
-    msg = e.get("msg", "invalid").removeprefix("Value error, ")
-    if e.get("type") == "extra_forbidden":
-        msg = "no such field"
-    return ConfigError(field, e.get("input"), msg)
+    if e.get("type") == "extra_forbidden":  # an unknown name: say which names there are
+        return ConfigError(field, e.get("input"), _fields_at(model, tuple(e["loc"])))
+    return ConfigError(field, e.get("input"), e.get("msg", "invalid").removeprefix("Value error, "))
 
 
 def build(model: type[M], data: dict, prefix: str = "") -> M:
@@ -84,7 +96,7 @@ def build(model: type[M], data: dict, prefix: str = "") -> M:
     try:
         return model.model_validate(data)
     except ValidationError as err:
-        raise _first_error(err, prefix) from None
+        raise _first_error(err, prefix, model) from None
 
 
 def load_model(
