@@ -6,7 +6,8 @@ disaggregated, GPU split, rollout instances and buckets, router, training parall
 `libra.sim.pipeline` carries these decisions out; a system never touches the clock.
 
 `router:NAME` names the disaggregated heterogeneous layout with router NAME from
-`libra.rollout.registry`, so every router is a system without registering it twice.
+`libra.rollout.registry`, so every router is a system without registering it twice; NAME may be
+an outside router's `pkg.module:Class`.
 """
 
 from __future__ import annotations
@@ -169,8 +170,14 @@ def make_system(name: str) -> System:
         return SYSTEMS[name]()
     family, _, router = name.partition(":")
     if family in SYSTEM_FAMILIES:
-        from libra.rollout.registry import ROUTERS
+        from libra.rollout.registry import ROUTERS, router_class
 
         if router in ROUTERS:
             return SYSTEM_FAMILIES[family](router)
-    raise ConfigError("systems", name, known_systems())
+        if ":" in router:  # a plug-in router, `router:pkg.mod:Class`: fail now if it does not import
+            try:
+                router_class(router)
+            except ConfigError as e:
+                raise ConfigError("systems", name, e.allowed) from None
+            return SYSTEM_FAMILIES[family](router)
+    raise ConfigError("systems", name, known_systems() + ["PREFIX:pkg.module:Class"])
