@@ -666,6 +666,10 @@ def test_cli_table_gpus_override_and_trace(tmp_path):
         (["--set", "cluster=3"], "cluster: got 3"),
         (["--set", "workload.prompts_per_step=abc"], "workload.prompts_per_step"),
         (["--set", "pipeline.consume=first"], "pipeline.consume: got 'first'"),
+        (["--set", "rollout.tp=4"], "homogeneous_tp"),  # an unknown field lists the known ones
+        (["--set", "selectr.edges=[1]"], "selector"),
+        (["--scenario", "tangram-coding"], "an RL scenario"),
+        (["--history-steps", "100000"], "from 1 to 1000"),
     ],
 )
 def test_cli_bad_input_is_one_line_exit_2(args, needle):

@@ -39,6 +39,10 @@ from libra.planner import (
     make_planner,
 )
 
+# The planner reads a window of recent steps; 1000 steps of a 512-trajectory batch take ~30 s to
+# generate, and more would only be read to be outweighed by the latest ones.
+MAX_HISTORY = 1000
+
 
 @click.command()
 @click.option("--scenario", default="libra-r2e-48gpu", show_default=True, help="Scenario name or YAML path.")
@@ -69,6 +73,7 @@ def plan(
 ):
     """Plan the train/rollout split, training parallelism and rollout buckets for a scenario."""
     sc = apply_overrides(_load_scenario(scenario), list(overrides))
+    check_sections(sc, scenario)
     problem = build_problem(sc, gpus, catalogs, profile)
     planner = make_planner(
         planner_name,
@@ -98,6 +103,26 @@ def _load_scenario(name: str) -> dict:
     from libra.sim.scenarios import load_scenario  # commands may import sim; the planner may not
 
     return load_scenario(name)
+
+
+def check_sections(sc: dict, name: str) -> None:
+    """The scenario is an RL one, and every section has only known fields with allowed values.
+    The split is left out: the planner chooses it, and --gpus may change the cluster under it."""
+    from libra.sim.rl_config import ClusterCfg, PipelineCfg, RLScenario, RolloutCfg, TrainCfg
+    from libra.sim.workloads.base import WorkloadConfig
+
+    if sc.get("kind", "rl") != "rl":
+        raise ConfigError("--scenario", name, "an RL scenario (kind: rl), such as libra-r2e-48gpu")
+    known = set(RLScenario.model_fields) | {"selector"}
+    for key in sc:
+        if key not in known:
+            raise ConfigError(f"scenario.{key}", sc[key], sorted(known))
+    models = {"cluster": ClusterCfg, "workload": WorkloadConfig, "train": TrainCfg, "rollout": RolloutCfg,
+              "pipeline": PipelineCfg, "planner": PlannerConfig, "elastic": ElasticConfig,
+              "selector": SelectorConfig}  # fmt: skip
+    for key, model in models.items():
+        if key in sc:
+            build(model, _section(sc, key), f"scenario.{key}")
 
 
 def build_problem(sc: dict, gpus: int | None, catalogs, profile) -> PlanningProblem:
@@ -145,8 +170,8 @@ def _int(section: dict, name: str, default: int | None) -> int:
 
 def history(sc: dict, trace: str | None, at_step: int, steps: int, seed: int) -> WorkloadStats:
     """Finished trajectories of past steps: from a trace, or from the scenario's generator."""
-    if steps < 1:
-        raise ConfigError("--history-steps", steps, "an integer >= 1")
+    if not 1 <= steps <= MAX_HISTORY:
+        raise ConfigError("--history-steps", steps, f"an integer from 1 to {MAX_HISTORY}")
     if at_step < 0:
         raise ConfigError("--at-step", at_step, "an integer >= 0")
     if trace is not None:
