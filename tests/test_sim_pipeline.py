@@ -1,17 +1,20 @@
 """The RL pipeline simulation end to end: systems, traces, outputs, determinism, bad input."""
 
 import json
+import os
 
 import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from libra.core.errors import ConfigError
+from libra.core.errors import ConfigError, LibraError
+from libra.planner.config import ElasticConfig, PlannerConfig
 from libra.sim.pipeline import RLSim, run
-from libra.sim.rl_config import parse_rl
+from libra.sim.rl_config import ClusterCfg, PipelineCfg, RolloutCfg, SplitCfg, parse_rl
 from libra.sim.scenarios import load_scenario
 from libra.sim.systems import make_system
+from libra.sim.workloads import WorkloadConfig
 from tests.conftest import run_cli
 
 SMALL = {
@@ -168,6 +171,10 @@ def test_llmservingsim_sessions_replay(tmp_path):
         (["--set", "rollout.kv_during_tool=swap"], "kv_during_tool"),
         (["--set", "cluster.hardware=tpu"], "cluster.hardware"),
         (["--set", "workload.family=chess"], "r2e-gym"),
+        (["--set", "workload.samples_per_prompt=0"], "scenario.workload.samples_per_prompt"),
+        (["--set", "planner.bins=-1"], "scenario.planner.bins"),
+        (["--set", "elastic.borow_ratio=2"], "borrow_ratio"),
+        (["--systems", "router:no.such.module:Router"], "importable"),
     ],
 )
 def test_bad_input_exit_2(args, needle, tmp_path):
@@ -235,6 +242,42 @@ def test_planned_family_is_the_hetero_rung_with_another_router():
     assert res["planned:least-loaded"] == res["ablation:hetero-tp"]
     routing = res["planned:oracle"]["routing"]
     assert routing["decisions"] > 0 and routing["accuracy"] == 1.0 and routing["migrations"] == 0
+
+
+SECTIONS = {"workload": WorkloadConfig, "planner": PlannerConfig, "elastic": ElasticConfig,
+            "pipeline": PipelineCfg, "rollout": RolloutCfg, "split": SplitCfg, "cluster": ClusterCfg}  # fmt: skip
+FUZZ_EXAMPLES = int(os.environ.get("LIBRA_FUZZ_EXAMPLES", "120"))  # more for a deeper local search
+JUNK = st.one_of(
+    st.integers(-(10**12), 10**12),
+    st.floats(allow_nan=True),
+    st.text(max_size=4),
+    st.none(),
+    st.booleans(),
+    st.lists(st.integers(-3, 3), max_size=3),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
+
+
+@settings(max_examples=int(__import__("os").environ.get("FUZZ_N", 120)), deadline=None)
+@given(section=st.sampled_from(sorted(SECTIONS)), name=st.data(), value=JUNK)
+def test_any_value_in_any_section_runs_or_names_its_field(section, name, value):
+    """Whatever one field of a section (or an unknown one) is set to, a short run either works or
+    stops with a one-line input error (exit 2 on the CLI), never with another exception."""
+    key = name.draw(st.sampled_from(sorted(SECTIONS[section].model_fields) + ["no_such_field"]))
+    data = {**SMALL, section: {**SMALL.get(section, {}), key: value}}
+    try:
+        run(data, ["static-uniform", "libra"], 1, 0, None, _quiet)
+    except LibraError as e:
+        assert "\n" not in str(e), e
+
+
+def test_a_plugged_in_router_is_a_system():
+    name = "router:tests.test_rollout_routing:OutsideRouter"  # always the last bucket
+    res = run(SMALL, [name], 2, 0, None, _quiet)["systems"][name]
+    assert res["throughput_tokens_per_s"] > 0 and res["routing"]["decisions"] > 0
+    with pytest.raises(ConfigError, match="importable") as e:
+        make_system("planned:no.such.module:Router")
+    assert e.value.field == "systems"
 
 
 def test_unknown_router_in_a_family_names_the_choices():

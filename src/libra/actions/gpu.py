@@ -27,7 +27,7 @@ from libra.core.errors import ConfigError
 class GpuService(BaseModel):
     """A GPU service as the manager sees it: how big its state is and how fast it restores."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", frozen=True)
 
     name: str
     state_gib: float = Field(gt=0, description="weights and buffers that must be on the GPUs")

@@ -19,7 +19,7 @@ from libra.core.errors import ConfigError
 
 
 class QuotaSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", frozen=True)
 
     max_concurrency: int | None = Field(None, ge=1, description="calls in flight at once")
     tokens_per_period: float | None = Field(None, gt=0, description="tokens (or requests) per period")

@@ -19,7 +19,7 @@ set_option = click.option(
     "overrides",
     multiple=True,
     metavar="KEY=VALUE",
-    help="Override one config value (repeatable), e.g. rollout.tp=4.",
+    help="Override one config value (repeatable), e.g. split.train_gpus=32.",
 )
 catalog_option = click.option(
     "--catalog",

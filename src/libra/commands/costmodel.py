@@ -24,7 +24,7 @@ from libra.costmodel.training import TrainCostModel, TrainParallel
 
 
 class RolloutQuery(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
     hardware: str = "a800-80g"
     model: str = "qwen3-14b"
     tp: int = Field(1, ge=1)
@@ -35,7 +35,7 @@ class RolloutQuery(BaseModel):
 
 
 class TrainQuery(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
     hardware: str = "a800-80g"
     model: str = "qwen3-14b"
     tp: int = Field(1, ge=1)

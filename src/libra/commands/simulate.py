@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 import click
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from libra import native
 from libra.commands.common import (
@@ -191,12 +191,18 @@ def _run_with_progress(runner, data, names, steps, seed, out, kwargs) -> dict:
         TextColumn("{task.percentage:>3.0f}%"),
         TimeElapsedColumn(),
     ]
-    with Progress(*cols, console=err_console, transient=True) as bar:
-        tasks: dict[str, int] = {}
+    bar = Progress(*cols, console=err_console, transient=True)
+    tasks: dict[str, TaskID] = {}
 
-        def progress(label: str, frac: float) -> None:
-            if label not in tasks:
-                tasks[label] = bar.add_task(label, total=1.0)
-            bar.update(tasks[label], completed=min(1.0, frac))
+    def progress(label: str, frac: float) -> None:
+        if not tasks:  # shown from the first report on, so an input error prints nothing but itself
+            bar.start()
+        if label not in tasks:
+            tasks[label] = bar.add_task(label, total=1.0)
+        bar.update(tasks[label], completed=min(1.0, frac))
 
+    try:
         return runner(data, names, steps, seed, out, progress, **kwargs)
+    finally:
+        if tasks:
+            bar.stop()

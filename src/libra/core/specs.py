@@ -15,7 +15,7 @@ GIB = 1024**3
 class HardwareSpec(BaseModel):
     """One GPU type, as its spec sheet gives it. Bandwidths are unidirectional, per GPU, in GB/s."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", frozen=True)
 
     name: str
     memory_gib: float = Field(gt=0, description="HBM capacity per GPU, GiB")
@@ -35,7 +35,7 @@ class HardwareSpec(BaseModel):
 class ModelSpec(BaseModel):
     """A decoder-only transformer, dense or mixture-of-experts, from its public config."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", frozen=True)
 
     name: str
     layers: int = Field(gt=0)

@@ -18,7 +18,7 @@ from libra.core.config import build, load_yaml
 class RolloutEfficiency(BaseModel):
     """How close an inference engine gets to the hardware, and what it spends besides."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", frozen=True)
 
     # Decode GEMV and paged-attention kernels on Hopper/Blackwell-class GPUs reach 80-90% of HBM
     # bandwidth (FlashInfer and vLLM kernel benchmarks); 0.85 is the middle of that range.
@@ -53,7 +53,7 @@ class RolloutEfficiency(BaseModel):
 class TrainEfficiency(BaseModel):
     """Training-side coefficients (Megatron-style 3D parallel training)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", frozen=True)
 
     # Model FLOPs utilisation of well-tuned Megatron GEMMs on A100/H100: 40-55% (Megatron-LM
     # papers report 52% for 175B on A100); 0.45 leaves room for kernels outside the GEMMs.
@@ -69,7 +69,7 @@ class TrainEfficiency(BaseModel):
 class Profile(BaseModel):
     """A calibration profile: what `libra costmodel calibrate` writes and `--profile` reads."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", frozen=True)
 
     rollout: RolloutEfficiency = RolloutEfficiency()
     train: TrainEfficiency = TrainEfficiency()

@@ -22,7 +22,7 @@ def _powers_of_two(values: list[int], field: str) -> list[int]:
 class PlannerConfig(BaseModel):
     """The global planner: search space, pruning, and when to apply a new plan."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", frozen=True)
 
     # Rollout side. 32 quantile bins resolve the tail to ~3% of the batch (the longest 10% of R2E
     # trajectories take over half of rollout time, so the tail needs several bins), while the DP
@@ -98,7 +98,7 @@ class PlannerConfig(BaseModel):
 class ElasticConfig(BaseModel):
     """The hybrid pool's hysteresis controller and the published transition costs."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", frozen=True)
 
     borrow_ratio: float = Field(1.15, gt=1, description="Borrow replicas when T_train/T_rollout >= this")
     release_ratio: float = Field(0.90, gt=0, lt=1, description="Release them when T_train/T_rollout <= this")
@@ -118,7 +118,7 @@ class ElasticConfig(BaseModel):
 class SelectorConfig(BaseModel):
     """EARL's parallelism selector: context ranges and how eagerly to switch down."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", frozen=True)
 
     # Range upper edges. Contexts past the last edge get the next power of two, so a context never
     # goes without a range (and is never truncated for lack of one).

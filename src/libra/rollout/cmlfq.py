@@ -29,7 +29,7 @@ def mean_p90_rule(buckets: Sequence[Bucket], current: int, mean_final: float, p9
 
 
 class TreeParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
     window: int = Field(default=200, gt=0, description="Samples kept per node (mean and P90 window).")
     max_depth: int = Field(default=64, gt=0, description="Deepest path the tree records.")

@@ -63,7 +63,7 @@ from libra.rollout.tree import exact_nodes
 
 
 class RobustParams(TreeParams):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
     features: list[Literal["context", "progress", "last", "tools", "siblings"]] = Field(
         default=list(FEATURE_GROUPS), description="Input groups of the final-length model."

@@ -42,7 +42,7 @@ PARAMS_FIELD = "rollout.router_params"
 
 
 class NoParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
 
 def check_buckets(buckets: Sequence[Bucket]) -> list[Bucket]:
@@ -146,7 +146,7 @@ class LeastLoadedRouter(BaseRouter):
 
 
 class ClassicMLFQParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
     thresholds: list[int] | None = Field(
         default=None, description="Demotion thresholds in tokens; default: the buckets' max_context."
@@ -199,7 +199,7 @@ class OracleRouter(BaseRouter):
 
 
 class LengthPredictorParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
     prior_strength: float = Field(
         default=2.0, gt=0, description="Pseudo-samples of the global fit when a prompt has history."

@@ -61,7 +61,7 @@ _FAILURE_WORDS = {
 class SizeThresholds(BaseModel):
     """Payload-size classes: small <= small_max < medium <= medium_max < large, in `unit`s."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", frozen=True)
 
     small_max: int = Field(default=500, gt=0)
     medium_max: int = Field(default=5000, gt=0)

@@ -37,7 +37,7 @@ from libra.sim.report import write_json
 
 
 class ClusterParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
     nodes: int = Field(4, ge=1)
     cores_per_node: int = Field(32, ge=1)
     numa_per_node: int = Field(2, ge=1)
@@ -51,14 +51,14 @@ class ClusterParams(BaseModel):
 
 
 class EqualActParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
     system: str = "tangram"
     baseline: str = "static-services"
     step: int = Field(4, ge=1, description="Pool sizes tried: step, 2 step, ... up to the baseline's GPUs.")
 
 
 class TangramScenario(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
     kind: str = "tangram"
     name: str = "tangram"
     description: str = ""

@@ -99,7 +99,7 @@ class ActionSystem(ABC):
 
 
 class TangramParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
     depth: int = Field(2, ge=1, description="Waves of the queue the ACT estimate plays out.")
     fixed_dop: int | None = Field(None, ge=1, description="Pin elastic actions to this many units.")
     gpus: int | None = Field(None, ge=1, description="GPU pool size (default: the cluster's).")
@@ -194,7 +194,7 @@ class TangramSystem(ActionSystem):
 
 
 class K8sParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
     cpu_request: float = Field(0.5, gt=0, description="Each pod's CPU request (what placement counts).")
     cpu_limit: float = Field(4.0, gt=0, description="Each pod's CPU limit (CFS quota).")
     pod_startup_s: float = Field(2.0, ge=0, description="Pod creation to ready (image cached).")
@@ -363,7 +363,7 @@ def max_min_fair(capacity: float, caps: dict[str, float]) -> dict[str, float]:
 
 
 class StaticParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
     tp: int = Field(4, ge=1, description="GPUs of each service's own always-resident TP group.")
 
 

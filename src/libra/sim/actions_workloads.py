@@ -55,7 +55,7 @@ class TrajPlan:
 class ToolAction(BaseModel):
     """How one tool call becomes an action: its kind, cores, profile and one-core duration."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
     kind: str
     share: float = Field(1.0, gt=0, description="Weight among the alternatives listed for the tool.")
     cpu: object = Field(1, description="Feasible cores: a number, [lo, hi] or {set: [...]}.")
@@ -73,7 +73,7 @@ class ToolAction(BaseModel):
 
 
 class CodingParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
     workload: dict = Field(
         default_factory=lambda: {"family": "r2e-gym", "prompts_per_step": 16, "samples_per_prompt": 16}
     )
@@ -160,14 +160,14 @@ class CodingWorkload:
 
 
 class ServiceParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
     name: str
     model: str = Field(description="A catalog model (see `libra costmodel catalog`).")
     share: float = Field(1.0, gt=0, description="Share of prompts whose domain this service scores.")
 
 
 class MopdParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
     prompts_per_step: int = Field(64, ge=1)
     samples_per_prompt: int = Field(16, ge=1)
     prompt_tokens_median: float = Field(1024, gt=0)

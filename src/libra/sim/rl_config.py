@@ -16,7 +16,7 @@ from libra.costmodel.catalog import Catalog
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
 
 class ClusterCfg(_Strict):
@@ -44,8 +44,10 @@ class BucketCfg(_Strict):
 
 
 class RolloutCfg(_Strict):
-    max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int = Field(8192, ge=64)
+    # Upper bounds well past any real engine's (vLLM's defaults are 256 / 8192); beyond them the
+    # simulator would spend minutes per step on a value that is surely a typo.
+    max_num_seqs: int = Field(256, ge=1, le=16384)
+    max_num_batched_tokens: int = Field(8192, ge=64, le=1 << 20)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     kv_during_tool: Literal["resident", "offload", "drop"] = "resident"
     homogeneous_tp: int = Field(4, ge=1, description="TP of every instance in homogeneous layouts")
@@ -69,7 +71,7 @@ class RolloutCfg(_Strict):
 
 
 class PipelineCfg(_Strict):
-    staleness: int = Field(1, ge=0, description="rollout may run at most k steps ahead of training")
+    staleness: int = Field(1, ge=0, le=64, description="rollout may run at most k steps ahead of training")
     consume: Literal["completion", "batch"] = Field(
         "completion",
         description="disaggregated systems: training step s takes the first GRPO groups to finish "
@@ -98,6 +100,7 @@ class RLScenario(_Strict):
     trace_step: int | None = Field(None, ge=0, description="the step drawn in trace.json")
 
     def check(self, catalog: Catalog) -> None:
+        self._check_sections()
         hw = catalog.hardware(self.cluster.hardware, "cluster.hardware")
         model = catalog.model(self.model, "model")
         total = self.cluster.nodes * hw.gpus_per_node
@@ -118,6 +121,16 @@ class RLScenario(_Strict):
                 raise ConfigError(
                     "rollout tp", t, f"<= {hw.gpus_per_node} and a divisor of {model.heads} heads"
                 )
+
+    def _check_sections(self) -> None:
+        """The mappings other modules own (workload, planner, elastic), validated now, so a bad
+        value is a one-line error at load time rather than a traceback mid-run."""
+        from libra.planner.config import ElasticConfig, PlannerConfig
+        from libra.sim.workloads import WorkloadConfig, make_workload
+
+        make_workload(build(WorkloadConfig, self.workload, prefix="scenario.workload"))
+        build(PlannerConfig, self.planner, prefix="scenario.planner")
+        build(ElasticConfig, self.elastic, prefix="scenario.elastic")
 
 
 def parse_rl(data: dict, catalog: Catalog) -> RLScenario:

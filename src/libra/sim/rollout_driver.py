@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from libra.core.errors import InfeasibleError
 from libra.core.trajectory import Trajectory
 from libra.costmodel.rollout import RolloutCostModel
 from libra.rollout.base import (
@@ -195,6 +196,12 @@ def make_engines(kernel: Kernel, specs, hw, model, sc, eff, tracer=None, prefix:
     out = []
     for i, spec in enumerate(specs):
         cost = RolloutCostModel(hw, model, spec.tp, eff, r.gpu_memory_utilization, r.max_num_batched_tokens)
+        if not cost.fits():
+            raise InfeasibleError(
+                f"a TP{spec.tp} rollout instance of {model.name} on {hw.name} has no memory left for the "
+                f"KV cache with rollout.max_num_batched_tokens={r.max_num_batched_tokens} and "
+                f"rollout.gpu_memory_utilization={r.gpu_memory_utilization}"
+            )
         out.append(Engine(kernel, f"{prefix}i{i}-tp{spec.tp}-n{spec.node}", cost, r.max_num_seqs,
                           r.max_num_batched_tokens, policy, tracer))  # fmt: skip
     return out

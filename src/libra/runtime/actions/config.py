@@ -13,7 +13,7 @@ from libra.actions.quota import QuotaSpec
 
 
 class SandboxConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
     python: str | None = Field(
         None, description="Interpreter inside the sandbox (default: the service's own)."
     )
@@ -47,7 +47,7 @@ class SandboxConfig(BaseModel):
 class HttpToolConfig(BaseModel):
     """A quota-limited HTTP tool: POSTs the caller's JSON to `url`, within the quota's limits."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
     url: str = Field(pattern=r"^https?://")
     quota: str = Field(description="Name of a quota under `quotas`.")
     tokens_per_call: float = Field(1.0, gt=0, description="Tokens a call spends when it gives none.")
@@ -56,7 +56,7 @@ class HttpToolConfig(BaseModel):
 
 
 class ServiceConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     cores: list[int] | None = Field(

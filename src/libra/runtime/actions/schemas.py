@@ -17,7 +17,7 @@ TOOLS = ("python_tests",)
 
 
 class RunCodeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(allow_inf_nan=False, extra="ignore")
     code: str
     language: str = "python"
     compile_timeout: float = 10.0
@@ -37,7 +37,7 @@ class RunCodeRequest(BaseModel):
 
 
 class SessionCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
     memory_mb: int | None = Field(None, ge=16)
     files: dict[str, str | None] = Field(default_factory=dict)
 
@@ -45,7 +45,7 @@ class SessionCreate(BaseModel):
 class SessionAction(BaseModel):
     """A command (`{parallel}` is replaced by the cores granted) or a ready tool."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
     command: str | None = None
     tool: str | None = None
     path: str | None = Field(None, description="python_tests: the test file or directory")
@@ -69,7 +69,7 @@ class SessionAction(BaseModel):
 
 
 class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
     payload: Any = None
     tokens: float | None = Field(None, gt=0)
 

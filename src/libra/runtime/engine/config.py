@@ -44,7 +44,7 @@ PRESETS: dict[str, ModelPreset] = {
 class EngineConfig(BaseModel):
     """Everything `libra serve engine` can be told. Field names match the CLI options."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", frozen=True)
 
     model: str = "tiny"
     checkpoint: str | None = None

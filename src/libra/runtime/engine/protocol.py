@@ -24,7 +24,7 @@ TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(allow_inf_nan=False, extra="ignore")
 
 
 class FunctionDef(_Model):

@@ -26,7 +26,7 @@ BACKEND_KEYS = ("bucket", "tp", "max_context", "cap", "node", "name", "api_key")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
 
 class BackendConfig(_Strict):

@@ -58,7 +58,7 @@ from libra.sim.workloads.sampling import (
 class ToolSpec(BaseModel):
     """One tool an agent can call: how often, how big its returns are, how it fails, how slow it is."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
     weight: float = Field(gt=0, description="Relative frequency of this tool among tool calls.")
     return_median: float = Field(gt=0, description="Median tokens of a successful return (verbosity 1).")
     return_sigma: float = Field(ge=0, description="Log-space spread of a return's size.")
@@ -72,7 +72,7 @@ class ToolSpec(BaseModel):
 class AgentParams(BaseModel):
     """Parameters of the agent process. Families subclass this to set calibrated defaults."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
     max_turns: int = Field(ge=1, description="Turn limit; the last allowed turn never calls a tool.")
     min_turns: int = Field(1, ge=1, description="The agent cannot answer before this turn.")
     drift_steps: int = Field(100, ge=1, description="RL steps over which the *_start values reach *_end.")

@@ -43,7 +43,7 @@ VALIDATOR = "validator"
 class DapoMathParams(BaseModel):
     """Parameters of the reasoning-with-validator process; the defaults are the choices above."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
     max_turns: int = Field(3, ge=1, description="Answer attempts; the validator answers all but the last.")
     drift_steps: int = Field(100, ge=1, description="RL steps over which the *_start values reach *_end.")
     prompt_tokens_median: float = Field(200, gt=0, description="Problem statement plus instruction, tokens.")
