@@ -143,6 +143,34 @@ def test_bad_scenarios_are_one_line_config_errors():
         run(sc, steps=1)
 
 
+@pytest.mark.parametrize(
+    "path,value,needle",
+    [
+        (("coding", "env_memory_gib"), 1e12, "coding.env_memory_gib"),  # was a TypeError mid-run
+        (("systems", "k8s-per-trajectory", "cpu_request"), 64, "cores_per_node"),  # was a TypeError
+        (("cluster", "nodes"), 10**12, "cluster.nodes"),  # was a hang
+        (("cluster", "cores_per_node"), 10**12, "cluster.cores_per_node"),  # was a MemoryError
+        (("cluster", "memory_gib_per_node"), float("nan"), "finite"),
+    ],
+)
+def test_values_no_run_could_use_are_refused_up_front(path, value, needle):
+    sc = copy.deepcopy(load_scenario("tangram-coding"))
+    node = sc
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(ConfigError, match=needle):
+        run(sc, steps=1)
+
+
+@pytest.mark.parametrize("key", ["prompt_tokens_median", "response_tokens_median", "prompts_per_step"])
+def test_mopd_sizes_that_would_hang_a_step_are_refused(key):
+    sc = small_mopd()
+    sc["mopd"][key] = 10**12  # each hung for minutes before the bound
+    with pytest.raises(ConfigError, match=f"mopd.{key}"):
+        run(sc, steps=1)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.floats(0.5, 64), st.dictionaries(st.text(min_size=1, max_size=3), st.floats(0.1, 8), max_size=12))
 def test_cfs_shares_are_max_min_fair(capacity, caps):

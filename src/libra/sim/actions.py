@@ -38,15 +38,16 @@ from libra.sim.report import write_json
 
 class ClusterParams(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
-    nodes: int = Field(4, ge=1)
-    cores_per_node: int = Field(32, ge=1)
+    # Bounded so a typo cannot allocate the world: 4096 nodes of 1024 cores is 30x the setting.
+    nodes: int = Field(4, ge=1, le=4096)
+    cores_per_node: int = Field(32, ge=1, le=1024)
     numa_per_node: int = Field(2, ge=1)
     memory_gib_per_node: float = Field(512.0, gt=0)
     hardware: str = Field(
         "a800-80g", description="GPU type of GPU scenarios (see `libra costmodel catalog`)."
     )
     gpus: int | None = Field(
-        None, ge=1, description="GPUs in the pooled system (default: the static system's)."
+        None, ge=1, le=65536, description="GPUs in the pooled system (default: the static system's)."
     )
 
 
@@ -73,6 +74,18 @@ class TangramScenario(BaseModel):
     default_systems: list[str] | None = None
     equal_act: EqualActParams | None = None
 
+    def check(self) -> None:
+        """A trajectory's sandbox must fit on one node, or no trajectory could ever start."""
+        node = self.cluster.memory_gib_per_node
+        if self.coding is not None and self.coding.env_memory_gib > node:
+            raise ConfigError("coding.env_memory_gib", self.coding.env_memory_gib,
+                              f"<= cluster.memory_gib_per_node ({node:g})")  # fmt: skip
+        for name, spec in self.systems.items():
+            request = spec.get("cpu_request") if isinstance(spec, dict) else None
+            if isinstance(request, int | float) and request > self.cluster.cores_per_node:
+                raise ConfigError(f"systems.{name}.cpu_request", request,
+                                  f"<= cluster.cores_per_node ({self.cluster.cores_per_node})")  # fmt: skip
+
 
 def run(
     scenario: dict,
@@ -85,6 +98,7 @@ def run(
     **_: object,
 ) -> dict:
     sc = build(TangramScenario, scenario, "scenario")
+    sc.check()
     names = _system_names(sc, systems)
     n_steps = steps or sc.steps
     progress = progress or (lambda label, frac: None)

@@ -168,11 +168,12 @@ class ServiceParams(BaseModel):
 
 class MopdParams(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
-    prompts_per_step: int = Field(64, ge=1)
-    samples_per_prompt: int = Field(16, ge=1)
-    prompt_tokens_median: float = Field(1024, gt=0)
-    response_tokens_median: float = Field(4096, gt=0)
-    response_tokens_sigma: float = Field(0.8, ge=0)
+    # Bounded so a typo cannot make one step take hours (the setting is 512 x 8, 1K + 4K tokens).
+    prompts_per_step: int = Field(64, ge=1, le=4096)
+    samples_per_prompt: int = Field(16, ge=1, le=1024)
+    prompt_tokens_median: float = Field(1024, gt=0, le=1 << 20)
+    response_tokens_median: float = Field(4096, gt=0, le=1 << 20)
+    response_tokens_sigma: float = Field(0.8, ge=0, le=5)
     max_response_tokens: int = Field(32768, ge=1)
     decode_tok_s: float = Field(30.0, gt=0, description="Per-sequence decode rate of the policy model.")
     workspace_gib: float = Field(6.0, ge=0, description="Per-GPU memory a service needs beyond its weights.")
