@@ -268,3 +268,21 @@ def test_refuses_to_start_without_a_sandbox(tmp_path):
                        capture_output=True, text=True, timeout=60)  # fmt: skip
     assert r.returncode == 2 and "sandbox unavailable" in r.stderr and "--insecure-no-sandbox" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    "setting,needle",
+    [
+        ("cores=[99999]", "cores: got [99999]"),  # a CPU this machine does not have: was accepted
+        ("cores=[]", "non-empty"),  # no cores at all: every action would queue forever
+        ("numa=[[0],[0]]", "do not share a core"),  # was counted twice
+        ("memory_gib=0.001", "room for one session"),  # no session could ever start
+        ("warm_pool=100000", "warm_pool"),  # hung at start-up, spawning sandboxes
+    ],
+)
+def test_a_service_config_no_action_could_run_under_exits_2(setting, needle):
+    r = subprocess.run([sys.executable, "-m", "libra", "serve", "actions", "--port", "0",
+                        "--insecure-no-sandbox", "--set", setting],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr and "Traceback" not in r.stderr

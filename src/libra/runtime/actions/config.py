@@ -72,7 +72,9 @@ class ServiceConfig(BaseModel):
     max_body_bytes: int = Field(16 * 2**20, ge=1024, description="Largest request body.")
     max_code_bytes: int = Field(4 * 2**20, ge=16, description="Largest `code` or `command`.")
     max_parallel: int = Field(64, ge=1, description="The most cores one action may be granted.")
-    warm_pool: int = Field(4, ge=0, description="Python sandboxes kept started for /run_code (0: none).")
+    warm_pool: int = Field(
+        4, ge=0, le=256, description="Python sandboxes kept started for /run_code (0: none)."
+    )
     parallel_profile: dict = Field(
         default_factory=lambda: {"amdahl": 0.05, "units": [1, 2, 4, 8, 16, 32, 64]},
         description="Efficiency of actions with a `parallel` hint (measure yours; see docs).",

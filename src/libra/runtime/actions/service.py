@@ -64,8 +64,14 @@ class Session:
 
 def local_cores(cfg: ServiceConfig) -> CpuNode:
     """The cores to schedule, grouped by NUMA domain as /sys describes them."""
-    cores = sorted(cfg.cores if cfg.cores is not None else os.sched_getaffinity(0))
+    usable = os.sched_getaffinity(0)
+    cores = sorted(set(cfg.cores) if cfg.cores is not None else usable)
+    if not cores or not set(cores) <= usable:
+        raise ConfigError("cores", cfg.cores, f"a non-empty subset of this process's CPUs {sorted(usable)}")
     if cfg.numa is not None:
+        listed = [c for d in cfg.numa for c in d]
+        if len(listed) != len(set(listed)):
+            raise ConfigError("numa", cfg.numa, "domains that do not share a core")
         domains = [[c for c in d if c in cores] for d in cfg.numa]
     else:
         domains = [[c for c in d if c in cores] for d in _sys_numa()] or [cores]
@@ -74,6 +80,10 @@ def local_cores(cfg: ServiceConfig) -> CpuNode:
     if covered != set(cores):
         domains.append([c for c in cores if c not in covered])
     memory = cfg.memory_gib or 0.75 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    if memory * 1024 < cfg.session_memory_mb:
+        raise ConfigError(
+            "memory_gib", memory, f"room for one session (session_memory_mb = {cfg.session_memory_mb})"
+        )
     return CpuNode(domains, memory)
 
 
