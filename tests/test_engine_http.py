@@ -408,6 +408,8 @@ def test_checkpoint_save_and_load_through_the_cli(engine_factory, engine, tmp_pa
         (["--kv-cache-mb", "1"], "--kv-cache-mb"),
         (["--model", "huge"], "--model"),
         (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--kv-cache-mb", "100000000"], "this machine's memory"),  # hung allocating 100 TB
+        (["--max-body-mb", "1e308"], "--max-body-mb"),  # was an OverflowError traceback
     ],
 )
 def test_bad_options_are_one_line_and_exit_2(args, words):

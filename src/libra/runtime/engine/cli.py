@@ -44,7 +44,7 @@ def _presets() -> list[str]:
     "--threads", default=1, show_default=True, type=click.IntRange(1, 256), help="torch CPU threads."
 )
 @click.option("--tool-rounds", default=1, show_default=True, type=click.IntRange(0), help="Tool calls an 'auto' turn makes before answering in text.")  # fmt: skip
-@click.option("--max-body-mb", default=8.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Largest request body.")  # fmt: skip
+@click.option("--max-body-mb", default=8.0, show_default=True, type=click.FloatRange(min=0, max=4096, min_open=True), help="Largest request body.")  # fmt: skip
 @click.option("--access-log", is_flag=True, help="Log every HTTP request.")
 def engine(save_checkpoint: str | None, host: str, port: int, access_log: bool, **options) -> None:
     """Built-in CPU inference engine: a small torch transformer with continuous batching and a

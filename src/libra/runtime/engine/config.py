@@ -7,6 +7,7 @@ bad value fails at start-up with one line naming the field, never mid-run.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -59,7 +60,7 @@ class EngineConfig(BaseModel):
     seed: int = 0
     threads: int = Field(1, ge=1, le=256)
     tool_rounds: int = Field(1, ge=0)
-    max_body_mb: float = Field(8.0, gt=0)
+    max_body_mb: float = Field(8.0, gt=0, le=4096)
 
     @field_validator("model")
     @classmethod
@@ -89,6 +90,9 @@ class EngineConfig(BaseModel):
         need = (-(-preset.max_model_len // bs) + 1) * bs * preset.kv_bytes_per_token()
         if v * 2**20 < need:
             raise ValueError(f"at least {-(-need // 2**20)} MiB for model {preset.name!r}")
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
+        if v > ram:  # the cache is allocated at start: more than the machine has would never start
+            raise ValueError(f"at most this machine's memory ({ram} MiB)")
         return v
 
     @property

@@ -96,7 +96,7 @@ class GatewayConfig(_Strict):
     health: HealthConfig = Field(default_factory=HealthConfig)
     sessions: SessionConfig = Field(default_factory=SessionConfig)
     tool_state: SizeThresholds = Field(default_factory=SizeThresholds)
-    max_body_mb: float = Field(8.0, gt=0, description="Largest request body; larger gets 413.")
+    max_body_mb: float = Field(8.0, gt=0, le=4096, description="Largest request body; larger gets 413.")
     connect_timeout_s: float = Field(5.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0, description="Whole upstream request, generation included.")
     no_instance_wait_s: float = Field(30.0, ge=0, description="How long a request waits for a healthy instance.")  # fmt: skip
