@@ -43,6 +43,12 @@ GOOD = {"id": "a", "prompt_id": "p", "step": 0, "prompt_tokens": 10,
         (lambda d: d.update(turns=[]), "turns"),
         (lambda d: d["turns"][0].update(output_tokens="many"), "output_tokens"),
         (lambda d: d["turns"][0].update(tool_latency_s=-1), "tool_latency_s"),
+        # each of these replayed for hours, or with nonsense times, before it was refused
+        (lambda d: d["turns"][0].update(output_tokens=10**12), "output_tokens"),
+        (lambda d: d["turns"][0].update(tool_latency_s=float("nan")), "tool_latency_s"),
+        (lambda d: d["turns"][0].update(tool_latency_s=1e308), "tool_latency_s"),
+        (lambda d: d.update(prompt_tokens=2**24, turns=[{"output_tokens": 2}]), "turns"),
+        (lambda d: None, "id"),  # line 1 has the same id: routers key trajectories by id
     ],
 )
 def test_malformed_line_names_file_line_field(tmp_path, mutate, field):

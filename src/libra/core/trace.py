@@ -17,15 +17,22 @@ from pathlib import Path
 from libra.core.errors import TraceError
 from libra.core.trajectory import ToolStatus, Trajectory, Turn
 
+# No model serves a context this long; a larger token count is a corrupt line, and replaying it
+# would keep the simulator decoding for hours.
+MAX_TOKENS = 1 << 24
+MAX_TOOL_LATENCY_S = 86_400.0  # a day
 
-def _int_field(rec: dict, key: str, where: tuple[str, int], minimum: int = 0, default=None) -> int:
+
+def _int_field(
+    rec: dict, key: str, where: tuple[str, int], minimum: int = 0, default=None, maximum: int = MAX_TOKENS
+) -> int:
     if key not in rec:
         if default is not None:
             return default
         raise TraceError(*where, key, "is missing")
     v = rec[key]
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise TraceError(*where, key, f"must be an integer >= {minimum}, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, int) or not minimum <= v <= maximum:
+        raise TraceError(*where, key, f"must be an integer from {minimum} to {maximum}, got {v!r}")
     return v
 
 
@@ -48,8 +55,14 @@ def _parse_turn(d: object, where: tuple[str, int], k: int, last: bool) -> Turn:
     except (ValueError, AttributeError) as e:
         raise TraceError(*where, f"{name}.tool_status", str(e)) from None
     lat = d.get("tool_latency_s")
-    if lat is not None and (isinstance(lat, bool) or not isinstance(lat, (int, float)) or lat < 0):
-        raise TraceError(*where, f"{name}.tool_latency_s", f"must be a number >= 0, got {lat!r}")
+    if lat is not None and (
+        isinstance(lat, bool) or not isinstance(lat, (int, float)) or not 0 <= lat <= MAX_TOOL_LATENCY_S
+    ):
+        raise TraceError(
+            *where,
+            f"{name}.tool_latency_s",
+            f"must be a number from 0 to {MAX_TOOL_LATENCY_S:g}, got {lat!r}",
+        )
     ret = _int_field(d, "tool_return_tokens", where, 0, default=0)
     return Turn(out, tool, ret, status, None if lat is None else float(lat))
 
@@ -64,13 +77,22 @@ def parse_trajectory(rec: object, where: tuple[str, int]) -> Trajectory:
     for key in ("id", "prompt_id"):
         if not isinstance(rec.get(key), str) or not rec[key]:
             raise TraceError(*where, key, f"must be a non-empty string, got {rec.get(key)!r}")
-    return Trajectory(
-        id=rec["id"],
-        prompt_id=rec["prompt_id"],
-        step=_int_field(rec, "step", where, 0, default=0),
-        prompt_tokens=_int_field(rec, "prompt_tokens", where, 1),
-        turns=turns,
+    return _checked(
+        Trajectory(
+            id=rec["id"],
+            prompt_id=rec["prompt_id"],
+            step=_int_field(rec, "step", where, 0, default=0, maximum=2**62),
+            prompt_tokens=_int_field(rec, "prompt_tokens", where, 1),
+            turns=turns,
+        ),
+        where,
     )
+
+
+def _checked(t: Trajectory, where: tuple[str, int]) -> Trajectory:
+    if t.total_tokens > MAX_TOKENS:
+        raise TraceError(*where, "turns", f"add up to {t.total_tokens} tokens; at most {MAX_TOKENS}")
+    return t
 
 
 def json_lines(path: Path) -> Iterator[tuple[int, object]]:
@@ -95,14 +117,20 @@ def _looks_like_llmservingsim(rec: object) -> bool:
 def read_trace(path: str | Path) -> list[Trajectory]:
     """Read a Libra trace or an LLMServingSim agentic-session file; the format is detected per line."""
     path = Path(path)
-    out = []
+    out, line_of = [], {}
     for n, rec in json_lines(path):
         where = (str(path), n)
-        out.append(
+        t = (
             parse_llmservingsim(rec, where)
             if _looks_like_llmservingsim(rec)
             else parse_trajectory(rec, where)
         )
+        if t.id in line_of:  # routers and the simulator key trajectories by id
+            raise TraceError(
+                *where, "id", f"{t.id!r} is already the id of line {line_of[t.id]}; ids must be unique"
+            )
+        line_of[t.id] = n
+        out.append(t)
     if not out:
         raise TraceError(str(path), 0, "<file>", "holds no trajectories")
     return out
@@ -130,8 +158,11 @@ def parse_llmservingsim(rec: dict, where: tuple[str, int]) -> Trajectory:
             raise TraceError(*where, f"sub_requests[{k}].tool_duration_ns", f"must be >= 0, got {dur!r}")
         turns.append(Turn(outs[k], "tool", ret, ToolStatus.SUCCESS, dur / 1e9))
     sid = str(rec["session_id"])
-    return Trajectory(
-        id=sid, prompt_id=sid, step=int(rec.get("step", 0) or 0), prompt_tokens=ins[0], turns=turns
+    return _checked(
+        Trajectory(
+            id=sid, prompt_id=sid, step=int(rec.get("step", 0) or 0), prompt_tokens=ins[0], turns=turns
+        ),
+        where,
     )
 
 
