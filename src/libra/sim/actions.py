@@ -38,7 +38,7 @@ from libra.sim.report import write_json
 
 class ClusterParams(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
-    # Bounded so a typo cannot allocate the world: 4096 nodes of 1024 cores is 30x the setting.
+    # Bounded so a typo cannot allocate the world; both are far past the setting (4 nodes x 32 cores).
     nodes: int = Field(4, ge=1, le=4096)
     cores_per_node: int = Field(32, ge=1, le=1024)
     numa_per_node: int = Field(2, ge=1)
