@@ -108,8 +108,7 @@ def _load_scenario(name: str) -> dict:
 def check_sections(sc: dict, name: str) -> None:
     """The scenario is an RL one, and every section has only known fields with allowed values.
     The split is left out: the planner chooses it, and --gpus may change the cluster under it."""
-    from libra.sim.rl_config import ClusterCfg, PipelineCfg, RLScenario, RolloutCfg, TrainCfg
-    from libra.sim.workloads.base import WorkloadConfig
+    from libra.sim.rl_config import RLScenario, section_models
 
     if sc.get("kind", "rl") != "rl":
         raise ConfigError("--scenario", name, "an RL scenario (kind: rl), such as libra-r2e-48gpu")
@@ -117,9 +116,8 @@ def check_sections(sc: dict, name: str) -> None:
     for key in sc:
         if key not in known:
             raise ConfigError(f"scenario.{key}", sc[key], sorted(known))
-    models = {"cluster": ClusterCfg, "workload": WorkloadConfig, "train": TrainCfg, "rollout": RolloutCfg,
-              "pipeline": PipelineCfg, "planner": PlannerConfig, "elastic": ElasticConfig,
-              "selector": SelectorConfig}  # fmt: skip
+    models = {**section_models(), "selector": SelectorConfig}
+    models.pop("split")
     for key, model in models.items():
         if key in sc:
             build(model, _section(sc, key), f"scenario.{key}")

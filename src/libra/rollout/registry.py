@@ -1,8 +1,9 @@
 """The router registry: short names to router classes, and `make_router` to build one.
 
-The simulator's `router:NAME` / `planned:NAME` systems (with the scenario's `rollout.router_params`)
-and the live gateway (its `router` and `router_params`) both build their router here. A dotted path `pkg.mod:Class` plugs in an
-outside router with the same constructor: `Class(buckets, cost=None, seed=0, **params)`.
+The simulator's `router:NAME` / `planned:NAME` systems (with the scenario's
+`rollout.router_params`) and the live gateway (its `router` and `router_params`) both build their
+router here. A dotted path `pkg.mod:Class` plugs in an outside router with the same constructor:
+`Class(buckets, cost=None, seed=0, **params)`.
 """
 
 from __future__ import annotations

@@ -74,18 +74,6 @@ class TangramScenario(BaseModel):
     default_systems: list[str] | None = None
     equal_act: EqualActParams | None = None
 
-    def check(self) -> None:
-        """A trajectory's sandbox must fit on one node, or no trajectory could ever start."""
-        node = self.cluster.memory_gib_per_node
-        if self.coding is not None and self.coding.env_memory_gib > node:
-            raise ConfigError("coding.env_memory_gib", self.coding.env_memory_gib,
-                              f"<= cluster.memory_gib_per_node ({node:g})")  # fmt: skip
-        for name, spec in self.systems.items():
-            request = spec.get("cpu_request") if isinstance(spec, dict) else None
-            if isinstance(request, int | float) and request > self.cluster.cores_per_node:
-                raise ConfigError(f"systems.{name}.cpu_request", request,
-                                  f"<= cluster.cores_per_node ({self.cluster.cores_per_node})")  # fmt: skip
-
 
 def run(
     scenario: dict,
@@ -98,7 +86,6 @@ def run(
     **_: object,
 ) -> dict:
     sc = build(TangramScenario, scenario, "scenario")
-    sc.check()
     names = _system_names(sc, systems)
     n_steps = steps or sc.steps
     progress = progress or (lambda label, frac: None)
@@ -136,6 +123,9 @@ class CodingSetup:
         self.params = sc.coding or CodingParams()
         self.workload = CodingWorkload(self.params, load_profiles(sc.profiles))
         self.env_memory_gib = self.params.env_memory_gib
+        if self.env_memory_gib > c.memory_gib_per_node:  # no trajectory could ever be pinned
+            raise ConfigError("coding.env_memory_gib", self.env_memory_gib,
+                              f"<= cluster.memory_gib_per_node ({c.memory_gib_per_node:g})")  # fmt: skip
         self.nodes = [CpuNode.uniform(c.cores_per_node, c.numa_per_node, c.memory_gib_per_node, first=i * c.cores_per_node) for i in range(c.nodes)]  # fmt: skip
 
     def resources(self, gpus: int | None = None) -> Resources:

@@ -235,6 +235,10 @@ class K8sSystem(ActionSystem):
                 f"systems.{name}.type", "k8s", "a CPU scenario (the k8s baseline models CPU pods)"
             )
         self.nodes = [_Node(n.cores, n.memory_gib) for n in res.cpu_nodes]
+        most = max(n.cores for n in self.nodes)
+        if params.cpu_request > most:  # no pod could ever be scheduled
+            raise ConfigError(f"systems.{name}.cpu_request", params.cpu_request,
+                              f"<= cluster.cores_per_node ({most})")  # fmt: skip
         self.pod: dict[str, int | None] = {}  # traj -> node once ready, None while pending
         self._mem: dict[str, float] = {}
         self._pending_pods: deque[str] = deque()

@@ -125,12 +125,30 @@ class RLScenario(_Strict):
     def _check_sections(self) -> None:
         """The mappings other modules own (workload, planner, elastic), validated now, so a bad
         value is a one-line error at load time rather than a traceback mid-run."""
-        from libra.planner.config import ElasticConfig, PlannerConfig
-        from libra.sim.workloads import WorkloadConfig, make_workload
+        from libra.sim.workloads import make_workload
 
-        make_workload(build(WorkloadConfig, self.workload, prefix="scenario.workload"))
-        build(PlannerConfig, self.planner, prefix="scenario.planner")
-        build(ElasticConfig, self.elastic, prefix="scenario.elastic")
+        owned = owned_sections()
+        make_workload(build(owned["workload"], self.workload, prefix="scenario.workload"))
+        for key in ("planner", "elastic"):
+            build(owned[key], getattr(self, key), prefix=f"scenario.{key}")
+
+
+def owned_sections() -> dict[str, type[BaseModel]]:
+    """The sections RLScenario keeps as plain mappings, and the model of the module that owns each."""
+    from libra.planner.config import ElasticConfig, PlannerConfig
+    from libra.sim.workloads.base import WorkloadConfig
+
+    return {"workload": WorkloadConfig, "planner": PlannerConfig, "elastic": ElasticConfig}
+
+
+def section_models() -> dict[str, type[BaseModel]]:
+    """Every mapping section of an RL scenario and the model that validates it."""
+    typed = {
+        k: f.annotation
+        for k, f in RLScenario.model_fields.items()
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)
+    }
+    return {**typed, **owned_sections()}
 
 
 def parse_rl(data: dict, catalog: Catalog) -> RLScenario:
