@@ -80,7 +80,8 @@ def service(tmp_path_factory, judge):
     cfg = tmp_path_factory.mktemp("svc") / "actions.yaml"
     cfg.write_text(json.dumps({
         "warm_pool": 2, "max_body_bytes": 2**20, "max_code_bytes": 2**18,
-        "sandbox": {"default_timeout_s": 5, "max_timeout_s": 30, "output_limit_bytes": 100_000, "max_memory_mb": 4096},
+        "sandbox": {"default_timeout_s": 5, "max_timeout_s": 30, "output_limit_bytes": 100_000, "max_memory_mb": 4096,
+                    "uid_count": 64},  # few, so a leaked uid shows (test_files_the_work_dir_...)
         "quotas": {"judge": {"max_concurrency": 2, "tokens_per_period": 6, "period_s": 2}},
         "http_tools": {"judge": {"url": f"http://127.0.0.1:{judge.port}/score", "quota": "judge"}},
     }))  # fmt: skip
@@ -260,6 +261,56 @@ def test_bad_requests_get_4xx_with_json(http):
     detail = cases[2][0].json()["detail"][0]
     assert "cobol" in detail["allowed"] and "python" in detail["allowed"]
     assert http.get("/health").json()["status"] == "ok"
+
+
+@needs_sandbox
+def test_bodies_json_loads_accepts_but_nothing_can_use_get_4xx(http):
+    """Found by sending junk to every field: each of these was a 500 (a traceback in the log)."""
+    cases = [
+        (b'{"code": "\\ud800"}', 422, "code"),  # an unpaired surrogate: no file can hold it
+        (b'{"code": "print(1)", "files": {"\\udc00": "eA=="}}', 422, "files (a key)"),
+        (b'{"code": "x", "run_timeout": NaN}', 400, None),  # not JSON (RFC 8259)
+        (b"[" * 100_000 + b"]" * 100_000, 400, None),  # RecursionError in json.loads
+    ]
+    for raw, status, field in cases:
+        r = http.post("/run_code", content=raw)
+        assert r.status_code == status, (raw[:60], r.text[:200])
+        if field is not None:
+            assert r.json()["detail"][0]["field"] == field
+    sid = http.post("/sessions", json={}).json()["session_id"]
+    for bad in (
+        {"command": "ls\0"},
+        {"command": "ls", "args": ["\0"]},
+        {"tool": "python_tests", "path": "a\0"},
+    ):
+        r = http.post(f"/sessions/{sid}/actions", json=bad)
+        assert r.status_code == 422 and "NUL" in r.text, r.text[:200]
+    assert http.delete(f"/sessions/{sid}").status_code == 200
+    assert http.get("/health").json()["status"] == "ok"
+
+
+@needs_sandbox
+def test_files_the_work_dir_cannot_hold_are_422_and_leak_nothing(http):
+    """'.', a 300-byte name, a file that is also a directory, the script's own name as a directory,
+    and a file where an earlier action left a directory: each is the request's error, named."""
+    x = b64("x")
+    for files in ({".": x}, {"a/./b": x}, {"n" * 300: x}, {"a": x, "a/b": x}, {"_libra_main.py/x": x}):
+        r = http.post("/run_code", json={"code": "print(1)", "files": files})
+        assert r.status_code == 422 and r.json()["field"].startswith("files."), (files.keys(), r.text[:200])
+    sid = http.post("/sessions", json={}).json()["session_id"]
+    assert http.post(f"/sessions/{sid}/actions", json={"command": "mkdir d"}).json()["status"] == "Success"
+    r = http.post(f"/sessions/{sid}/actions", json={"command": "true", "files": {"d": x}})
+    assert r.status_code == 422 and r.json()["field"] == "files.d", r.text[:200]
+    assert http.post(f"/sessions/{sid}/actions", json={"command": "true"}).json()["status"] == "Success"
+    http.delete(f"/sessions/{sid}")
+    # A session refused at creation gives its uid and work dir back: more refusals than the service
+    # has uids, then a session still opens and a warm /run_code still runs.
+    for _ in range(300):
+        assert http.post("/sessions", json={"files": {"a": x, "a/b": x}}).status_code == 422
+    sid = http.post("/sessions", json={})
+    assert sid.status_code == 201, sid.text
+    http.delete(f"/sessions/{sid.json()['session_id']}")
+    assert http.post("/run_code", json={"code": "print(2)"}).json()["run_result"]["stdout"] == "2\n"
 
 
 def test_refuses_to_start_without_a_sandbox(tmp_path):

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from libra.actions import Action, ActionRecord, ActionState, Orchestrator, Start
+from libra.core.errors import LibraError
 
 log = logging.getLogger("libra.actions")
 
@@ -97,6 +98,8 @@ class Dispatcher:
         state = ActionState.FAILED
         try:
             result, state = await work(start)
+        except LibraError as e:  # the request's own fault (a file the work dir cannot hold): a 4xx
+            result = e
         except Exception as e:  # a bug in a work function must not take the service down
             log.exception("action %s failed in the service", a.id)
             result = e

@@ -65,6 +65,10 @@ class SessionAction(BaseModel):
             raise ValueError(f"tool {self.tool!r} is not known; allowed: {', '.join(TOOLS)}")
         if self.tool == "python_tests" and not self.path:
             raise ValueError("python_tests needs `path`, the test file or directory")
+        # They become argv strings, which cannot hold NUL (exec would refuse them).
+        for name, text in [("command", self.command), ("path", self.path), *(("args", a) for a in self.args)]:
+            if text is not None and "\0" in text:
+                raise ValueError(f"`{name}` must not contain a NUL character")
         return self
 
 

@@ -35,6 +35,7 @@ from libra.runtime.actions.sandbox import ExecResult, Isolation, Limits, RunStat
 from libra.runtime.actions.tools import call_http_tool, parse_summary, python_tests_argv
 from libra.runtime.actions.warm import WarmPool
 from libra.runtime.actions.workspace import UidPool, Workspaces, decode_files
+from libra.runtime.jsonbody import BodyError, parse_body
 
 log = logging.getLogger("libra.actions")
 
@@ -183,10 +184,15 @@ class ActionsService:
     async def _parse(self, request: web.Request, model: type[BaseModel]) -> BaseModel:
         raw = await self._read_body(request)
         try:
-            data = json.loads(raw) if raw.strip() else {}
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            self.metrics.rejected.labels("malformed").inc()
-            raise HttpError(400, "malformed JSON", detail=str(e)[:200]) from None
+            data = parse_body(raw) if raw.strip() else {}
+        except BodyError as e:
+            if e.field is None:
+                self.metrics.rejected.labels("malformed").inc()
+                raise HttpError(400, "malformed JSON", detail=str(e)[:200]) from None
+            self.metrics.rejected.labels("invalid").inc()
+            raise HttpError(
+                422, "invalid request", detail=[{"field": e.field, "allowed": e.allowed}]
+            ) from None
         if not isinstance(data, dict):
             raise HttpError(400, "the request body must be a JSON object", got=type(data).__name__)
         try:
@@ -300,9 +306,14 @@ class ActionsService:
         if uid is None:
             raise HttpError(503, "no free sandbox uid; delete some sessions")
         workdir = self.ws.create(uid)
+        try:
+            self.ws.write(workdir, files, uid)
+        except BaseException:  # a file the work dir cannot hold: give the uid and the dir back
+            self.ws.remove(workdir)
+            self.uids.release(uid)
+            raise
         now = time.monotonic()
         s = Session(uuid.uuid4().hex, uid, workdir, mem, now, now)
-        self.ws.write(workdir, files, uid)
         self.sessions[s.id] = s
         self.metrics.sessions.set(len(self.sessions))
         return web.json_response({"session_id": s.id, "memory_mb": mem, "workdir": "/workspace"}, status=201)

@@ -135,7 +135,11 @@ class WarmPool:
                   stdin: bytes, fetch: list[str], fetch_max: int) -> tuple[ExecResult, dict[str, str]]:  # fmt: skip
         t0 = time.monotonic()
         try:
-            self.ws.write(sb.workdir, files, sb.uid)
+            try:
+                self.ws.write(sb.workdir, files, sb.uid)
+            except BaseException:  # the request's files do not fit: the zygote never runs it
+                await self._retire(sb)
+                raise
             msg = json.dumps({"path": script, "cores": list(cores)}).encode() + b"\n"
             with contextlib.suppress(BrokenPipeError):
                 os.write(sb.ctl, msg)
@@ -159,7 +163,15 @@ class WarmPool:
                 await t
         while self._ready:
             sb = self._ready.popleft()
-            os.close(sb.ctl)  # the zygote reads EOF and exits
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(sb.proc.wait(), 5.0)
+            await self._retire(sb)
             self._discard(sb.uid, sb.workdir)
+
+    @staticmethod
+    async def _retire(sb: WarmSandbox) -> None:
+        """Stop an unused zygote: it reads EOF on its control pipe and exits (killed if it does not)."""
+        os.close(sb.ctl)
+        try:
+            await asyncio.wait_for(sb.proc.wait(), 5.0)
+        except Exception:
+            with contextlib.suppress(ProcessLookupError):
+                sb.proc.kill()

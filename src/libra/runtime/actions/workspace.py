@@ -37,12 +37,28 @@ class UidPool:
         return len(self._free)
 
 
+NAME_MAX = 255  # bytes in one path component (Linux)
+NAME_TOTAL_MAX = 1024  # bytes in a whole relative name; the work dir's own path comes on top
+NAME_RULE = (
+    f"a relative path inside the work dir: no leading '/', no '.', '..' or empty parts, no NUL,"
+    f" each part at most {NAME_MAX} bytes and the whole at most {NAME_TOTAL_MAX}"
+)
+
+
+def _nbytes(s: str) -> int:
+    return len(s.encode("utf-8", "surrogatepass"))
+
+
 def check_name(name: str, field: str) -> PurePosixPath:
-    """A relative path inside the work dir: no absolute paths, no '..', no empty parts."""
-    p = PurePosixPath(name)
-    if not name or p.is_absolute() or any(part in ("..", "") for part in name.split("/")) or "\0" in name:
-        raise ConfigError(field, name, "a relative path inside the work dir, without '..'")
-    return p
+    """A relative path inside the work dir that the file system can hold (NAME_RULE)."""
+    parts = name.split("/")
+    if (
+        "\0" in name
+        or _nbytes(name) > NAME_TOTAL_MAX
+        or any(part in ("", ".", "..") or _nbytes(part) > NAME_MAX for part in parts)
+    ):
+        raise ConfigError(field, name[:200], NAME_RULE)
+    return PurePosixPath(name)
 
 
 def decode_files(files: dict[str, str | None], field: str = "files") -> dict[PurePosixPath, bytes]:
@@ -53,7 +69,16 @@ def decode_files(files: dict[str, str | None], field: str = "files") -> dict[Pur
             out[path] = base64.b64decode(data or "", validate=True)
         except (binascii.Error, ValueError):
             raise ConfigError(f"{field}.{name}", (data or "")[:40], "base64-encoded content") from None
+    check_no_clash(out, field)
     return out
+
+
+def check_no_clash(files: dict[PurePosixPath, bytes], field: str = "files") -> None:
+    """No name may be both a file and a directory of another file (`a` and `a/b`)."""
+    dirs = {d for p in files for d in p.parents}
+    for p in files:
+        if p in dirs:
+            raise ConfigError(f"{field}.{p}", str(p), "a file name that is not also another file's directory")
 
 
 class Workspaces:
@@ -71,15 +96,25 @@ class Workspaces:
         return d
 
     def write(self, workdir: Path, files: dict[PurePosixPath, bytes], uid: int) -> None:
+        """Write each file as `uid`. A name the directory cannot hold (a directory, a link or a file
+        already in the way, left there by an earlier action) is the request's error, not ours."""
         for rel, data in files.items():
-            parent = self._dir_inside(workdir, rel.parent, uid)
-            fd = os.open(parent / rel.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
             try:
-                os.write(fd, data) if data else None
-                if self.chown:
-                    os.fchown(fd, uid, uid)
-            finally:
-                os.close(fd)
+                self._write_one(workdir, rel, data, uid)
+            except OSError as e:
+                raise ConfigError(
+                    f"files.{rel}", str(rel), f"a path the work dir can hold ({e.strerror})"
+                ) from None
+
+    def _write_one(self, workdir: Path, rel: PurePosixPath, data: bytes, uid: int) -> None:
+        parent = self._dir_inside(workdir, rel.parent, uid)
+        fd = os.open(parent / rel.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        try:
+            os.write(fd, data) if data else None
+            if self.chown:
+                os.fchown(fd, uid, uid)
+        finally:
+            os.close(fd)
 
     def _dir_inside(self, workdir: Path, rel: PurePosixPath, uid: int) -> Path:
         """Create (as the owner) and return a directory under `workdir`, refusing symlinks."""
