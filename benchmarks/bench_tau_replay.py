@@ -11,7 +11,7 @@ maximum over them, and how many orderings `cmlfq` wins against each rival.
 The engines are `libra-searchr1-48gpu`'s, with buckets suited to the trace's 2.7K-8.4K lengths
 (4096 / 6144 / rest), as in docs/rollout.md.
 
-Run: .venv/bin/python benchmarks/bench_tau_replay.py [--orderings 6]
+Run: .venv/bin/python benchmarks/bench_tau_replay.py [--orderings 6] [--set split.rollout_gpus=8 ...]
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from libra.core.config import apply_overrides  # noqa: E402
 from libra.core.errors import LibraError  # noqa: E402
 from libra.core.trace import deal_prompts, read_trace, write_trace  # noqa: E402
 from libra.core.trajectory import Trajectory  # noqa: E402
+from libra.costmodel.catalog import load_catalog  # noqa: E402
 from libra.sim.pipeline import run  # noqa: E402
+from libra.sim.rl_config import parse_rl  # noqa: E402
 from libra.sim.scenarios import load_scenario  # noqa: E402
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "trajectories" / "tau-bench-airline.jsonl"
@@ -39,9 +41,8 @@ BUCKETS = (
 )
 
 
-def replay(trajs: list[Trajectory], path: Path) -> dict[str, dict]:
+def replay(trajs: list[Trajectory], path: Path, scenario: dict) -> dict[str, dict]:
     write_trace(trajs, path)
-    scenario = apply_overrides(load_scenario("libra-searchr1-48gpu"), [BUCKETS])
     systems = [f"router:{r}" for r in ROUTERS]
     out = run(scenario, systems, None, 0, None, lambda *a: None, trace=str(path))["systems"]
     return {
@@ -68,6 +69,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--orderings", type=int, default=6, help="The trace's own order plus N-1 reshuffles.")
     ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="A scenario override, as libra simulate --set.",
+    )
     args = ap.parse_args()
     if args.orderings < 1:
         ap.error(f"--orderings must be an integer >= 1, got {args.orderings}")
@@ -77,9 +85,14 @@ def main() -> None:
         trajs = read_trace(args.trace)
     except LibraError as e:  # a malformed line: FILE:LINE: field ...
         ap.error(f"--trace: {e}")
+    try:
+        scenario = apply_overrides(load_scenario("libra-searchr1-48gpu"), [BUCKETS, *args.set])
+        parse_rl(scenario, load_catalog())  # a bad --set is an error now, not a traceback later
+    except LibraError as e:
+        ap.error(f"--set: {e}")
     with tempfile.TemporaryDirectory() as tmp:
         runs = [
-            replay(deal_prompts(trajs, seed), Path(tmp) / f"order{seed}.jsonl")
+            replay(deal_prompts(trajs, seed), Path(tmp) / f"order{seed}.jsonl", scenario)
             for seed in range(args.orderings)
         ]
     report("tau_replay", {"orderings": args.orderings, **summarise(runs)})
