@@ -274,6 +274,48 @@ def test_bad_requests_get_4xx_json(engine, body, status, param):  # noqa: F811
         assert err["error"]["param"] == param
 
 
+@pytest.mark.parametrize(
+    "raw, param",
+    [
+        (b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
+        (
+            b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stop": ["\\udc00"]}',
+            "stop[0]",
+        ),
+        (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', None),
+        (b"[" * 50_000 + b"]" * 50_000, None),
+    ],
+)
+def test_bodies_json_loads_accepts_but_the_engine_cannot_use_are_400(engine, raw, param):  # noqa: F811
+    """An unpaired surrogate reached the tokenizer, NaN is not JSON, and deep nesting was a
+    RecursionError: each was a 500."""
+    code, err = post(engine, "/v1/chat/completions", raw)
+    assert code == 400 and err["error"]["param"] == param, err
+    assert engine.get("/health")["status"] == "ok"
+
+
+def test_extreme_but_valid_sampling_and_tool_schemas_are_served(client):
+    """A temperature or top_p that underflows (1e-300, 5e-324) samples greedily instead of failing
+    the engine step; a tool schema with junk where types and required names go (a dict, a list,
+    a number) is read as leniently as a missing one."""
+    full = {"ignore_eos": True}
+    greedy = client.chat.completions.create(model="tiny", messages=[USER], max_tokens=6, temperature=0, extra_body=full)  # fmt: skip
+    for kw in ({"temperature": 1e-300}, {"top_p": 5e-324}, {"temperature": 1e-45, "top_p": 1e-45}):
+        r = client.chat.completions.create(model="tiny", messages=[USER], max_tokens=6, extra_body=full, **kw)
+        assert r.choices[0].finish_reason == "length"
+        if "temperature" in kw:
+            assert r.choices[0].message.content == greedy.choices[0].message.content
+    for params in (
+        {"type": "object", "properties": {"a": {"type": {"x": 1}}}, "required": 5},
+        {"type": "object", "properties": {"a": {"type": [["x"]]}}, "required": [{}, ["a"], "a"]},
+        {"type": ["object"], "properties": {"a": {"type": "array", "items": {"type": [1, 2]}}}},
+    ):
+        tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+        r = client.chat.completions.create(model="tiny", messages=[USER], tools=[tool], tool_choice="required", max_tokens=60)  # fmt: skip
+        call = r.choices[0].message.tool_calls[0]
+        assert call.function.name == "f" and isinstance(json.loads(call.function.arguments), dict)
+
+
 def test_oversize_body_unknown_route_and_wrong_method(engine):  # noqa: F811
     big = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x" * (9 * 2**20)}]}).encode()
     code, err = post(engine, "/v1/chat/completions", big)

@@ -125,8 +125,54 @@ def test_bad_requests_get_json_4xx_and_the_gateway_keeps_serving(gw):
     assert metric(text, "libra_gateway_requests_total", endpoint="/v1/chat/completions", status="413") >= 1
 
 
+def test_bodies_and_ids_that_would_break_a_header_or_a_router_are_400(gw, backends):
+    """Each was a 500 (or a dropped connection) before: an unpaired surrogate, NaN, deep nesting,
+    a session id with a control character (it goes back out in X-Session-ID), a step that
+    `str.isdigit` passes but `int` refuses, a 100k-character prompt id, a backend whose host the
+    resolver refuses or whose API key holds NUL, and a finish with 10^30 tokens (which then broke
+    routing for every sibling of the session)."""
+    user = [{"role": "user", "content": "hi"}]
+    ok = {"model": "instant", "messages": user}
+    cases = [
+        (
+            "/v1/chat/completions",
+            b'{"model": "instant", "messages": [{"role": "user", "content": "\\ud800"}]}',
+            {},
+            "messages[0].content",
+        ),  # fmt: skip
+        ("/v1/chat/completions", b'{"model": "instant", "messages": [], "n": NaN}', {}, None),
+        ("/v1/chat/completions", b"[" * 20_000 + b"]" * 20_000, {}, None),
+        ("/v1/chat/completions", {**ok, "user": "a\x00b"}, {}, "user"),
+        ("/v1/chat/completions", {**ok, "user": "a\r\nSet-Cookie: x=1"}, {}, "user"),
+        ("/v1/chat/completions", ok, {"X-Libra-Step": "\xb2"}, "X-Libra-Step"),
+        ("/v1/chat/completions", ok, {"X-Libra-Step": "9" * 5000}, "X-Libra-Step"),
+        ("/v1/chat/completions", ok, {"X-Session-ID": "p", "X-Prompt-ID": "p" * 300}, "X-Prompt-ID"),
+        ("/admin/instances", {"url": "http://" + "a" * 70 + ".com:1", "bucket": "short"}, {}, "url"),
+        ("/admin/instances", {"url": "http://a..b:1", "bucket": "short"}, {}, "url"),
+        (
+            "/admin/instances",
+            {"url": backends.urls[0], "bucket": "short", "name": "k", "api_key": "x\x00"},
+            {},
+            "api_key",
+        ),  # fmt: skip
+    ]
+    for path, body, headers, param in cases:
+        status, data, _ = gw.request("POST", path, body, headers=headers)
+        assert status == 400 and is_openai_error(data), (path, str(body)[:80], data)
+        assert data["error"]["param"] == param, (str(body)[:80], data)
+    assert chat(gw, "fin-1", user)[0] == 200
+    status, data = gw.post("/sessions/fin-1/finish", {"final_tokens": 10**30})
+    assert status == 400 and data["error"]["param"] == "final_tokens"
+    assert gw.post("/sessions/fin-1/finish", {"final_tokens": 40})[0] == 200
+    assert chat(gw, None, user)[0] == 200 and gw.get("/health")[0] == 200
+    assert len(gw.get("/admin/instances")[1]["instances"]) == 2
+
+
+# Text as a client may send it: any code point, unpaired surrogates and control characters too
+# (json.dumps writes a surrogate as its \\uXXXX escape, which json.loads reads back).
+any_text = st.text(st.characters(codec=None, exclude_categories=()), max_size=20)
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | any_text,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=20,
 )
@@ -146,7 +192,9 @@ messages_like = st.lists(
 bodies = st.one_of(
     st.binary(max_size=200),
     json_values.map(lambda v: json.dumps(v).encode()),
-    messages_like.map(lambda m: json.dumps({"model": "instant", "messages": m}).encode()),
+    st.tuples(messages_like, json_values).map(
+        lambda mu: json.dumps({"model": "instant", "messages": mu[0], "user": mu[1]}).encode()
+    ),
 )
 
 

@@ -110,6 +110,10 @@ def test_cli_configuration_errors_are_one_line_and_exit_2(capsys, tmp_path):
     bad_tree = tmp_path / "bad.json"
     bad_tree.write_text("{not a tree")
     assert "tree_path" in cli_error(capsys, *backend, "--tree-path", str(bad_tree))
+    assert "regular file" in cli_error(capsys, *backend, "--tree-path", "/dev/zero")  # read forever
+    assert "labels of 1 to 63" in cli_error(
+        capsys, "--backend", "http://a..b:1,bucket=a,tp=1,max_context=100"
+    )
     cfg = tmp_path / "gw.yaml"
     cfg.write_text(
         "buckets: [{name: a, tp: 1, max_context: 100}]\nbackends: [{url: 'http://h:1', bucket: b}]\n"

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 
+import aiohttp
 from aiohttp import web
+
+from libra.runtime.jsonbody import BodyError, parse_body
 
 
 class ApiError(Exception):
@@ -28,3 +31,30 @@ def json_error(status: int, message: str, param: str | None = None, code: str | 
     return web.Response(
         status=status, body=error_body(status, message, param, code), content_type="application/json"
     )
+
+
+async def read_json_object(request: web.Request, empty: dict | None = None) -> tuple[dict, bytes]:
+    """The request's body as a JSON object (and its raw bytes), or an ApiError in this shape.
+    An empty body is `empty` where given, an error otherwise.
+
+    `jsonbody.parse_body` refuses what `json.loads` accepts but nothing downstream can use; a body
+    the client cannot even deliver (a bogus Content-Encoding, a truncated chunk) is a 400 too.
+    """
+    try:
+        raw = await request.read()  # over client_max_size: 413, turned into JSON by the middleware
+    except (aiohttp.http_exceptions.HttpProcessingError, aiohttp.web_protocol.RequestPayloadError) as e:
+        why = getattr(e, "message", None) or str(e) or type(e).__name__
+        raise ApiError(400, f"could not read the request body ({why})", code="invalid_body") from None
+    if not raw.strip():
+        if empty is not None:
+            return empty, raw
+        raise ApiError(400, "a JSON object body is required", code="invalid_json")
+    try:
+        data = parse_body(raw)
+    except BodyError as e:
+        if e.field is None:
+            raise ApiError(400, f"request body is not valid JSON ({e})", code="invalid_json") from None
+        raise ApiError(400, str(e), e.field, "invalid_value") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    return data, raw

@@ -251,14 +251,15 @@ def value_segments(schema: object, depth: int = 0) -> list:
         return [Choice([json.dumps(v).encode() for v in s["enum"]], "args")]
     kind = s.get("type", "object" if "properties" in s else "string")
     if isinstance(kind, list):  # ["string", "null"]: generate the non-null alternative
-        kind = next((k for k in kind if k != "null"), "string")
-    return VALUE_KINDS.get(kind, _string)(s, depth)
+        kind = next((k for k in kind if isinstance(k, str) and k != "null"), "string")
+    return VALUE_KINDS.get(kind if isinstance(kind, str) else "string", _string)(s, depth)
 
 
 def object_segments(schema: dict, depth: int = 0) -> list:
     """`{"key": value, ...}` over the required properties (all of them if none are required)."""
     props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-    required = [k for k in schema.get("required", []) or [] if k in props]
+    listed = schema.get("required")
+    required = [k for k in listed if isinstance(k, str) and k in props] if isinstance(listed, list) else []
     keys = (required or list(props))[:MAX_PROPERTIES] if depth <= MAX_DEPTH else []
     segs: list = [Lit(b"{", "args")]
     for i, key in enumerate(keys):

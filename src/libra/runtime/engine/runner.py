@@ -57,11 +57,16 @@ def sample(
     allowed = masks.rows([s.allowed() for s in seqs])
     masked = logits.masked_fill(~allowed, float("-inf"))
     picked = masked.argmax(dim=-1)
-    random_rows = [i for i, s in enumerate(seqs) if s.params.temperature > 0]
+    random_rows = [i for i, s in enumerate(seqs) if s.params.temperature >= SAMPLING_EPS]
     if random_rows:
         picked[random_rows] = _sample_random(masked[random_rows], [seqs[i] for i in random_rows])
     tokens = picked.tolist()
     return tokens, _logprobs(logits, tokens, seqs)
+
+
+# Below this temperature sampling is greedy, as in vLLM: dividing logits by 1e-300 overflows to
+# inf, and softmax of inf is NaN.
+SAMPLING_EPS = 1e-5
 
 
 def _sample_random(masked: Tensor, seqs: Seq[Sequence]) -> Tensor:
@@ -70,7 +75,9 @@ def _sample_random(masked: Tensor, seqs: Seq[Sequence]) -> Tensor:
     probs = torch.softmax(masked / temps[:, None], dim=-1)
     sorted_p, order = probs.sort(dim=-1, descending=True)
     cum = sorted_p.cumsum(dim=-1)
-    sorted_p = sorted_p * ((cum - sorted_p) < top_p[:, None])  # nucleus; the top token always stays
+    keep = (cum - sorted_p) < top_p[:, None]  # the nucleus
+    keep[:, 0] = True  # the top token always stays, even for a top_p that rounds to 0 in float32
+    sorted_p = sorted_p * keep
     cdf = sorted_p.cumsum(dim=-1)
     u = torch.tensor([[s.rng.random()] for s in seqs], dtype=cdf.dtype) * cdf[:, -1:]
     last_kept = (sorted_p > 0).sum(dim=-1, keepdim=True) - 1

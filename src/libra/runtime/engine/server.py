@@ -34,7 +34,7 @@ from libra.runtime.engine.metrics import EngineMetrics
 from libra.runtime.engine.model import TinyTransformer, build_model
 from libra.runtime.engine.sequence import SamplingParams, SeqEvent, Sequence, TextOutput, ToolOutput
 from libra.runtime.engine.tokenizer import render_chat, render_prompt
-from libra.runtime.openai_errors import ApiError, json_error
+from libra.runtime.openai_errors import ApiError, json_error, read_json_object
 from libra.runtime.serving import serve_until_signalled
 
 log = logging.getLogger("libra.engine")
@@ -250,13 +250,7 @@ class EngineServer:
     # ---- request plumbing -----------------------------------------------------------------------
 
     async def _parse(self, request: web.Request, model: type[p.SamplingRequest]) -> p.SamplingRequest:
-        raw = await request.read()
-        try:
-            data = json.loads(raw)
-        except ValueError as e:
-            raise ApiError(400, f"request body is not valid JSON ({e})", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+        data, _ = await read_json_object(request)
         req = build(model, data)
         if req.model != self.cfg.served_name:
             msg = f"model {req.model!r} does not exist here; this engine serves {self.cfg.served_name!r}"

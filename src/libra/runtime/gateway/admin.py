@@ -26,14 +26,14 @@ Admin endpoints have no authentication: the gateway binds to 127.0.0.1 unless to
 
 from __future__ import annotations
 
-import json
-
 from aiohttp import web
 
 from libra.core.config import build
+from libra.core.trace import MAX_TOKENS
 from libra.rollout.tree import state_key
 from libra.runtime.gateway.config import BackendConfig
 from libra.runtime.gateway.errors import ApiError
+from libra.runtime.openai_errors import read_json_object
 
 
 def register(app: web.Application, gw) -> None:
@@ -51,18 +51,7 @@ def register(app: web.Application, gw) -> None:
 
 
 async def _json_body(request: web.Request, required: bool) -> dict:
-    raw = await request.read()
-    if not raw.strip():
-        if required:
-            raise ApiError(400, "a JSON object body is required", code="invalid_json")
-        return {}
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"request body is not valid JSON ({e})", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
-    return data
+    return (await read_json_object(request, None if required else {}))[0]
 
 
 class _Handlers:
@@ -128,8 +117,8 @@ class _Handlers:
     async def finish(self, request: web.Request) -> web.Response:
         data = await _json_body(request, required=False)
         final = data.get("final_tokens")
-        if final is not None and (not isinstance(final, int) or isinstance(final, bool) or final < 0):
-            raise ApiError(400, f"final_tokens must be a non-negative integer, got {final!r}", "final_tokens", "invalid_value")  # fmt: skip
+        if final is not None and (not isinstance(final, int) or isinstance(final, bool) or not 0 <= final <= MAX_TOKENS):  # fmt: skip
+            raise ApiError(400, f"final_tokens must be an integer from 0 to {MAX_TOKENS}, got {final!r}", "final_tokens", "invalid_value")  # fmt: skip
         s, traj = self.gw.tracker.finish(request.match_info["sid"], final)
         self.gw.feed(traj)
         self.gw.metrics.session_finished("client")

@@ -12,9 +12,11 @@ the order `libra.rollout` expects.
 
 from __future__ import annotations
 
+import ipaddress
+from typing import Annotated
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from libra.core.config import build
 from libra.core.errors import ConfigError
@@ -25,6 +27,34 @@ BACKEND_SPEC = "URL,bucket=NAME,tp=T,max_context=N[,cap=C][,node=K][,name=ID][,a
 BACKEND_KEYS = ("bucket", "tp", "max_context", "cap", "node", "name", "api_key")
 
 
+MAX_URL = 2048
+
+
+def _header_safe(v: str) -> str:
+    if len(v) > 256 or not v.isprintable():
+        raise ValueError("at most 256 printable characters (it is sent in HTTP headers)")
+    return v
+
+
+# Names and keys the gateway sends in HTTP headers (X-Libra-Instance, X-Libra-Bucket,
+# Authorization): a control character there would fail every request to the instance.
+HeaderText = Annotated[str, AfterValidator(_header_safe)]
+
+
+def _resolvable(host: str) -> bool:
+    """An IP address, or a name the resolver can encode (it refuses empty and over-long labels)."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    try:
+        host.encode("idna")
+        return True
+    except UnicodeError:
+        return False
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
@@ -33,13 +63,15 @@ class BackendConfig(_Strict):
     """One OpenAI-compatible server: vLLM, SGLang, the built-in engine, or anything alike."""
 
     url: str = Field(description="Base URL, e.g. http://10.0.0.5:8000 (a trailing /v1 is dropped).")
-    bucket: str = Field(min_length=1, description="The bucket this instance serves.")
+    bucket: HeaderText = Field(min_length=1, description="The bucket this instance serves.")
     tp: int | None = Field(None, ge=1, description="Tensor-parallel degree (default: the bucket's).")
     max_context: int | None = Field(None, gt=0, description="Context this instance holds (default: the bucket's).")  # fmt: skip
     cap: int = Field(256, ge=1, description="Outstanding requests at which the router calls it saturated.")
     node: int = Field(0, ge=0, description="Machine index (routers price cross-node moves).")
-    name: str | None = Field(None, min_length=1, description="Instance id (default: host:port).")
-    api_key: str | None = Field(None, description="Sent as a Bearer token (default: the client's header).")
+    name: HeaderText | None = Field(None, min_length=1, description="Instance id (default: host:port).")
+    api_key: HeaderText | None = Field(
+        None, description="Sent as a Bearer token (default: the client's header)."
+    )
 
     @field_validator("url")
     @classmethod
@@ -51,6 +83,10 @@ class BackendConfig(_Strict):
             parts.port  # noqa: B018 - raises on a malformed port
         except ValueError:
             raise ValueError("a URL with a numeric port") from None
+        if len(v) > MAX_URL or any(c.isspace() or not c.isprintable() for c in v.strip()):
+            raise ValueError(f"a URL of at most {MAX_URL} printable characters, without spaces")
+        if not _resolvable(parts.hostname):
+            raise ValueError("a URL whose host is an IP address or a DNS name (labels of 1 to 63 characters)")
         path = parts.path.rstrip("/").removesuffix("/v1")
         return f"{parts.scheme}://{parts.netloc}{path}"
 
@@ -60,7 +96,7 @@ class BackendConfig(_Strict):
 
 
 class BucketConfig(_Strict):
-    name: str = Field(min_length=1)
+    name: HeaderText = Field(min_length=1)
     tp: int = Field(ge=1)
     max_context: int = Field(gt=0)
 

@@ -252,7 +252,8 @@ class HealthChecker:
             async with self.http.get(inst.cfg.url + self.cfg.path, timeout=self.timeout) as r:
                 await r.read()
                 ok, why = r.status == 200, f"health check returned HTTP {r.status}"
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        # ValueError: a host name the resolver refuses to encode (BackendConfig refuses most)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
             ok, why = False, f"health check failed: {type(e).__name__}: {e}"
         if inst.state == AdminState.REMOVED:
             return False

@@ -20,8 +20,8 @@ The hot path does no policy work of its own and no JSON encoding: the request bo
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import re
 import resource
 import socket
 import time
@@ -46,11 +46,13 @@ from libra.runtime.gateway.metrics import GatewayMetrics
 from libra.runtime.gateway.pool import HealthChecker, Instance, Pool, StateError
 from libra.runtime.gateway.sessions import Session, SessionError, SessionTracker, TurnRecord
 from libra.runtime.gateway.tree_store import TreeStore
+from libra.runtime.openai_errors import read_json_object
 from libra.runtime.serving import serve_until_signalled
 
 log = logging.getLogger("libra.gateway")
 perf = time.perf_counter
 MAX_SESSION_ID = 256
+STEP = re.compile(r"[0-9]{1,9}")
 FAILOVER_POLL_S = 0.05
 
 
@@ -185,14 +187,7 @@ class Gateway:
         return resp
 
     async def _read(self, request: web.Request) -> tuple[dict, bytes]:
-        body = await request.read()  # over client_max_size: 413, turned into JSON by the middleware
-        try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"request body is not valid JSON ({e})", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise ApiError(400, "request body must be a JSON object", code="invalid_json")
-        return data, body
+        return await read_json_object(request)
 
     def _check_model(self, data: dict) -> None:
         model = data.get("model")
@@ -207,19 +202,18 @@ class Gateway:
     # ---- one turn -------------------------------------------------------------------------------
 
     def _session(self, request: web.Request, data: dict) -> Session:
-        sid = request.headers.get("X-Session-ID")
+        sid, field = request.headers.get("X-Session-ID"), "X-Session-ID"
         if not sid:
             user = data.get("user")
-            sid = user if isinstance(user, str) and user else None
-        if sid is not None and len(sid) > MAX_SESSION_ID:
-            raise ApiError(400, f"session id is {len(sid)} characters; at most {MAX_SESSION_ID}", "X-Session-ID", "invalid_value")  # fmt: skip
+            sid, field = (user, "user") if isinstance(user, str) and user else (None, field)
+        prompt = request.headers.get("X-Prompt-ID") or None
         step = self.step
         raw = request.headers.get("X-Libra-Step")
         if raw is not None:
-            if not raw.isdigit():
-                raise ApiError(400, f"X-Libra-Step must be a non-negative integer, got {raw!r}", "X-Libra-Step", "invalid_value")  # fmt: skip
+            if not STEP.fullmatch(raw):
+                raise ApiError(400, f"X-Libra-Step must be a non-negative integer below 10^9, got {raw[:40]!r}", "X-Libra-Step", "invalid_value")  # fmt: skip
             step = int(raw)
-        return self.tracker.open(sid, request.headers.get("X-Prompt-ID") or None, step)
+        return self.tracker.open(_check_id(sid, field), _check_id(prompt, "X-Prompt-ID"), step)
 
     async def _proxy(self, request: web.Request, kind: str, data: dict, body: bytes, messages: list | None, chars: int) -> web.StreamResponse:  # fmt: skip
         s = self._session(request, data)
@@ -411,6 +405,15 @@ class Gateway:
         if up is not None:
             self.metrics.overhead_of(endpoint, elapsed - up)
         return resp
+
+
+def _check_id(value: str | None, field: str) -> str | None:
+    """A session or prompt id goes back out in headers and keys the router's trees: printable
+    (no control characters, which a header cannot carry) and at most MAX_SESSION_ID long."""
+    if value is not None and (len(value) > MAX_SESSION_ID or not value.isprintable()):
+        msg = f"{field} must be at most {MAX_SESSION_ID} printable characters, got {len(value)} characters: {value[:40]!r}"  # fmt: skip
+        raise ApiError(400, msg, field, "invalid_value")
+    return value
 
 
 async def _try_write(out: web.StreamResponse, data: bytes | None) -> bool:

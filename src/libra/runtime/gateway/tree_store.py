@@ -26,6 +26,10 @@ from libra.rollout.tree import CausalTree
 
 log = logging.getLogger("libra.gateway")
 
+# A tree of 100k nodes with full windows is about 100 MiB of JSON; 2 GiB is far beyond any real
+# one and still loads in this process's memory.
+MAX_TREE_BYTES = 2 << 30
+
 
 def router_tree(router) -> CausalTree | None:
     tree = getattr(router, "tree", None)
@@ -39,6 +43,8 @@ class TreeStore:
         self.router, self.path, self.interval_s = router, Path(path), interval_s
         if not self.path.parent.is_dir():
             raise ConfigError("tree_path", str(path), "a file in an existing directory")
+        if self.path.exists() and not self.path.is_file():  # /dev/zero would be read forever
+            raise ConfigError("tree_path", str(path), "a regular file (or one not there yet)")
         self.dirty = 0
         self.saves = 0
         self.on_save = lambda: None
@@ -52,6 +58,9 @@ class TreeStore:
         if not self.path.exists():
             log.info("tree %s does not exist yet; starting with an empty tree", self.path)
             return 0
+        size = self.path.stat().st_size
+        if size > MAX_TREE_BYTES:
+            raise ConfigError("tree_path", str(self.path), f"a causal tree file of at most {MAX_TREE_BYTES >> 20} MiB (it is {size >> 20} MiB)")  # fmt: skip
         try:
             loaded = CausalTree.load(self.path)
         except LibraError as e:
