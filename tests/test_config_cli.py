@@ -92,6 +92,12 @@ def test_train_json():
         ),
         (["costmodel", "nosuch"], "nosuch"),
         (["costmodel", "rollout", "--config", "/nonexistent.yaml"], "nonexistent"),
+        # Each of these was a traceback, an hour of arithmetic, or a read that never ends:
+        (["costmodel", "train", "--num-seqs", "99999999999999999999"], "num_seqs"),
+        (["costmodel", "train", "--dp", "99999999999999999999"], "dp"),
+        (["costmodel", "rollout", "--profile", "/dev/zero"], "not a regular file"),
+        (["costmodel", "catalog", "--catalog", "/dev/zero"], "not a regular file"),
+        (["plan", "--trace", "/dev/zero"], "not a regular file"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(args, needle):
@@ -100,6 +106,28 @@ def test_bad_input_exits_2_with_one_line(args, needle):
     assert needle in r.stderr
     assert "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_binary_files_are_one_line_errors(tmp_path):
+    """A config, catalog, profile or trace of bytes that are not UTF-8 was a UnicodeDecodeError."""
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(bytes(range(128, 256)) * 4)
+    for args, needle in [
+        (["costmodel", "rollout", "--config", str(junk)], "not UTF-8"),
+        (["costmodel", "catalog", "--catalog", str(junk)], "not UTF-8"),
+        (["plan", "--profile", str(junk)], "not UTF-8"),
+        (["simulate", "--trace", str(junk), "--steps", "1"], "junk.bin:1"),
+    ]:
+        r = run_cli(*args)
+        assert r.returncode == 2 and needle in r.stderr, (args, r.stderr)
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_large_training_batch_does_not_hang():
+    """Dealing 65536 sequences over 65536 DP ranks was quadratic (minutes); it is a heap now.
+    The timeout is a hang guard, not a speed goal (that is benchmarks/bench_planner.py)."""
+    r = run_cli("costmodel", "train", "--dp", "65536", "--num-seqs", "65536", "--json", timeout=30)
+    assert r.returncode == 0 and json.loads(r.stdout)["gpus"] == 65536
 
 
 def test_malformed_yaml_cli(tmp_path):

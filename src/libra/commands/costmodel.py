@@ -16,6 +16,7 @@ from libra.commands.common import (
 )
 from libra.core.config import load_model
 from libra.core.errors import ConfigError
+from libra.core.trace import MAX_TOKENS
 from libra.costmodel.calibrate import fit_rollout, read_measurements
 from libra.costmodel.catalog import Catalog, load_catalog
 from libra.costmodel.efficiency import Profile, load_profile, save_profile
@@ -27,24 +28,25 @@ class RolloutQuery(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
     hardware: str = "a800-80g"
     model: str = "qwen3-14b"
-    tp: int = Field(1, ge=1)
-    batch: int = Field(64, ge=1)
-    context: int = Field(1024, ge=1)
+    tp: int = Field(1, ge=1, le=64)
+    batch: int = Field(64, ge=1, le=1 << 16)
+    context: int = Field(1024, ge=1, le=MAX_TOKENS)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    max_num_batched_tokens: int = Field(8192, ge=1)
+    max_num_batched_tokens: int = Field(8192, ge=1, le=1 << 20)
 
 
 class TrainQuery(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
     hardware: str = "a800-80g"
     model: str = "qwen3-14b"
-    tp: int = Field(1, ge=1)
-    pp: int = Field(1, ge=1)
-    dp: int = Field(1, ge=1)
-    cp: int = Field(1, ge=1)
-    micro_batch: int = Field(1, ge=1)
-    seq_len: int = Field(4096, ge=1)
-    num_seqs: int = Field(64, ge=1)
+    # Bounds far beyond any real job, so a typo is an error rather than an hour of arithmetic.
+    tp: int = Field(1, ge=1, le=64)
+    pp: int = Field(1, ge=1, le=1024)
+    dp: int = Field(1, ge=1, le=1 << 16)
+    cp: int = Field(1, ge=1, le=64)
+    micro_batch: int = Field(1, ge=1, le=4096)
+    seq_len: int = Field(4096, ge=1, le=MAX_TOKENS)
+    num_seqs: int = Field(64, ge=1, le=1 << 16)
     recompute: bool = True
 
 

@@ -7,6 +7,8 @@ Validation errors become one `ConfigError` line naming the field, the value and 
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,12 +20,33 @@ from libra.core.errors import ConfigError
 M = TypeVar("M", bound=BaseModel)
 
 
+MAX_TEXT_FILE = 64 << 20  # a config or catalog this large is a wrong path, not a config
+
+
+def read_text_file(p: Path, limit: int = MAX_TEXT_FILE) -> str:
+    """A regular UTF-8 file's text. ValueError for a device or FIFO (/dev/zero reads forever), a
+    file over `limit` bytes, or bytes that are not UTF-8; OSError when it cannot be opened."""
+    with p.open("rb") as fh:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        if st.st_size > limit:
+            raise ValueError(f"{st.st_size >> 20} MiB; at most {limit >> 20} MiB")
+        data = fh.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 text: byte {e.start} is 0x{data[e.start]:02x}") from None
+
+
 def load_yaml(path: str | Path) -> dict:
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = read_text_file(p)
     except OSError as e:
         raise ConfigError("config", str(p), f"a readable YAML file ({e.strerror})") from None
+    except ValueError as e:  # not UTF-8, or not a regular file
+        raise ConfigError("config", str(p), f"a YAML text file ({e})") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

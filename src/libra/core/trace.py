@@ -9,7 +9,9 @@ traces from that simulator replay unchanged.
 from __future__ import annotations
 
 import json
+import os
 import random
+import stat
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -95,19 +97,30 @@ def _checked(t: Trajectory, where: tuple[str, int]) -> Trajectory:
     return t
 
 
+MAX_LINE = 64 << 20  # bytes in one JSONL line: a trajectory is far smaller
+
+
 def json_lines(path: Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed JSON) of each non-blank line. Read as bytes, so a line that is not
+    UTF-8 is an error naming the line, and a regular file only (/dev/zero would never end)."""
     try:
-        fh = path.open(encoding="utf-8")
+        fh = path.open("rb")
     except OSError as e:
         raise TraceError(str(path), 0, "<file>", f"cannot be read: {e.strerror}") from None
     with fh:
-        for n, line in enumerate(fh, 1):
+        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+            raise TraceError(str(path), 0, "<file>", "is not a regular file")
+        n = 0
+        while line := fh.readline(MAX_LINE + 1):
+            n += 1
+            if len(line) > MAX_LINE:
+                raise TraceError(str(path), n, "<line>", f"is longer than {MAX_LINE >> 20} MiB")
             if not line.strip():
                 continue
             try:
                 yield n, json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise TraceError(str(path), n, "<line>", f"is not valid JSON ({e})") from None
+            except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError
+                raise TraceError(str(path), n, "<line>", f"is not valid JSON ({str(e)[:200]})") from None
 
 
 def _looks_like_llmservingsim(rec: object) -> bool:

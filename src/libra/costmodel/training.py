@@ -16,6 +16,7 @@ The memory model answers "does this fit?" so that no planner emits a configurati
 from __future__ import annotations
 
 import functools
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -176,9 +177,9 @@ def _deal(lens: tuple[int, ...], dp: int) -> tuple[tuple[int, ...], ...]:
 
     Cached: the planner prices one step's lengths under hundreds of layouts that share a DP size."""
     ranks: list[list[int]] = [[] for _ in range(dp)]
-    loads = [0.0] * dp
+    heap = [(0.0, i) for i in range(dp)]  # (load, rank): ties go to the lowest rank
     for n in sorted(lens, reverse=True):
-        i = loads.index(min(loads))
+        load, i = heap[0]
         ranks[i].append(n)
-        loads[i] += n + n * n / 8192
+        heapq.heapreplace(heap, (load + n + n * n / 8192, i))
     return tuple(tuple(r) for r in ranks)

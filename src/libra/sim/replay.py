@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from libra.core.config import read_text_file
 from libra.core.errors import ConfigError, TraceError
 from libra.core.trace import json_lines
 from libra.costmodel.catalog import Catalog
@@ -44,13 +45,15 @@ class Bench:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(read_text_file(path))
     except OSError as e:
         raise ConfigError(
             "dir", str(path.parent), f"a vLLM bench folder with {path.name} ({e.strerror})"
         ) from None
     except json.JSONDecodeError as e:
         raise TraceError(str(path), e.lineno, "<file>", f"is not valid JSON ({e.msg})") from None
+    except (ValueError, RecursionError) as e:  # not UTF-8, not a regular file, nested too deep
+        raise TraceError(str(path), 0, "<file>", f"is not a JSON text file ({str(e)[:200]})") from None
 
 
 def _match(names: dict, wanted: str, field: str, key=lambda spec: spec.source) -> str:
