@@ -14,13 +14,20 @@ from rich.table import Table
 json_option = click.option(
     "--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table."
 )
-set_option = click.option(
-    "--set",
-    "overrides",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="Override one config value (repeatable), e.g. split.train_gpus=32.",
-)
+
+
+def set_option_for(example: str):
+    """`--set KEY=VALUE`, with an example key of the command's own config."""
+    return click.option(
+        "--set",
+        "overrides",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help=f"Override one config value (repeatable), e.g. {example}.",
+    )
+
+
+set_option = set_option_for("split.train_gpus=32")  # a scenario's
 catalog_option = click.option(
     "--catalog",
     "catalogs",

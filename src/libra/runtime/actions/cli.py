@@ -7,7 +7,7 @@ import logging
 
 import click
 
-from libra.commands.common import set_option
+from libra.commands.common import set_option_for
 from libra.core.config import load_model
 from libra.core.errors import LibraError
 from libra.runtime.actions.config import ServiceConfig
@@ -22,7 +22,7 @@ from libra.runtime.actions.config import ServiceConfig
     is_flag=True,
     help="Run actions without bubblewrap isolation (rlimits and affinity only). Never on shared machines.",
 )
-@set_option
+@set_option_for("warm_pool=8")
 def actions(host, port, config, insecure_no_sandbox, overrides):
     """Sandboxed actions service: SandboxFusion /run_code, sessions, quota-limited tools."""
     flags = {k: v for k, v in (("host", host), ("port", port)) if v is not None}

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import click
 
-from libra.commands.common import set_option
+from libra.commands.common import set_option_for
 from libra.core.config import apply_overrides, load_yaml
 from libra.core.errors import ConfigError
 from libra.runtime.gateway.config import BACKEND_SPEC, backend_from_spec, load_gateway_config
@@ -31,7 +31,7 @@ from libra.runtime.gateway.config import BACKEND_SPEC, backend_from_spec, load_g
     "--router", default=None, help="Router: a registered name or pkg.module:Class [default: cmlfq]."
 )
 @click.option("--tree-path", default=None, type=click.Path(dir_okay=False), help="Causal tree file: loaded at start, saved periodically and at shutdown.")  # fmt: skip
-@set_option
+@set_option_for("health.interval_s=2")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))  # fmt: skip
 @click.option("--access-log", is_flag=True, help="Log every HTTP request.")
 def gateway(config_path, host, port, backends, router, tree_path, overrides, log_level, access_log) -> None:
