@@ -227,6 +227,28 @@ def test_eval_command_errors_are_one_line_and_exit_2(tmp_path):
     assert bad.returncode == 2 and "move_cost" in bad.stderr
     bad = _run("eval", "--trace", str(path), "--routers", "nope")
     assert bad.returncode == 2 and "cmlfq-paper" in bad.stderr
+    bad = _run("eval", "--trace", str(path), "--routers", ",")  # ran nothing and said nothing
+    assert bad.returncode == 2 and "--routers" in bad.stderr
+    bad = _run("eval", "--trace", str(path), "--set", "nosuch=1")
+    assert bad.returncode == 2 and "move_cost" in bad.stderr and bad.stderr.count("\n") == 1
+
+
+def test_eval_set_goes_to_the_routers_that_have_the_param(tmp_path):
+    """The help's own example, `--set move_cost=0.2`, failed with the default routers because
+    classic-mlfq has no move_cost. Each router now gets the params it has."""
+    import json
+
+    from libra.core.trace import write_trace
+
+    path = tmp_path / "t.jsonl"
+    write_trace(search_like(steps=4, prompts=8, samples=4, seed=1), path)  # enough for a first fit
+    args = ["eval", "--trace", str(path), "--routers", "cmlfq,classic-mlfq", "--buckets", "8192,12288,40960", "--json"]  # fmt: skip
+    base = {r["router"]: r for r in json.loads(_run(*args).stdout)}
+    out = _run(*args, "--set", "move_cost=1000")
+    assert out.returncode == 0, out.stderr
+    moved = {r["router"]: r for r in json.loads(out.stdout)}
+    assert moved["classic-mlfq"] == base["classic-mlfq"]
+    assert moved["cmlfq"]["migrations"] < base["cmlfq"]["migrations"]
 
 
 def test_one_bucket_keeps_learning_and_predicts_once_buckets_return(swe):

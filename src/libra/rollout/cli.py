@@ -79,15 +79,37 @@ def run_eval(trace_path: str, buckets: str, routers: str, order: str, overrides=
     from libra.rollout.registry import make_router
 
     bks = parse_buckets(buckets)
+    names = [r.strip() for r in routers.split(",") if r.strip()]
+    if not names:
+        raise ConfigError("--routers", routers, "one or more router names, comma-separated")
     params: dict = {}
     for text in overrides:
         path, value = parse_override(text)
         params[".".join(path)] = value
+    per_router = routed_params(names, params)
     trajs = read_trace(trace_path)
     out = []
-    for name in [r.strip() for r in routers.split(",") if r.strip()]:
-        res = evaluate(make_router(name, bks, **params), trajs, bks, order=order)
+    for name in names:
+        res = evaluate(make_router(name, bks, **per_router[name]), trajs, bks, order=order)
         d = res.to_dict()
         d["router"] = name
         out.append(d)
     return out
+
+
+def routed_params(names: list[str], params: dict) -> dict[str, dict]:
+    """Each router gets the `--set` params it has (move_cost goes to cmlfq, not to classic-mlfq);
+    a param no chosen router has is an error that lists what they do have."""
+    from libra.rollout.registry import router_class
+
+    fields = {n: getattr(getattr(router_class(n), "Params", None), "model_fields", None) for n in names}
+    known = set().union(*(f for f in fields.values() if f is not None))
+    for key, value in params.items():
+        top = key.split(".")[0]
+        if top not in known and all(f is not None for f in fields.values()):
+            raise ConfigError(
+                f"--set {key}", value, sorted(known) if known else "no param: these routers take none"
+            )
+    return {
+        n: {k: v for k, v in params.items() if f is None or k.split(".")[0] in f} for n, f in fields.items()
+    }
