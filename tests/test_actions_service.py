@@ -16,6 +16,8 @@ import time
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from libra.runtime.actions.client import ActionsClient, ServiceProcess
 from libra.runtime.actions.rewards import judge_reward, unit_test_reward
@@ -287,6 +289,54 @@ def test_bodies_json_loads_accepts_but_nothing_can_use_get_4xx(http):
         assert r.status_code == 422 and "NUL" in r.text, r.text[:200]
     assert http.delete(f"/sessions/{sid}").status_code == 200
     assert http.get("/health").json()["status"] == "ok"
+
+
+# A valid body with one field set to junk: any code point (unpaired surrogates and control
+# characters too), any JSON shape, or a name a file system cannot hold. One bad field at a time is
+# what reaches the code behind validation, where the 500s were.
+any_text = st.text(st.characters(codec=None, exclude_categories=()), max_size=12)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | any_text,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(any_text, inner, max_size=3),
+    max_leaves=8,
+)
+names = (
+    st.sampled_from([".", "..", "", "/etc/x", "a\x00", "\ud800", "x" * 300, "a/./b", "main.py/x"]) | any_text
+)
+junk = {
+    "files": st.dictionaries(names, st.just("eA=="), min_size=1, max_size=2) | json_values,
+    "fetch_files": st.lists(names, min_size=1, max_size=2) | json_values,
+}
+
+
+def one_bad_field(valid: dict, fields: list[str]):
+    return st.sampled_from(fields).flatmap(
+        lambda f: (junk.get(f, st.nothing()) | json_values | any_text).map(lambda v: {**valid, f: v})
+    )
+
+
+run_code_bodies = one_bad_field(
+    {"code": "print(1)", "language": "python", "run_timeout": 5, "files": {"a.txt": "eA=="}},
+    ["code", "language", "run_timeout", "memory_limit_MB", "stdin", "files", "fetch_files"],
+)
+action_bodies = one_bad_field(
+    {"command": "echo {parallel}", "parallel": 2, "files": {"a.txt": "eA=="}},
+    ["command", "path", "args", "parallel", "timeout", "stdin", "files", "fetch_files", "kind"],
+)
+
+
+@needs_sandbox
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(run=run_code_bodies, action=action_bodies)
+def test_any_body_gets_an_answer_below_500(http, run, action):
+    r = http.post("/run_code", content=json.dumps(run).encode())
+    assert r.status_code < 500 and isinstance(r.json(), dict), (run, r.text[:300])
+    sid = http.post("/sessions", json={}).json()["session_id"]
+    try:
+        r = http.post(f"/sessions/{sid}/actions", content=json.dumps(action).encode())
+        assert r.status_code < 500 and isinstance(r.json(), dict), (action, r.text[:300])
+    finally:
+        http.delete(f"/sessions/{sid}")
 
 
 @needs_sandbox
