@@ -15,6 +15,8 @@ import urllib.request
 
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.conftest import run_cli
 from tests.engine_fixtures import engine, engine_factory  # noqa: F401
@@ -314,6 +316,37 @@ def test_extreme_but_valid_sampling_and_tool_schemas_are_served(client):
         r = client.chat.completions.create(model="tiny", messages=[USER], tools=[tool], tool_choice="required", max_tokens=60)  # fmt: skip
         call = r.choices[0].message.tool_calls[0]
         assert call.function.name == "f" and isinstance(json.loads(call.function.arguments), dict)
+
+
+any_text = st.text(st.characters(codec=None, exclude_categories=()), max_size=12)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | any_text,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(any_text, inner, max_size=3),
+    max_leaves=8,
+)
+tiny_floats = st.sampled_from([1e-300, 5e-324, 1e-45, 2.0, 0.0])  # the underflows that failed a step
+CHAT = {"model": "tiny", "messages": [USER], "max_tokens": 4, "tools": [WEATHER]}
+CHAT_FIELDS = ["messages", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "logprobs",
+               "top_logprobs", "tools", "tool_choice", "user", "stream"]  # fmt: skip
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.sampled_from(CHAT_FIELDS).flatmap(lambda f: (json_values | tiny_floats).map(lambda v: {**CHAT, f: v})),
+    st.sampled_from(["messages", "tools"]),
+)
+def test_a_body_with_one_junk_field_gets_an_answer_below_500(engine, body, nested):  # noqa: F811
+    """One field at a time set to junk reaches the code behind validation; the junk also goes one
+    level down, into a message's content or a tool's parameters schema."""
+    code, out = post(engine, "/v1/chat/completions", body)
+    assert code < 500, (body, out)
+    inner = json.loads(json.dumps(body))
+    if nested == "messages" and isinstance(inner.get("messages"), list):
+        inner["messages"] = [{"role": "user", "content": body.get("user", "hi")}]
+    if nested == "tools":
+        inner["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": body.get("seed", {})}, "required": body.get("stop", ["a"])}}}]  # fmt: skip
+    code, out = post(engine, "/v1/chat/completions", inner)
+    assert code < 500, (inner, out)
 
 
 def test_oversize_body_unknown_route_and_wrong_method(engine):  # noqa: F811
