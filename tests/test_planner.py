@@ -670,6 +670,8 @@ def test_cli_table_gpus_override_and_trace(tmp_path):
         (["--set", "selectr.edges=[1]"], "selector"),
         (["--scenario", "tangram-coding"], "an RL scenario"),
         (["--history-steps", "100000"], "from 1 to 1000"),
+        (["--gpus", "2147483648"], "at most 65536"),  # a 2.6 TiB array
+        (["--set", "cluster.nodes=1000000"], "cluster.nodes"),  # ran out of memory
     ],
 )
 def test_cli_bad_input_is_one_line_exit_2(args, needle):

@@ -19,8 +19,11 @@ class _Strict(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
 
+MAX_NODES = 8192  # 65536 GPUs of 8: the planner takes about a minute there, and more exhausts memory
+
+
 class ClusterCfg(_Strict):
-    nodes: int = Field(ge=1)
+    nodes: int = Field(ge=1, le=MAX_NODES)
     hardware: str
 
 
