@@ -98,6 +98,12 @@ def test_train_json():
         (["costmodel", "rollout", "--profile", "/dev/zero"], "not a regular file"),
         (["costmodel", "catalog", "--catalog", "/dev/zero"], "not a regular file"),
         (["plan", "--trace", "/dev/zero"], "not a regular file"),
+        # An --out that cannot be written is refused before the work, not after it (a traceback):
+        (["simulate", "--steps", "1", "--out", "/proc/libra-out"], "a directory this user can write"),
+        (
+            ["costmodel", "calibrate", "--data", "/dev/null", "--out", "/nonexistent/p.yaml"],
+            "a writable file path",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_one_line(args, needle):

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import click
 from rich.console import Console
 from rich.table import Table
+
+from libra.core.errors import ConfigError
 
 json_option = click.option(
     "--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table."
@@ -41,6 +44,29 @@ profile_option = click.option(
     default=None,
     help="Calibration profile YAML (from `libra costmodel calibrate`).",
 )
+
+
+def writable_dir(path: Path, field: str = "--out") -> Path:
+    """Create `path` if needed and prove a file can be written there, before long work that would
+    otherwise be lost at its end."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        raise ConfigError(field, str(path), f"a directory this user can write ({e.strerror})") from None
+    return path
+
+
+def writable_file(path: Path, field: str = "--out") -> Path:
+    """Prove `path` can be written (its directory exists and takes files), before long work."""
+    if path.is_dir():
+        raise ConfigError(field, str(path), "a file path, not a directory")
+    try:
+        tempfile.TemporaryFile(dir=path.parent).close()
+    except OSError as e:
+        raise ConfigError(field, str(path), f"a writable file path ({e.strerror})") from None
+    return path
+
 
 # Piped output gets a wide console so tables are not squeezed into 80 columns.
 console = Console(stderr=False, highlight=False, width=None if sys.stdout.isatty() else 160)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -13,6 +15,7 @@ from libra.commands.common import (
     profile_option,
     set_option,
     table,
+    writable_file,
 )
 from libra.core.config import load_model
 from libra.core.errors import ConfigError
@@ -238,6 +241,7 @@ def calibrate(data, vllm_bench, out, as_json, catalogs, profile):
     if (data is None) == (vllm_bench is None):
         raise ConfigError("--data/--vllm-bench", data or vllm_bench, "exactly one of the two")
     base, cat = load_profile(profile), load_catalog(catalogs)
+    writable_file(Path(out))  # before the fit, which takes a while
     if data is not None:
         recs = read_measurements(data)
         eff, mape = fit_rollout(recs, cat, base.rollout)

@@ -17,6 +17,7 @@ from libra.commands.common import (
     profile_option,
     set_option,
     table,
+    writable_dir,
 )
 from libra.core.config import apply_overrides
 from libra.core.errors import ConfigError
@@ -154,7 +155,7 @@ def simulate(scenario, trace_file, systems, steps, seed, out_dir, list_only, ove
     names = [s.strip() for s in systems.split(",") if s.strip()] if systems else None
     if systems is not None and not names:
         raise ConfigError("--systems", systems, "a comma-separated list of system names")
-    out = Path(out_dir or Path("runs") / data["name"])
+    out = writable_dir(Path(out_dir or Path("runs") / data["name"]))
     kwargs = {}
     if trace_file:
         if data["kind"] != "rl":
