@@ -1,6 +1,8 @@
 """Configuration validation and the CLI's behaviour on good and bad input (real subprocesses)."""
 
 import json
+import os
+import stat
 
 import pytest
 from pydantic import BaseModel, Field
@@ -127,6 +129,19 @@ def test_binary_files_are_one_line_errors(tmp_path):
         r = run_cli(*args)
         assert r.returncode == 2 and needle in r.stderr, (args, r.stderr)
         assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_an_output_path_that_is_a_device_is_refused_not_replaced(tmp_path):
+    """`trace generate` writes beside --out and renames over it: run as root with --out /dev/full,
+    that replaced the device with a regular file. A FIFO stands in for the device here (the real
+    test must not risk /dev/null)."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for args in (["trace", "generate", "--family", "search-r1", "--out", str(fifo)],
+                 ["costmodel", "calibrate", "--data", "/dev/null", "--out", str(fifo)]):  # fmt: skip
+        r = run_cli(*args)
+        assert r.returncode == 2 and "regular file" in r.stderr, (args, r.stderr)
+        assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
 
 
 def test_a_large_training_batch_does_not_hang():

@@ -58,9 +58,14 @@ def writable_dir(path: Path, field: str = "--out") -> Path:
 
 
 def writable_file(path: Path, field: str = "--out") -> Path:
-    """Prove `path` can be written (its directory exists and takes files), before long work."""
+    """Prove `path` can be written (its directory exists and takes files), before long work.
+
+    An existing path must be a regular file: outputs are written beside it and renamed over it,
+    which would replace a device such as /dev/null with a regular file."""
     if path.is_dir():
         raise ConfigError(field, str(path), "a file path, not a directory")
+    if path.exists() and not path.is_file():
+        raise ConfigError(field, str(path), "a regular file path (this is a device or special file)")
     try:
         tempfile.TemporaryFile(dir=path.parent).close()
     except OSError as e:

@@ -18,7 +18,16 @@ import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from libra.commands.common import console, emit_json, err_console, fmt, json_option, set_option, table
+from libra.commands.common import (
+    console,
+    emit_json,
+    err_console,
+    fmt,
+    json_option,
+    set_option,
+    table,
+    writable_file,
+)
 from libra.core.config import apply_overrides, build
 from libra.core.errors import ConfigError
 from libra.core.trace import read_trace
@@ -65,6 +74,7 @@ def step_rng(seed: int, step: int) -> random.Random:
 
 
 def _write_steps(cfg: WorkloadConfig, steps: range, seed: int, out: Path) -> Iterator[Trajectory]:
+    writable_file(out)  # it is renamed over `out` at the end: never over a device
     wl = make_workload(cfg)
     tmp = out.with_name(out.name + ".tmp")
     try:
