@@ -131,6 +131,14 @@ def test_binary_files_are_one_line_errors(tmp_path):
         assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+def test_an_input_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for args in (["plan", "--trace", str(fifo)], ["costmodel", "catalog", "--catalog", str(fifo)]):
+        r = run_cli(*args, timeout=60)  # opening a FIFO waits for a writer that never comes
+        assert r.returncode == 2 and "not a regular file" in r.stderr, (args, r.stderr)
+
+
 def test_an_output_path_that_is_a_device_is_refused_not_replaced(tmp_path):
     """`trace generate` writes beside --out and renames over it: run as root with --out /dev/full,
     that replaced the device with a regular file. A FIFO stands in for the device here (the real

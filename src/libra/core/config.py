@@ -26,13 +26,12 @@ MAX_TEXT_FILE = 64 << 20  # a config or catalog this large is a wrong path, not 
 def read_text_file(p: Path, limit: int = MAX_TEXT_FILE) -> str:
     """A regular UTF-8 file's text. ValueError for a device or FIFO (/dev/zero reads forever), a
     file over `limit` bytes, or bytes that are not UTF-8; OSError when it cannot be opened."""
-    with p.open("rb") as fh:
-        st = os.fstat(fh.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError("not a regular file")
-        if st.st_size > limit:
-            raise ValueError(f"{st.st_size >> 20} MiB; at most {limit >> 20} MiB")
-        data = fh.read()
+    st = os.stat(p)  # before opening: opening a FIFO would wait for a writer
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError("not a regular file")
+    if st.st_size > limit:
+        raise ValueError(f"{st.st_size >> 20} MiB; at most {limit >> 20} MiB")
+    data = p.read_bytes()
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -104,12 +104,12 @@ def json_lines(path: Path) -> Iterator[tuple[int, object]]:
     """(line number, parsed JSON) of each non-blank line. Read as bytes, so a line that is not
     UTF-8 is an error naming the line, and a regular file only (/dev/zero would never end)."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # before opening: a FIFO would wait for a writer
+            raise TraceError(str(path), 0, "<file>", "is not a regular file")
         fh = path.open("rb")
     except OSError as e:
         raise TraceError(str(path), 0, "<file>", f"cannot be read: {e.strerror}") from None
     with fh:
-        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-            raise TraceError(str(path), 0, "<file>", "is not a regular file")
         n = 0
         while line := fh.readline(MAX_LINE + 1):
             n += 1
