@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from libra.cli import main
 from libra.core.errors import ConfigError
 from libra.rollout.base import Bucket, InstanceView, RouteDecision, Status
+from libra.rollout.registry import make_router
 from libra.rollout.tool_state import SizeThresholds, classify
 from libra.runtime.gateway.config import (
     BackendConfig,
@@ -266,6 +267,25 @@ def test_context_is_anchored_on_usage_and_generated_tokens_counted_once():
     assert traj.final_tokens >= max(traj.turn_contexts)
     with pytest.raises(SessionError):
         tr.finish("s")
+
+
+def test_a_backends_absurd_usage_is_ignored_and_routing_goes_on():
+    """A backend reporting 10^30 tokens (or a bool, a float) is not believed: before, the count
+    reached the router's sibling features and every later turn of the group raised OverflowError."""
+    tr = SessionTracker(SessionConfig(), TH)
+    router = make_router("cmlfq", [Bucket("s", 1, 4096), Bucket("l", 2, 40960)])
+    views = [InstanceView("i0", 0, 1), InstanceView("i1", 1, 2)]
+    msgs = [{"role": "user", "content": "u" * 400}]
+    a, b = tr.open("a", "p", 0), tr.open("b", "p", 0)
+    for s in (a, b):
+        router.route(turn(tr, s, msgs), views)
+    tr.metered(a, {"prompt_tokens": 10**30, "completion_tokens": 10**30})
+    tr.metered(a, {"prompt_tokens": True, "completion_tokens": 1.5})
+    assert a.generated == 0 and a.last_final < 10**6
+    _, traj = tr.finish("a")
+    router.on_finish(traj)
+    msgs += [call("c0", "run", "x"), {"role": "tool", "tool_call_id": "c0", "content": "ok"}]
+    assert router.route(turn(tr, b, msgs), views).instance in ("i0", "i1")
 
 
 def test_a_session_carries_the_routers_chosen_bucket_to_its_next_turn():

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from libra.core.errors import LibraError
+from libra.core.trace import MAX_TOKENS
 from libra.rollout.base import FinishedTrajectory, RouteDecision, RouteRequest
 from libra.rollout.tool_state import CHARS_PER_TOKEN, SizeThresholds
 from libra.rollout.tree import state_key
@@ -196,14 +197,16 @@ class SessionTracker:
 
     def metered(self, s: Session, usage: dict) -> None:
         """A backend's `usage` for this session's latest turn."""
-        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-        if isinstance(prompt, int) and prompt >= 0:
+        # A count outside 0..MAX_TOKENS is a backend's bug; taken as given, it reached the router's
+        # features and overflowed a float for every later turn of the prompt's group.
+        prompt, completion = (_tokens(usage.get(k)) for k in ("prompt_tokens", "completion_tokens"))
+        if prompt is not None:
             s.anchor_tokens, s.anchor_chars = prompt, s.scan.chars
             s.last_final = max(s.last_final, prompt)
-        if isinstance(completion, int) and completion >= 0:
-            s.generated += completion
+        if completion is not None:
+            s.generated = min(s.generated + completion, MAX_TOKENS)
             s.last_metered = True
-            if isinstance(prompt, int):
+            if prompt is not None:
                 s.last_final = max(s.last_final, prompt + completion)
 
     def finish(self, sid: str, final_tokens: int | None = None) -> tuple[Session, FinishedTrajectory]:
@@ -235,3 +238,9 @@ class SessionTracker:
                 break
             out.append((reason, self._end(s, None)[1]))
         return out
+
+
+def _tokens(value: object) -> int | None:
+    """A token count a backend reported, or None when it is not one (a bool, a float, 10^30)."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKENS
+    return value if ok else None
