@@ -411,6 +411,11 @@ def test_usage_is_found_in_a_body_without_decoding_it():
     assert usage_in_body(b'{"choices": [{"text": "usage"}]}') is None
     assert usage_in_body(b'{"usage" : {"prompt_tokens": 1}, "id": "x"}') == {"prompt_tokens": 1}
     assert usage_in_body(b'{"usage": {"prompt_tokens": ') is None
+    deep = b'{"usage": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # a backend's junk: RecursionError, a 500
+    assert usage_in_body(deep) is None
+    watch = SSEUsage()
+    watch.feed(b'data: {"usage": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n\n")
+    assert watch.usage is None
 
 
 @settings(max_examples=200, deadline=None)

@@ -273,8 +273,9 @@ class HealthChecker:
         try:
             async with self.http.get(inst.cfg.url + "/v1/models", timeout=self.timeout) as r:
                 data = await r.json(content_type=None)
-            return tuple(str(m["id"]) for m in data.get("data", []) if isinstance(m, dict) and "id" in m)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, AttributeError, TypeError):
+            cards = data.get("data", [])
+            return tuple(m["id"] for m in cards if isinstance(m, dict) and isinstance(m.get("id"), str))
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, AttributeError, TypeError, RecursionError):  # fmt: skip
             return ()
 
     def _changed(self, inst: Instance, up: bool) -> None:

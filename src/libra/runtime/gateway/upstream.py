@@ -62,7 +62,7 @@ def usage_in_body(body: bytes) -> dict | None:
         if j < len(body) and body[j] == 0x3A:  # ':' so this is the key, not a string value
             try:
                 obj, _ = _DECODER.raw_decode(body[j + 1 :].decode("utf-8", "replace").lstrip())
-            except ValueError:
+            except (ValueError, RecursionError):  # a backend's body is passed on as it is
                 return None
             return obj if isinstance(obj, dict) else None
         i = body.rfind(USAGE_KEY, 0, i)
@@ -91,7 +91,7 @@ class SSEUsage:
             if line.startswith(b"data:") and USAGE_KEY in line:
                 try:
                     obj = json.loads(line[5:])
-                except ValueError:
+                except (ValueError, RecursionError):
                     continue
                 u = obj.get("usage") if isinstance(obj, dict) else None
                 if isinstance(u, dict):
