@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import json
 import os
 import shutil
@@ -238,6 +239,43 @@ def test_health_and_metrics(http):
     for name in ("libra_actions_queue_length", "libra_actions_act_seconds_bucket", "libra_actions_cores_busy",
                  'libra_actions_total{endpoint="run_code",status="success"}'):  # fmt: skip
         assert name in text
+
+
+@needs_sandbox
+def test_a_client_that_leaves_withdraws_its_queued_action(service, http):
+    """Fill every core with a running action, queue one more, and drop its client: the queued
+    action is withdrawn at once (it never runs), while the running ones finish and give their
+    cores back. Before, the handler was not cancelled and the action waited, then ran for nobody."""
+    cores = http.get("/health").json()["cores"]
+    hold = "import time; time.sleep(4)"
+    with concurrent.futures.ThreadPoolExecutor(cores) as pool:
+        running = [pool.submit(http.post, "/run_code", json={"code": hold}) for _ in range(cores)]
+        deadline = time.monotonic() + 10
+        while http.get("/health").json()["running"] < cores and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with httpx.Client(base_url=service.url, timeout=0.5) as impatient:
+            with pytest.raises(httpx.ReadTimeout):
+                impatient.post("/run_code", json={"code": "print('ran for nobody')"})
+        deadline = time.monotonic() + 2
+        while http.get("/health").json()["queue"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        health = http.get("/health").json()
+        assert health["queue"] == 0 and health["running"] == cores, health
+        assert all(f.result().json()["run_result"]["return_code"] == 0 for f in running)
+    assert http.get("/health").json()["cores_busy"] == 0
+
+
+@needs_sandbox
+def test_a_running_session_action_whose_client_left_still_goes_first(service, http):
+    """A running action is not withdrawn: it finishes, and the session's next action waits for it,
+    so two actions of one session never overlap in its work dir."""
+    sid = http.post("/sessions", json={}).json()["session_id"]
+    with httpx.Client(base_url=service.url, timeout=0.5) as impatient:
+        with pytest.raises(httpx.ReadTimeout):
+            impatient.post(f"/sessions/{sid}/actions", json={"command": "sleep 2; echo done > m"})
+    r = http.post(f"/sessions/{sid}/actions", json={"command": "cat m"}).json()
+    assert r["run_result"]["stdout"] == "done\n", r
+    http.delete(f"/sessions/{sid}")
 
 
 @needs_sandbox

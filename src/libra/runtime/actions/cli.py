@@ -49,7 +49,8 @@ async def serve(cfg: ServiceConfig, iso) -> None:
     from libra.runtime.serving import serve_until_signalled
 
     service = ActionsService(cfg, iso)
-    runner = web.AppRunner(service.app(), access_log=None)
+    # A client that goes away cancels its handler: a queued action is withdrawn (dispatch.py).
+    runner = web.AppRunner(service.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, backlog=4096)
     await site.start()

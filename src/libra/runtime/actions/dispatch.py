@@ -5,7 +5,8 @@ something changes (a submission, a completion, a quota window opening) one decis
 (coalesced per loop iteration), and each `Start` it returns runs its work as a task with the
 cores it was granted. The HTTP handler awaits a future; if its client goes away while the action
 is still queued the action is withdrawn, and if it is already running it finishes and its
-resources come back as usual: nothing is dropped and nothing leaks.
+resources come back as usual (the handler waits for that, so a session's lock is held until then):
+nothing is dropped and nothing leaks.
 """
 
 from __future__ import annotations
@@ -57,13 +58,17 @@ class Dispatcher:
         self._work[action.id] = (work, fut, one_shot)
         self.poke()
         try:
-            return await fut
+            return await asyncio.shield(fut)  # the caller's cancellation must not cancel the work
         except asyncio.CancelledError:
-            if self.orch.records.get(action.id) and self.orch.records[action.id].state == ActionState.QUEUED:
+            rec = self.orch.records.get(action.id)
+            if rec is not None and rec.state == ActionState.QUEUED:
                 self.orch.cancel(action.id, self.now())
                 self._work.pop(action.id, None)
                 self._end(action, one_shot)
                 self.poke()
+            elif not fut.done():  # running: it finishes, and the caller's locks (a session's) hold
+                with contextlib.suppress(Exception):  # until it has, so no two overlap
+                    await fut
             raise
 
     def poke(self) -> None:
