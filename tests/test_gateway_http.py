@@ -208,6 +208,21 @@ def test_any_body_gets_an_answer_below_500(gw, body, sid):
     assert status == 200 or is_openai_error(data)
 
 
+BACKEND_FIELDS = ["url", "bucket", "tp", "max_context", "cap", "node", "name", "api_key"]
+urls_like = st.sampled_from(["http://a..b:1", "http://" + "a" * 70 + ".c:1", "http://[::1", "ftp://x", "http://127.0.0.1:99999", "http://h:1/\ud800"])  # fmt: skip
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(field=st.sampled_from(BACKEND_FIELDS), value=json_values | urls_like)
+def test_an_admin_add_with_one_junk_field_gets_an_answer_below_500(gw, backends, field, value):
+    body = {"url": backends.urls[0], "bucket": "short", "name": "fz", field: value}
+    status, data, _ = gw.request("POST", "/admin/instances", json.dumps(body).encode())
+    assert status < 500 and is_openai_error(data) or status == 201, (body, data)
+    if status == 201:
+        gw.request("DELETE", f"/admin/instances/{data['id']}?force=true")
+    assert len(gw.get("/admin/instances")[1]["instances"]) == 2
+
+
 # ---- discovery, streaming, sessions -------------------------------------------------------------------
 
 
