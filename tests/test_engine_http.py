@@ -485,6 +485,8 @@ def test_checkpoint_save_and_load_through_the_cli(engine_factory, engine, tmp_pa
         (["--max-num-seqs", "0"], "--max-num-seqs"),
         (["--kv-cache-mb", "100000000"], "this machine's memory"),  # hung allocating 100 TB
         (["--max-body-mb", "1e308"], "--max-body-mb"),  # was an OverflowError traceback
+        (["--tp-label", "tp\x01"], "visible characters"),  # shown in /health, read by the gateway
+        (["--name", "my model"], "visible characters"),  # clients must send it back
     ],
 )
 def test_bad_options_are_one_line_and_exit_2(args, words):

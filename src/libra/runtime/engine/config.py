@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from libra.runtime.engine.tokenizer import VOCAB_SIZE
 
@@ -42,6 +43,15 @@ PRESETS: dict[str, ModelPreset] = {
 }
 
 
+def _visible(v: str) -> str:
+    if not v or len(v) > 256 or any(c.isspace() or not c.isprintable() for c in v):
+        raise ValueError("1 to 256 visible characters (no spaces or control characters)")
+    return v
+
+
+Visible = Annotated[str, AfterValidator(_visible)]
+
+
 class EngineConfig(BaseModel):
     """Everything `libra serve engine` can be told. Field names match the CLI options."""
 
@@ -49,8 +59,10 @@ class EngineConfig(BaseModel):
 
     model: str = "tiny"
     checkpoint: str | None = None
-    name: str | None = None
-    tp_label: str = "tp1"
+    # Both are shown in /health and /v1/models, and clients send the name back: visible characters
+    # only, no spaces or control characters.
+    name: Visible | None = None
+    tp_label: Visible = "tp1"
     max_num_seqs: int = Field(64, ge=1, le=4096)
     max_tokens_default: int = Field(128, ge=1)
     max_num_batched_tokens: int = Field(512, ge=16, validate_default=True)
