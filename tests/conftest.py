@@ -8,8 +8,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from libra.costmodel.catalog import load_catalog
+
+# Property tests draw the same examples on every run by default, so CI is deterministic (a change,
+# not the dice, turns it red). `LIBRA_HYPOTHESIS=explore make test` draws new ones each run, which
+# is how the fuzz-style tests of the services are meant to be used when hunting for bugs.
+settings.register_profile("ci", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("LIBRA_HYPOTHESIS", "ci"))
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("LIBRA_SHARED_DATA", REPO.parent / "shared" / "data"))
