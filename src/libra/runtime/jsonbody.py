@@ -16,6 +16,7 @@ answer 400 (malformed JSON) or 422 (a field's value) in its own error shape.
 from __future__ import annotations
 
 import json
+import re
 
 MAX_DEPTH = 64  # no request shape nests deeper than a handful of levels
 
@@ -44,8 +45,20 @@ def parse_body(raw: bytes | str) -> object:
         raise BodyError(f"malformed JSON: nested deeper than {MAX_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         raise BodyError(f"malformed JSON: {str(e)[:200]}") from None
-    check_value(data)
+    if _may_need_check(raw):
+        check_value(data)
     return data
+
+
+# An unpaired surrogate can only come from a \uD800-\uDFFF escape (UTF-8 bytes cannot spell one),
+# and nesting deeper than MAX_DEPTH needs more than MAX_DEPTH brackets: a body with neither, the
+# usual case, skips the walk (it costs about as much as the parse).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _may_need_check(raw: bytes | str) -> bool:
+    b = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+    return _SURROGATE_ESCAPE.search(b) is not None or b.count(b"[") + b.count(b"{") > MAX_DEPTH
 
 
 def check_value(data: object) -> None:
