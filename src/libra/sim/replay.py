@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
-from libra.core.config import read_text_file
+from libra.core.config import build, read_text_file
 from libra.core.errors import ConfigError, TraceError
-from libra.core.trace import json_lines
+from libra.core.trace import MAX_TOKENS, json_lines
 from libra.costmodel.catalog import Catalog
 from libra.costmodel.efficiency import RolloutEfficiency
 from libra.costmodel.rollout import RolloutCostModel
@@ -68,29 +69,73 @@ def _match(names: dict, wanted: str, field: str, key=lambda spec: spec.source) -
     raise ConfigError(field, wanted, names.keys())
 
 
+# What the replay reads from the folder, typed, so a bad value is one line naming its field. The
+# bounds are those of a real engine (libra.core.trace.MAX_TOKENS for token counts); other keys of
+# the files are not read and not checked.
+class _Lenient(BaseModel):
+    model_config = ConfigDict(allow_inf_nan=False, extra="ignore")
+
+
+class _EngineKwargs(_Lenient):
+    model: str | None = None
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    max_num_seqs: int | None = Field(None, ge=1, le=16384)
+    max_num_batched_tokens: int | None = Field(None, ge=1, le=1 << 20)
+
+
+class _Meta(_Lenient):
+    model: str = ""
+    engine_kwargs: _EngineKwargs = _EngineKwargs()
+
+
+class _NpuMem(_Lenient):
+    mem_util: float = Field(0.9, gt=0, le=1)
+
+
+class _Instance(_Lenient):
+    hardware: str
+    npu_mem: _NpuMem = _NpuMem()
+
+
+class _Node(_Lenient):
+    instances: list[_Instance] = Field(min_length=1)
+
+
+class _Config(_Lenient):
+    nodes: list[_Node] = Field(min_length=1)
+
+
+class _Request(_Lenient):
+    input_toks: int = Field(ge=0, le=MAX_TOKENS)
+    output_toks: int = Field(ge=0, le=MAX_TOKENS)
+    arrival_time: float = Field(ge=0)
+    queued_ts: float
+    first_token_ts: float
+    last_token_ts: float
+
+
 def load_bench(folder: str | Path, catalog: Catalog) -> Bench:
     folder = Path(folder)
     if not folder.is_dir():
         raise ConfigError("dir", str(folder), "a folder with meta.json, config.json and requests.jsonl")
-    meta, cfg = _read_json(folder / "meta.json"), _read_json(folder / "config.json")
-    kw = meta.get("engine_kwargs", {})
-    inst = cfg["nodes"][0]["instances"][0]
-    hw = _match(catalog.hardware_specs, inst.get("hardware", ""), "config.json: hardware", key=lambda s: "")
-    model = _match(catalog.model_specs, kw.get("model", meta.get("model", "")), "meta.json: model")
+    meta = build(_Meta, _read_json(folder / "meta.json"), "meta.json")
+    inst = build(_Config, _read_json(folder / "config.json"), "config.json").nodes[0].instances[0]
+    kw = meta.engine_kwargs
+    hw = _match(catalog.hardware_specs, inst.hardware, "config.json: hardware", key=lambda s: "")
+    model = _match(catalog.model_specs, kw.model or meta.model, "meta.json: model")
     reqs = _read_requests(folder / "requests.jsonl")
-    return Bench(hw, model, int(kw.get("tensor_parallel_size", 1)), int(kw.get("max_num_seqs") or 256),
-                 int(kw.get("max_num_batched_tokens") or 8192), float(inst["npu_mem"].get("mem_util", 0.9)), reqs)  # fmt: skip
+    return Bench(hw, model, kw.tensor_parallel_size, kw.max_num_seqs or 256, kw.max_num_batched_tokens or 8192,
+                 inst.npu_mem.mem_util, reqs)  # fmt: skip
 
 
 def _read_requests(path: Path) -> list[dict]:
     out = []
     for n, r in json_lines(path):
-        for key in ("input_toks", "output_toks", "arrival_time"):
-            if not isinstance(r, dict) or not isinstance(r.get(key), (int, float)) or r[key] < 0:
-                raise TraceError(str(path), n, key, "must be a number >= 0")
-        out.append(r)
+        out.append(build(_Request, r, f"{path}:{n}").model_dump())
     if not out:
         raise TraceError(str(path), 0, "<file>", "holds no requests")
+    if not any(r["output_toks"] > 1 for r in out):  # TPOT is measured between output tokens
+        raise TraceError(str(path), 0, "output_toks", "must be more than 1 in at least one request")
     return out
 
 
@@ -109,6 +154,7 @@ def simulate(bench: Bench, catalog: Catalog, eff: RolloutEfficiency | None = Non
     cost = RolloutCostModel(
         hw, model, bench.tp, eff, bench.gpu_memory_utilization, bench.max_num_batched_tokens
     )
+    _check_fits(bench, cost)
     k = Kernel(0)
     eng = Engine(k, "replay", cost, bench.max_num_seqs, bench.max_num_batched_tokens)
     t0 = min(r["arrival_time"] for r in bench.requests)
@@ -122,6 +168,25 @@ def simulate(bench: Bench, catalog: Catalog, eff: RolloutEfficiency | None = Non
     first, done, sub = (np.array([getattr(s, a) for s in seqs]) for a in ("t_first", "t_done", "t_submit"))
     keep = out > 1
     return {"ttft": first - sub, "latency": done - sub, "tpot": (done - first)[keep] / (out[keep] - 1)}
+
+
+def _check_fits(bench: Bench, cost: RolloutCostModel) -> None:
+    """The engine the folder describes must hold its longest request: else it is an input error
+    naming what to change, not a simulated engine that stalls."""
+    hw = cost.hw
+    if bench.tp > hw.gpus_per_node:
+        raise ConfigError("meta.json: engine_kwargs.tensor_parallel_size", bench.tp,
+                          f"<= gpus_per_node ({hw.gpus_per_node}) of {hw.name}")  # fmt: skip
+    cap = cost.kv_capacity_tokens()
+    i = max(range(len(bench.requests)), key=lambda j: bench.requests[j]["input_toks"] + bench.requests[j]["output_toks"])  # fmt: skip
+    need = bench.requests[i]["input_toks"] + bench.requests[i]["output_toks"]
+    if need > cap:
+        where = f"{bench.model} at TP{bench.tp} on {hw.name} with mem_util {bench.gpu_memory_utilization:g}"
+        if cap == 0:
+            raise ConfigError("config.json: npu_mem.mem_util", bench.gpu_memory_utilization,
+                              f"room for the weights and a KV cache ({where} leaves none)")  # fmt: skip
+        raise ConfigError(f"requests.jsonl: request {i}", f"{need} tokens (input + output)",
+                          f"at most the KV cache's {cap} tokens ({where})")  # fmt: skip
 
 
 def summarize(arrs: dict[str, np.ndarray]) -> dict[str, float]:
