@@ -60,3 +60,31 @@ def test_bad_measurements_name_line_and_field(tmp_path):
     with pytest.raises(Exception) as e:
         read_measurements(f)
     assert ":2:" in str(e.value) and "model" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("tp", "x"),
+        ("tp", 0),
+        ("decode_seqs", 1e308),
+        ("hardware", 5),
+        ("prefill_tokens", -1),
+        ("decode_ctx", "nan"),
+    ],
+)
+def test_a_bad_value_in_a_measurement_names_line_and_field(tmp_path, field, value):
+    """Only `step_time_s` was checked: a TP of 'x' or 0, or 1e308 sequences, reached int() or the
+    cost model and raised there."""
+    rec = {
+        "hardware": "a800-80g",
+        "model": "qwen3-14b",
+        "tp": 1,
+        "decode_seqs": 1,
+        "step_time_s": 0.01,
+        field: value,
+    }
+    f = tmp_path / "m.jsonl"
+    f.write_text(json.dumps(rec) + "\n")
+    r = run_cli("costmodel", "calibrate", "--data", str(f), "--out", str(tmp_path / "p.yaml"))
+    assert r.returncode == 2 and f"m.jsonl:1: field '{field}'" in r.stderr, r.stderr

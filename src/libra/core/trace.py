@@ -15,8 +15,12 @@ import stat
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
-from libra.core.errors import TraceError
+from pydantic import BaseModel
+
+from libra.core.config import build
+from libra.core.errors import ConfigError, TraceError
 from libra.core.trajectory import ToolStatus, Trajectory, Turn
 
 # No model serves a context this long; a larger token count is a corrupt line, and replaying it
@@ -97,6 +101,7 @@ def _checked(t: Trajectory, where: tuple[str, int]) -> Trajectory:
     return t
 
 
+M = TypeVar("M", bound=BaseModel)
 MAX_LINE = 64 << 20  # bytes in one JSONL line: a trajectory is far smaller
 
 
@@ -121,6 +126,17 @@ def json_lines(path: Path) -> Iterator[tuple[int, object]]:
                 yield n, json.loads(line)
             except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError
                 raise TraceError(str(path), n, "<line>", f"is not valid JSON ({str(e)[:200]})") from None
+
+
+def build_line(model: type[M], rec: object, path: Path | str, line: int) -> M:
+    """Validate one JSONL record into `model`; a bad value is a TraceError naming file:line and
+    the field."""
+    if not isinstance(rec, dict):
+        raise TraceError(str(path), line, "<line>", "must be a JSON object")
+    try:
+        return build(model, rec)
+    except ConfigError as e:
+        raise TraceError(str(path), line, e.field, f"got {e.value!r}; allowed: {e.allowed}") from None
 
 
 def _looks_like_llmservingsim(rec: object) -> bool:

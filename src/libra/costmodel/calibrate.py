@@ -15,9 +15,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
-from libra.core.errors import ConfigError, TraceError
-from libra.core.trace import json_lines
+from libra.core.errors import ConfigError
+from libra.core.trace import MAX_TOKENS, build_line, json_lines
 from libra.costmodel.catalog import Catalog
 from libra.costmodel.efficiency import RolloutEfficiency
 from libra.costmodel.rollout import RolloutCostModel
@@ -66,17 +67,24 @@ def _with(base: RolloutEfficiency, fields: Sequence[str], logx: np.ndarray) -> R
     return base.model_copy(update=upd)
 
 
+class Measurement(BaseModel):
+    """One line of the input (module docstring). Bounds are those of a real engine iteration."""
+
+    model_config = ConfigDict(allow_inf_nan=False, extra="ignore")
+    hardware: str
+    model: str
+    tp: int = Field(ge=1, le=64)
+    decode_seqs: int = Field(ge=0, le=1 << 16)
+    step_time_s: float = Field(gt=0)
+    prefill_tokens: int = Field(0, ge=0, le=1 << 20)
+    prefill_attn: float | None = Field(None, ge=0)
+    decode_ctx: float = Field(0, ge=0, le=MAX_TOKENS)
+
+
 def read_measurements(path: str | Path) -> list[dict]:
     recs = []
     for n, r in json_lines(Path(path)):
-        if not isinstance(r, dict):
-            raise TraceError(str(path), n, "<line>", "must be a JSON object")
-        for key in ("hardware", "model", "tp", "decode_seqs", "step_time_s"):
-            if key not in r:
-                raise TraceError(str(path), n, key, "is missing")
-        if not (isinstance(r["step_time_s"], (int, float)) and r["step_time_s"] > 0):
-            raise TraceError(str(path), n, "step_time_s", "must be a number > 0")
-        recs.append(r)
+        recs.append(build_line(Measurement, r, path, n).model_dump())
     if not recs:
         raise ConfigError("data", str(path), "a JSONL file with at least one measurement")
     return recs
@@ -90,7 +98,8 @@ def _predict(recs: list[dict], catalog: Catalog, eff: RolloutEfficiency) -> np.n
         if key not in models:
             models[key] = RolloutCostModel(catalog.hardware(key[0]), catalog.model(key[1]), key[2], eff)
         p = int(r.get("prefill_tokens", 0))
-        attn = float(r.get("prefill_attn", p * (p + 1) / 2))
+        attn = r.get("prefill_attn")
+        attn = float(p * (p + 1) / 2 if attn is None else attn)
         out.append(models[key].step_time(p, attn, int(r["decode_seqs"]), float(r.get("decode_ctx", 0))))
     return np.array(out)
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from libra.core.config import build, read_text_file
 from libra.core.errors import ConfigError, TraceError
-from libra.core.trace import MAX_TOKENS, json_lines
+from libra.core.trace import MAX_TOKENS, build_line, json_lines
 from libra.costmodel.catalog import Catalog
 from libra.costmodel.efficiency import RolloutEfficiency
 from libra.costmodel.rollout import RolloutCostModel
@@ -131,7 +131,7 @@ def load_bench(folder: str | Path, catalog: Catalog) -> Bench:
 def _read_requests(path: Path) -> list[dict]:
     out = []
     for n, r in json_lines(path):
-        out.append(build(_Request, r, f"{path}:{n}").model_dump())
+        out.append(build_line(_Request, r, path, n).model_dump())
     if not out:
         raise TraceError(str(path), 0, "<file>", "holds no requests")
     if not any(r["output_toks"] > 1 for r in out):  # TPOT is measured between output tokens
