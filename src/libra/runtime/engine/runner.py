@@ -50,6 +50,11 @@ class MaskTable:
         return i
 
 
+# Below this temperature sampling is greedy, as in vLLM: dividing logits by 1e-300 overflows to
+# inf, and softmax of inf is NaN.
+SAMPLING_EPS = 1e-5
+
+
 def sample(
     logits: Tensor, seqs: Seq[Sequence], masks: MaskTable
 ) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -62,11 +67,6 @@ def sample(
         picked[random_rows] = _sample_random(masked[random_rows], [seqs[i] for i in random_rows])
     tokens = picked.tolist()
     return tokens, _logprobs(logits, tokens, seqs)
-
-
-# Below this temperature sampling is greedy, as in vLLM: dividing logits by 1e-300 overflows to
-# inf, and softmax of inf is NaN.
-SAMPLING_EPS = 1e-5
 
 
 def _sample_random(masked: Tensor, seqs: Seq[Sequence]) -> Tensor:
