@@ -33,6 +33,7 @@ from libra.core.trace import MAX_TOKENS
 from libra.rollout.tree import state_key
 from libra.runtime.gateway.config import BackendConfig
 from libra.runtime.gateway.errors import ApiError
+from libra.runtime.gateway.sessions import token_count
 from libra.runtime.openai_errors import read_json_object
 
 
@@ -117,7 +118,7 @@ class _Handlers:
     async def finish(self, request: web.Request) -> web.Response:
         data = await _json_body(request, required=False)
         final = data.get("final_tokens")
-        if final is not None and (not isinstance(final, int) or isinstance(final, bool) or not 0 <= final <= MAX_TOKENS):  # fmt: skip
+        if final is not None and token_count(final) is None:
             raise ApiError(400, f"final_tokens must be an integer from 0 to {MAX_TOKENS}, got {final!r}", "final_tokens", "invalid_value")  # fmt: skip
         s, traj = self.gw.tracker.finish(request.match_info["sid"], final)
         self.gw.feed(traj)

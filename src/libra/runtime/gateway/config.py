@@ -30,9 +30,18 @@ BACKEND_KEYS = ("bucket", "tp", "max_context", "cap", "node", "name", "api_key")
 MAX_URL = 2048
 
 
+MAX_HEADER_TEXT = 256
+
+
+def header_safe(v: str) -> bool:
+    """Text the gateway may send back in an HTTP header: printable (a control character cannot be
+    carried) and at most MAX_HEADER_TEXT long. Config names and request ids share this rule."""
+    return len(v) <= MAX_HEADER_TEXT and v.isprintable()
+
+
 def _header_safe(v: str) -> str:
-    if len(v) > 256 or not v.isprintable():
-        raise ValueError("at most 256 printable characters (it is sent in HTTP headers)")
+    if not header_safe(v):
+        raise ValueError(f"at most {MAX_HEADER_TEXT} printable characters (it is sent in HTTP headers)")
     return v
 
 

@@ -39,7 +39,7 @@ from libra.rollout.base import (
 )
 from libra.rollout.placement import choose_instance, healthy_exists
 from libra.runtime.gateway import admin, upstream
-from libra.runtime.gateway.config import GatewayConfig
+from libra.runtime.gateway.config import MAX_HEADER_TEXT, GatewayConfig, header_safe
 from libra.runtime.gateway.conversation import prompt_chars
 from libra.runtime.gateway.errors import ApiError, http_message, json_error
 from libra.runtime.gateway.metrics import GatewayMetrics
@@ -51,7 +51,6 @@ from libra.runtime.serving import serve_until_signalled
 
 log = logging.getLogger("libra.gateway")
 perf = time.perf_counter
-MAX_SESSION_ID = 256
 STEP = re.compile(r"[0-9]{1,9}")
 FAILOVER_POLL_S = 0.05
 
@@ -409,9 +408,9 @@ class Gateway:
 
 def _check_id(value: str | None, field: str) -> str | None:
     """A session or prompt id goes back out in headers and keys the router's trees: printable
-    (no control characters, which a header cannot carry) and at most MAX_SESSION_ID long."""
-    if value is not None and (len(value) > MAX_SESSION_ID or not value.isprintable()):
-        msg = f"{field} must be at most {MAX_SESSION_ID} printable characters, got {len(value)} characters: {value[:40]!r}"  # fmt: skip
+    (no control characters, which a header cannot carry) and at most MAX_HEADER_TEXT long."""
+    if value is not None and not header_safe(value):
+        msg = f"{field} must be at most {MAX_HEADER_TEXT} printable characters, got {len(value)} characters: {value[:40]!r}"  # fmt: skip
         raise ApiError(400, msg, field, "invalid_value")
     return value
 

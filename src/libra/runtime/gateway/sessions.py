@@ -199,7 +199,7 @@ class SessionTracker:
         """A backend's `usage` for this session's latest turn."""
         # A count outside 0..MAX_TOKENS is a backend's bug; taken as given, it reached the router's
         # features and overflowed a float for every later turn of the prompt's group.
-        prompt, completion = (_tokens(usage.get(k)) for k in ("prompt_tokens", "completion_tokens"))
+        prompt, completion = (token_count(usage.get(k)) for k in ("prompt_tokens", "completion_tokens"))
         if prompt is not None:
             s.anchor_tokens, s.anchor_chars = prompt, s.scan.chars
             s.last_final = max(s.last_final, prompt)
@@ -240,7 +240,8 @@ class SessionTracker:
         return out
 
 
-def _tokens(value: object) -> int | None:
-    """A token count a backend reported, or None when it is not one (a bool, a float, 10^30)."""
+def token_count(value: object) -> int | None:
+    """`value` as a token count (an int from 0 to MAX_TOKENS), or None when it is not one (a bool,
+    a float, 10^30): for a backend's usage and a client's final_tokens alike."""
     ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKENS
     return value if ok else None

@@ -21,6 +21,7 @@ import logging
 import os
 from pathlib import Path
 
+from libra.core.config import read_text_file
 from libra.core.errors import ConfigError, LibraError
 from libra.rollout.tree import CausalTree
 
@@ -43,8 +44,6 @@ class TreeStore:
         self.router, self.path, self.interval_s = router, Path(path), interval_s
         if not self.path.parent.is_dir():
             raise ConfigError("tree_path", str(path), "a file in an existing directory")
-        if self.path.exists() and not self.path.is_file():  # /dev/zero would be read forever
-            raise ConfigError("tree_path", str(path), "a regular file (or one not there yet)")
         self.dirty = 0
         self.saves = 0
         self.on_save = lambda: None
@@ -58,14 +57,16 @@ class TreeStore:
         if not self.path.exists():
             log.info("tree %s does not exist yet; starting with an empty tree", self.path)
             return 0
-        size = self.path.stat().st_size
-        if size > MAX_TREE_BYTES:
-            raise ConfigError("tree_path", str(self.path), f"a causal tree file of at most {MAX_TREE_BYTES >> 20} MiB (it is {size >> 20} MiB)")  # fmt: skip
-        try:
-            loaded = CausalTree.load(self.path)
-        except LibraError as e:
+        try:  # a regular file of at most MAX_TREE_BYTES: /dev/zero would be read forever
+            loaded = CausalTree.from_dict(json.loads(read_text_file(self.path, MAX_TREE_BYTES)))
+        except (
+            OSError,
+            ValueError,
+            RecursionError,
+            LibraError,
+        ) as e:  # ValueError: not regular, too big, not JSON
             raise ConfigError(
-                "tree_path", str(self.path), f"a causal tree file written by Libra ({e})"
+                "tree_path", str(self.path), f"a causal tree file written by Libra, a regular file ({e})"
             ) from None
         self.tree.merge(loaded)
         log.info("loaded tree %s: %d nodes, %d samples", self.path, loaded.node_count(), loaded.root.count)
