@@ -95,8 +95,11 @@ def test_failing_sessions_move_to_the_larger_bucket_exactly_as_the_router_predic
     short, long_ = engines
     tree = tmp_path / "tree.json"
     offline_tree(tree)
+    # spill: saturated, so that each turn runs where the router put it: with the default balance, a
+    # turn sent to the busy short engine would run on the idle long one (placement, tested apart).
     gw = gateway_factory(*backend_arg(short.url, "short", 1, SHORT), *backend_arg(long_.url, "long", 2, LONG),
-                         "--router", "cmlfq-paper", "--tree-path", str(tree))  # fmt: skip
+                         "--router", "cmlfq-paper", "--tree-path", str(tree),
+                         "--set", "router_params.spill=saturated")  # fmt: skip
     plans = {"fff-0": [FAIL] * 3, "fff-1": [FAIL] * 3, "fss-0": [FAIL, OK, OK], "sss-0": [OK] * 3}
 
     async def drive():

@@ -170,6 +170,53 @@ def test_a_spill_is_not_a_decision():
     assert (d3.bucket, d3.migrate) == (0, True)
 
 
+# ---- spill: balance ---------------------------------------------------------------------------------
+
+
+def test_balance_sends_a_turn_up_to_a_bucket_with_less_load_per_gpu():
+    # outstanding per GPU: bucket 0 (TP1) 2, bucket 1 (TP2) 2, bucket 2 (TP4) 1
+    insts = [inst(0, 0, outstanding=2), inst(1, 1, outstanding=4), inst(2, 2, outstanding=4)]
+    assert choose_instance(insts, 0, 0, 3, None, balance=True).id == "i2"
+    assert choose_instance(insts, 0, 0, 3, None).id == "i0"  # without it: the target, which has room
+
+
+def test_balance_keeps_the_target_when_idle_or_tied():
+    assert choose_instance(one_per_bucket(), 0, 0, 3, None, balance=True).id == "i0"
+    tied = [inst(0, 0, outstanding=1), inst(1, 1, outstanding=2), inst(2, 2, outstanding=4)]
+    assert choose_instance(tied, 0, 0, 3, None, balance=True).id == "i0"
+
+
+def test_balance_never_goes_below_the_target_nor_to_a_full_instance():
+    insts = [inst(0, 0), inst(1, 1, outstanding=6), inst(2, 2, outstanding=7)]
+    assert choose_instance(insts, 1, 0, 3, None, balance=True).id == "i2"  # 7/4 < 6/2; i0 idle but below
+    insts[2].outstanding = 8  # full (cap 8): it does not compete
+    assert choose_instance(insts, 1, 0, 3, None, balance=True).id == "i1"
+
+
+def test_balance_does_not_move_a_trajectory_inside_its_bucket():
+    # on i2 in bucket 2; the router now chooses bucket 0, which is busier per GPU than i2
+    insts = [inst(0, 0, outstanding=4), inst(2, 2, outstanding=2), inst(3, 2)]
+    assert choose_instance(insts, 0, 0, 3, "i2", level=2, balance=True).id == "i2"  # not idle i3
+    insts[0].outstanding = 0  # room in the chosen bucket: it moves down
+    assert choose_instance(insts, 0, 0, 3, "i2", level=2, balance=True).id == "i0"
+
+
+def test_routers_balance_by_default_and_keep_their_target():
+    """Accuracy is scored on the target, so balance changes where a turn runs, not the decision."""
+    insts = [inst(0, 0, outstanding=3), inst(1, 1, outstanding=4), inst(2, 2, outstanding=2)]
+    first = req(turn=0, path=(), cur=None, inst_id=None, true_final_tokens=2500)
+    d = make_router("oracle", B).route(first, insts)
+    assert (d.target, d.bucket) == (0, 2)
+    d = make_router("oracle", B, spill="saturated").route(first, insts)
+    assert (d.target, d.bucket) == (0, 0)
+    for name in ("cmlfq", "cmlfq-paper", "classic-mlfq", "length-predictor", "context-prior"):
+        assert make_router(name, B).params.spill == "balance"
+    with pytest.raises(ConfigError, match="router_params.spill"):
+        make_router("cmlfq", B, spill="always")
+    with pytest.raises(ConfigError, match="no settings"):  # a length-blind router has no buckets to spill
+        make_router("least-loaded", B, spill="balance")
+
+
 def test_a_full_kv_cache_saturates_new_placements_but_does_not_evict_its_own():
     insts = [inst(0, 0), inst(1, 0, outstanding=3), inst(2, 1)]
     insts[0].kv_usage = 0.95
@@ -351,3 +398,15 @@ def test_a_router_that_lowers_its_target_moves_the_trajectory_down():
     # raising the target to a bucket below where it sits keeps it there (no pointless move down)
     up = Fixed(1).route(req(cur=2, inst_id="i2", target_bucket=0), insts)
     assert (up.bucket, up.target, up.migrate) == (2, 1, False)
+
+
+def test_shared_router_params_go_to_the_routers_that_have_them():
+    """A simulation runs several routers on one `rollout.router_params`."""
+    from libra.rollout.registry import params_for
+
+    shared = {"spill": "saturated", "move_cost": 0.5}
+    assert params_for("cmlfq", shared) == shared
+    assert params_for("oracle", shared) == {"spill": "saturated"}
+    assert params_for("least-loaded", shared) == {}
+    with pytest.raises(ConfigError, match="router_params.movecost.*move_cost"):
+        params_for("least-loaded", {"movecost": 1})

@@ -25,6 +25,7 @@ from libra.rollout.base import (
     RouteRequest,
     Status,
     ToolState,
+    bucket_for_length,
 )
 from libra.rollout.evaluate import evaluate
 from libra.rollout.registry import ROUTERS, make_router
@@ -50,7 +51,7 @@ def instance_lists(draw):
             InstanceView(
                 id=f"i{i}",
                 bucket=draw(st.integers(0, len(BUCKETS) - 1)),
-                tp=1,
+                tp=draw(st.sampled_from([1, 2, 4, 8])),  # unequal TPs exercise spill: balance
                 outstanding=draw(st.integers(0, 6)),
                 cap=draw(st.integers(1, 6)),
                 healthy=draw(st.booleans()),
@@ -113,6 +114,9 @@ def check_decision(router, req, instances):
     chosen = by_id[d.instance]
     assert chosen.healthy, "routed to an unhealthy instance while a healthy one exists"
     assert d.bucket == chosen.bucket
+    floor = bucket_for_length(router.buckets, req.context_tokens)
+    if any(i.bucket >= floor for i in healthy):
+        assert chosen.bucket >= floor, "routed to a bucket too small for the context"
     moved = req.current_instance is not None and req.current_instance != d.instance
     assert d.migrate == moved
     assert (d.method != MigrationMethod.NONE) == moved

@@ -109,7 +109,8 @@ def _first_error(err: ValidationError, prefix: str, model: type[BaseModel]) -> C
     loc = ".".join(str(p) for p in e.get("loc", ()) if p != "__root__")
     field = f"{prefix}.{loc}" if prefix and loc else (loc or prefix or "config")
     if e.get("type") == "extra_forbidden":  # an unknown name: say which names there are
-        return ConfigError(field, e.get("input"), _fields_at(model, tuple(e["loc"])))
+        names = _fields_at(model, tuple(e["loc"]))
+        return ConfigError(field, e.get("input"), names or "nothing: no settings here")
     return ConfigError(field, e.get("input"), e.get("msg", "invalid").removeprefix("Value error, "))
 
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from libra.rollout.base import Bucket, FinishedTrajectory, RouteRequest, bucket_for_length
-from libra.rollout.routers import BaseRouter
+from libra.rollout.routers import BaseRouter, BucketParams
 from libra.rollout.tree import CausalTree, CursorTable, Match, TrajectoryLog, best_match
 
 
@@ -28,9 +28,7 @@ def mean_p90_rule(buckets: Sequence[Bucket], current: int, mean_final: float, p9
     return by_mean if by_mean == by_p90 and by_mean != current else current
 
 
-class TreeParams(BaseModel):
-    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
-
+class TreeParams(BucketParams):
     window: int = Field(default=200, gt=0, description="Samples kept per node (mean and P90 window).")
     max_depth: int = Field(default=64, gt=0, description="Deepest path the tree records.")
     per_prompt: bool = Field(default=True, description="Keep a tree per prompt besides the global one.")

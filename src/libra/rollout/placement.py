@@ -11,7 +11,11 @@ them, and it is where the safety rules live, so it is written once here:
   bucket's max_context, so buckets below `bucket_for_length(context)` are never chosen while a
   feasible one is healthy;
 - a trajectory is not moved for load alone: its current instance holds its prefix, so it stays
-  there while that is healthy and where its router wants it, spill-over included (`_keeps`).
+  there while that is healthy and where its router wants it, spill-over included (`_keeps`);
+- with `balance` (the routers' `spill: balance`, their default), a turn may also run in a larger
+  bucket than the router chose when that bucket has less load per GPU (`_balanced_up`): a larger
+  bucket holds any context a smaller one does, and an engine with spare room decodes each token
+  sooner at a larger TP. Without it a turn runs above its bucket only when the bucket is full.
 
 The migration method (move the KV cache or re-prefill) is priced by a `MigrationCoster`; without
 one the router assumes KV transfer, which the published measurements show is the cheaper method
@@ -80,6 +84,7 @@ def choose_instance(
     n_buckets: int,
     current: str | None,
     level: int | None = None,
+    balance: bool = False,
 ) -> InstanceView:
     """The instance for a trajectory whose router chose bucket `target` (see the module doc).
 
@@ -89,7 +94,8 @@ def choose_instance(
     bucket, the instance with the fewest outstanding requests among those not saturated (request
     cap or KV cache), ties to the earliest in the list; the target bucket first, then its
     neighbours. When a neighbour is the bucket the trajectory already sits in, it stays on its
-    own instance: a move inside a bucket gains nothing.
+    own instance: a move inside a bucket gains nothing. With `balance`, the target and the larger
+    buckets first compete on load per GPU (`_balanced_up`).
     """
     best: dict[int, InstanceView] = {}
     here: InstanceView | None = None
@@ -103,12 +109,39 @@ def choose_instance(
         b = best.get(inst.bucket)
         if b is None or inst.outstanding < b.outstanding:
             best[inst.bucket] = inst
+    if balance:
+        pick = _balanced_up(best, here, target, n_buckets)
+        if pick is not None:
+            return pick
     for k in _bucket_order(target, floor, n_buckets):
         if here is not None and here.bucket == k:
             return here
         if k in best:
             return best[k]
     return least_loaded(instances, floor)
+
+
+def _balanced_up(
+    best: dict[int, InstanceView], here: InstanceView | None, target: int, n_buckets: int
+) -> InstanceView | None:
+    """The instance of the target bucket or a larger one with the fewest outstanding requests per
+    GPU (outstanding / TP); ties go to the smaller bucket, so an idle system keeps the router's
+    choice and a larger bucket takes a turn only when it is less loaded.
+
+    Each bucket offers the instance the plain rule would take in it, except the bucket the
+    trajectory sits in, which offers its own instance (no move inside a bucket). Saturated
+    instances do not compete; None when none is left, and the plain order decides.
+    """
+    pick: InstanceView | None = None
+    pick_load = 0.0
+    for k in range(target, n_buckets):
+        inst = here if here is not None and here.bucket == k else best.get(k)
+        if inst is None or inst.saturated:
+            continue
+        load = inst.outstanding / max(1, inst.tp)
+        if pick is None or load < pick_load:
+            pick, pick_load = inst, load
+    return pick
 
 
 def _keeps(bucket: int, target: int, level: int | None) -> bool:

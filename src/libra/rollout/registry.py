@@ -16,6 +16,7 @@ from libra.rollout.base import Bucket, MigrationCoster, Router
 from libra.rollout.cmlfq import PaperCMLFQRouter
 from libra.rollout.robust import ContextPriorRouter, RobustCMLFQRouter
 from libra.rollout.routers import (
+    PARAMS_FIELD,
     ClassicMLFQRouter,
     LeastLoadedRouter,
     LengthPredictorRouter,
@@ -48,6 +49,23 @@ def router_class(name: str) -> type:
         except (ImportError, AttributeError, ValueError) as e:
             raise ConfigError("rollout.router", name, f"an importable pkg.module:Class ({e})") from None
     raise ConfigError("rollout.router", name, sorted(ROUTERS) + ["pkg.module:Class"])
+
+
+def params_for(name: str, params: dict) -> dict:
+    """The entries of one shared `rollout.router_params` that router `name` has.
+
+    A simulation runs several routers on one scenario, so each takes the params it has (`move_cost`
+    is cmlfq's, `spill` every bucket router's); a name that no registered router has is an error
+    listing those there are. An outside router without a pydantic `Params` gets them all.
+    """
+    fields = getattr(getattr(router_class(name), "Params", None), "model_fields", None)
+    if fields is None:
+        return dict(params)
+    known = set(fields).union(*(cls.Params.model_fields for cls in ROUTERS.values()))
+    for key, value in params.items():
+        if key.split(".")[0] not in known:
+            raise ConfigError(f"{PARAMS_FIELD}.{key}", value, sorted(known))
+    return {k: v for k, v in params.items() if k.split(".")[0] in fields}
 
 
 def make_router(

@@ -45,6 +45,18 @@ class NoParams(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
 
+class BucketParams(BaseModel):
+    """What every router that chooses a bucket shares: when a turn may run above that bucket."""
+
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
+
+    spill: Literal["balance", "saturated"] = Field(
+        default="balance",
+        description="balance: also run in a larger bucket when it has less load per GPU; "
+        "saturated: only when the chosen bucket is full (placement.py).",
+    )
+
+
 def check_buckets(buckets: Sequence[Bucket]) -> list[Bucket]:
     """Buckets must be non-empty and strictly ordered by max_context (bucket 0 the smallest)."""
     out = list(buckets or [])
@@ -69,6 +81,7 @@ class BaseRouter:
         self.cost = cost
         self.seed = int(seed)
         self.params = build(self.Params, params, PARAMS_FIELD)
+        self._balance = getattr(self.params, "spill", "saturated") == "balance"
 
     def route(self, req: RouteRequest, instances: Sequence[InstanceView]) -> RouteDecision:
         floor = bucket_for_length(self.buckets, req.context_tokens)
@@ -82,7 +95,9 @@ class BaseRouter:
         """(instance, predicted final tokens, target bucket); length-blind routers have no target."""
         target, predicted = self.target(req, floor)
         target = min(max(target, floor), len(self.buckets) - 1)
-        inst = choose_instance(instances, target, floor, len(self.buckets), req.current_instance, req.level)
+        inst = choose_instance(
+            instances, target, floor, len(self.buckets), req.current_instance, req.level, self._balance
+        )
         return inst, predicted, target
 
     def target(self, req: RouteRequest, floor: int) -> tuple[int, float | None]:
@@ -145,9 +160,7 @@ class LeastLoadedRouter(BaseRouter):
         return (keep if keep is not None else least_loaded(instances, floor)), None, None
 
 
-class ClassicMLFQParams(BaseModel):
-    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
-
+class ClassicMLFQParams(BucketParams):
     thresholds: list[int] | None = Field(
         default=None, description="Demotion thresholds in tokens; default: the buckets' max_context."
     )
@@ -191,6 +204,7 @@ class OracleRouter(BaseRouter):
     current context, i.e. it behaves like a perfectly reactive router."""
 
     name = "oracle"
+    Params = BucketParams
 
     def target(self, req, floor):
         if req.true_final_tokens is None:
@@ -198,9 +212,7 @@ class OracleRouter(BaseRouter):
         return bucket_for_length(self.buckets, req.true_final_tokens), float(req.true_final_tokens)
 
 
-class LengthPredictorParams(BaseModel):
-    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
-
+class LengthPredictorParams(BucketParams):
     prior_strength: float = Field(
         default=2.0, gt=0, description="Pseudo-samples of the global fit when a prompt has history."
     )

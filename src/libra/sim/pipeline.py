@@ -34,7 +34,7 @@ from libra.core.trajectory import Trajectory
 from libra.costmodel.catalog import load_catalog
 from libra.costmodel.efficiency import Profile
 from libra.costmodel.training import TrainCostModel
-from libra.rollout.registry import make_router
+from libra.rollout.registry import make_router, params_for
 from libra.sim import isolation
 from libra.sim.isolation import Progress
 from libra.sim.kernel import Kernel
@@ -158,7 +158,7 @@ class RLSim:
             setup.buckets,
             cost=_coster(costs, len(setup.buckets)),
             seed=0,
-            **setup.router_params,
+            **params_for(setup.router, setup.router_params),
         )
         drv = RolloutDriver(self.k, engines, setup.buckets, bucket_of, router, node_of,
                             self.sc.pipeline.tool_latency_default_s, self.tracer)  # fmt: skip
