@@ -154,7 +154,9 @@ def test_driver_spills_agents_past_an_engines_kv_commitment(small_cost):
     cap = small_cost.kv_capacity_tokens()
     engines = [Engine(k, n, small_cost, 64, small_cost.max_num_batched_tokens) for n in ("small", "big")]
     buckets = [Bucket("s", 1, cap), Bucket("l", 1, 10 * cap)]
-    router = make_router("cmlfq-paper", buckets, seed=0)
+    # saturated: the neighbour takes work only when the small engine is full (balance would share
+    # it between the two TP1 engines from the start)
+    router = make_router("cmlfq-paper", buckets, seed=0, spill="saturated")
     drv = RolloutDriver(k, engines, buckets, {"small": 0, "big": 1}, router, {"small": 0, "big": 0}, 1.0)
     prompt = cap // 8
     trajs = [Trajectory(f"t{i}", f"p{i}", 0, prompt, [Turn(16, "bash", 16, tool_latency_s=60.0), Turn(16)])
