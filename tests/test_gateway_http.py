@@ -500,6 +500,43 @@ def test_1000_concurrent_sessions_complete(instant_factory, gateway_factory):  #
     )
 
 
+async def _first_turns_at_once(url: str, n: int) -> list[int]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+
+        async def one(i: int) -> int:
+            body = {
+                "model": "instant",
+                "messages": [{"role": "user", "content": f"task {i}"}],
+                "tools": TOOLS,
+            }
+            async with http.post(
+                url + "/v1/chat/completions", json=body, headers={"X-Session-ID": f"b{i}"}
+            ) as r:
+                await r.read()
+                return r.status
+
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+@pytest.mark.parametrize("spill", ["balance", "saturated"])
+def test_turns_overflow_to_a_larger_bucket_with_less_load_per_gpu(instant_factory, gateway_factory, spill):  # noqa: F811
+    """The placement rule live (docs/rollout.md, "Instance choice"): eight new sessions at once,
+    every backend holding its answers. C-MLFQ starts them all in the short (TP1) bucket; with
+    spill: balance each turn goes where the outstanding requests per GPU are fewest, so the idle
+    TP4 engine takes most of them; with spill: saturated all wait on the short engine."""
+    be = instant_factory("--delay-ms", "1500", ports=2)
+    gw = gateway_factory(*backend_arg(be.urls[0], "short", 1, SHORT), *backend_arg(be.urls[1], "long", 4, LONG),
+                         "--set", f"router_params.spill={spill}")  # fmt: skip
+    assert asyncio.run(_first_turns_at_once(gw.url, 8)) == [200] * 8
+    text = gw.metrics()
+    placed = {b: metric(text, "libra_gateway_decisions_total", bucket=b) for b in ("short", "long")}
+    assert sum(placed.values()) == 8
+    if spill == "balance":  # short takes a turn only while its 1 GPU is no busier than long's 4
+        assert placed["long"] >= 5, placed
+    else:
+        assert placed == {"short": 8, "long": 0}
+
+
 def test_a_yaml_config_with_overrides(instant_factory, gateway_factory, tmp_path):  # noqa: F811
     be = instant_factory(ports=2)
     cfg = tmp_path / "gateway.yaml"

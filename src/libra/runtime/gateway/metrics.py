@@ -13,7 +13,8 @@ Metric names (all prefixed `libra_gateway_`):
 - `overhead_seconds{endpoint}`: time spent in the gateway itself, i.e. the request's time minus
   the time waiting on the backend (what the benchmark calls added latency);
 - `upstream_seconds{bucket}`: from sending a request to a backend to its full response;
-- `decisions_total{bucket}`: routing decisions by the bucket chosen;
+- `decisions_total{bucket}`: routing decisions by the bucket the turn was placed in (above the
+  router's choice when it spilled);
 - `migrations_total{from_bucket,to_bucket,reason}`: a session changed instance; reason `policy`
   (the router moved it) or `failover` (its instance failed under a request);
 - `retries_total{bucket}`, `upstream_errors_total{instance,kind}`;
@@ -84,7 +85,7 @@ class GatewayMetrics:
         self.latency = Histogram("libra_gateway_request_seconds", "Request time, end to end.", ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.overhead = Histogram("libra_gateway_overhead_seconds", "Request time minus time waiting on the backend.", ["endpoint"], buckets=OVERHEAD_BUCKETS, registry=r)  # fmt: skip
         self.upstream = Histogram("libra_gateway_upstream_seconds", "Backend time per request.", ["bucket"], buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.decisions = Counter("libra_gateway_decisions", "Routing decisions by bucket chosen.", ["bucket"], registry=r)  # fmt: skip
+        self.decisions = Counter("libra_gateway_decisions", "Routing decisions by the bucket the turn was placed in.", ["bucket"], registry=r)  # fmt: skip
         self.migrations = Counter("libra_gateway_migrations", "Sessions moved to another instance.", ["from_bucket", "to_bucket", "reason"], registry=r)  # fmt: skip
         self.retries = Counter("libra_gateway_retries", "Requests retried on another instance.", ["bucket"], registry=r)  # fmt: skip
         self.errors = Counter("libra_gateway_upstream_errors", "Failed upstream requests.", ["instance", "kind"], registry=r)  # fmt: skip
