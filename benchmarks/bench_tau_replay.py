@@ -34,7 +34,7 @@ from libra.sim.rl_config import parse_rl  # noqa: E402
 from libra.sim.scenarios import load_scenario  # noqa: E402
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "trajectories" / "tau-bench-airline.jsonl"
-ROUTERS = ["cmlfq", "classic-mlfq", "context-prior", "least-loaded", "oracle"]
+ROUTERS = ["cmlfq", "cmlfq-paper", "classic-mlfq", "context-prior", "length-predictor", "least-loaded", "oracle"]
 BUCKETS = (
     "rollout.buckets=[{name: a, tp: 1, max_context: 4096}, {name: b, tp: 2, max_context: 6144},"
     " {name: c, tp: 4, max_context: 40960}]"
