@@ -55,8 +55,9 @@ def params_for(name: str, params: dict) -> dict:
     """The entries of one shared `rollout.router_params` that router `name` has.
 
     A simulation runs several routers on one scenario, so each takes the params it has (`move_cost`
-    is cmlfq's, `spill` every bucket router's); a name that no registered router has is an error
-    listing those there are. An outside router without a pydantic `Params` gets them all.
+    is cmlfq's, `spill` every bucket router's); a name that neither this router nor a registered
+    one has is an error listing those there are (so a param only an outside router knows cannot
+    share a run with registered routers). An outside router without a pydantic `Params` gets them all.
     """
     fields = getattr(getattr(router_class(name), "Params", None), "model_fields", None)
     if fields is None:
