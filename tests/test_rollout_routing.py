@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from libra.core.errors import ConfigError
 from libra.rollout.base import (
@@ -10,6 +12,7 @@ from libra.rollout.base import (
     FinishedTrajectory,
     InstanceView,
     MigrationMethod,
+    NoInstanceError,
     PayloadSize,
     RouteRequest,
     Status,
@@ -410,3 +413,25 @@ def test_shared_router_params_go_to_the_routers_that_have_them():
     assert params_for("least-loaded", shared) == {}
     with pytest.raises(ConfigError, match="router_params.movecost.*move_cost"):
         params_for("least-loaded", {"movecost": 1})
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    loads=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 9), st.booleans()), min_size=1, max_size=8),
+    target=st.integers(0, 2),
+)
+def test_balance_takes_the_least_load_per_gpu_at_or_above_the_target(loads, target):
+    """For a new trajectory: when any instance at or above the target has room, the turn goes to
+    one with the least outstanding/TP there (ties to the smaller bucket), never below the target."""
+    insts = [inst(i, b, outstanding=o, healthy=h) for i, (b, o, h) in enumerate(loads)]
+    if not any(i.healthy for i in insts):
+        with pytest.raises(NoInstanceError):
+            choose_instance(insts, target, 0, 3, None, balance=True)
+        return
+    chosen = choose_instance(insts, target, 0, 3, None, balance=True)
+    assert chosen.healthy
+    room = [i for i in insts if i.bucket >= target and not i.saturated]
+    if not room:
+        return
+    key = min((i.outstanding / i.tp, i.bucket) for i in room)
+    assert (chosen.outstanding / chosen.tp, chosen.bucket) == key
