@@ -217,6 +217,8 @@ def test_routers_balance_by_default_and_keep_their_target():
     with pytest.raises(ConfigError, match="router_params.spill"):
         make_router("cmlfq", B, spill="always")
     with pytest.raises(ConfigError, match="no settings"):  # a length-blind router has no buckets to spill
+        make_router("round-robin", B, spill="balance")
+    with pytest.raises(ConfigError, match="one of: per_gpu"):
         make_router("least-loaded", B, spill="balance")
 
 
@@ -326,6 +328,15 @@ def test_length_predictor_learns_from_earlier_steps():
     assert r.route(other, one_per_bucket()).bucket == 0
     # between tool returns it keeps its bucket
     assert r.route(req(cur=1, inst_id="i1", context=3000), one_per_bucket()).bucket == 1
+
+
+def test_least_loaded_per_gpu_weighs_load_by_tp():
+    insts = [inst(0, 0, outstanding=2), inst(1, 1, outstanding=3), inst(2, 2, outstanding=5)]
+    first = req(turn=0, path=(), cur=None, inst_id=None)
+    assert make_router("least-loaded", B).route(first, insts).instance == "i0"  # fewest requests
+    assert (
+        make_router("least-loaded", B, per_gpu=True).route(first, insts).instance == "i2"
+    )  # 5/4 < 3/2 < 2/1
 
 
 def test_round_robin_and_least_loaded_keep_affinity():

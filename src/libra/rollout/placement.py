@@ -158,21 +158,26 @@ def _keeps(bucket: int, target: int, level: int | None) -> bool:
     return level is not None and level <= target < bucket
 
 
-def least_loaded(instances: Sequence[InstanceView], floor: int = 0) -> InstanceView:
-    """The least loaded healthy instance, from a feasible bucket when one is healthy."""
+def least_loaded(instances: Sequence[InstanceView], floor: int = 0, per_gpu: bool = False) -> InstanceView:
+    """The least loaded healthy instance, from a feasible bucket when one is healthy.
+
+    Load is outstanding / cap, or with `per_gpu` outstanding / TP (a TP4 engine serves about four
+    times the requests of a TP1 one; the request cap is usually the same for both).
+    """
     pick: InstanceView | None = None
     for inst in instances:
         if not inst.healthy:
             continue
-        if pick is None or _load_key(inst, floor) < _load_key(pick, floor):
+        if pick is None or _load_key(inst, floor, per_gpu) < _load_key(pick, floor, per_gpu):
             pick = inst
     if pick is None:
         raise NoInstanceError("no healthy instance to route to; keep the request and retry")
     return pick
 
 
-def _load_key(inst: InstanceView, floor: int) -> tuple[bool, bool, float]:
-    return (inst.bucket < floor, inst.saturated, inst.outstanding / max(1, inst.cap))
+def _load_key(inst: InstanceView, floor: int, per_gpu: bool) -> tuple[bool, bool, float]:
+    load = inst.outstanding / max(1, inst.tp if per_gpu else inst.cap)
+    return (inst.bucket < floor, inst.saturated, load)
 
 
 def migration_method(

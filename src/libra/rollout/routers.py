@@ -150,14 +150,26 @@ class RoundRobinRouter(BaseRouter):
         return least_loaded(instances, floor), None, None
 
 
+class LeastLoadedParams(BaseModel):
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
+
+    per_gpu: bool = Field(
+        default=False, description="Weigh load by GPUs (outstanding/TP) instead of outstanding/cap."
+    )
+
+
 class LeastLoadedRouter(BaseRouter):
-    """Length-blind: each new trajectory goes to the instance with the lowest outstanding/cap."""
+    """Length-blind: each new trajectory goes to the instance with the lowest outstanding/cap (the
+    request count balancers of vLLM's and SGLang's routers), or with `per_gpu` outstanding/TP."""
 
     name = "least-loaded"
+    Params = LeastLoadedParams
 
     def pick(self, req, instances, floor):
         keep = _current_usable(req, instances, floor)
-        return (keep if keep is not None else least_loaded(instances, floor)), None, None
+        if keep is None:
+            keep = least_loaded(instances, floor, self.params.per_gpu)
+        return keep, None, None
 
 
 class ClassicMLFQParams(BucketParams):
