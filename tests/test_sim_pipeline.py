@@ -447,3 +447,14 @@ def test_a_trajectory_spilled_to_a_larger_bucket_is_never_moved_back_down(monkey
     routing = out["systems"]["router:oracle"]["routing"]
     assert routing["spilled"] > 0.2 and routing["accuracy"] == 1.0
     assert moves and all(dst > src for src, dst in moves), moves
+
+
+def test_list_names_each_scenario_with_its_description_and_the_systems():
+    out = run_cli("simulate", "--list")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    for name in ("libra-r2e-48gpu", "tangram-coding"):
+        (line,) = [x for x in lines if x.startswith(name + " ")]
+        assert load_scenario(name)["description"][:30] in line
+    assert any("k8s-per-trajectory" in x for x in lines)  # a tangram scenario's own systems
+    assert "router:cmlfq" in out.stdout and "ablation:hetero-tp" in out.stdout

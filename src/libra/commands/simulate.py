@@ -23,6 +23,7 @@ from libra.core.config import apply_overrides
 from libra.core.errors import ConfigError
 from libra.costmodel.efficiency import load_profile
 from libra.sim.scenarios import list_scenarios, load_scenario, runner_for
+from libra.sim.systems import known_systems
 
 DEFAULT_SCENARIO = "libra-r2e-48gpu"
 
@@ -119,6 +120,17 @@ def ladder_notes(summary: dict) -> list[str]:
     return notes
 
 
+def print_list() -> None:
+    """The shipped scenarios with their descriptions, and the systems each kind can run."""
+    for name in list_scenarios():
+        data = load_scenario(name)
+        console.print(f"{name:<22} {data.get('description', '')}", highlight=False, soft_wrap=True)
+        if data.get("kind") == "tangram":
+            console.print(f"{'':<22} systems: {', '.join(data.get('systems', {}))}", highlight=False)
+    rl = ", ".join(known_systems())
+    console.print(f"\nsystems of the rl scenarios (--systems A,B): {rl}", highlight=False, soft_wrap=True)
+
+
 @click.command()
 @click.option("--scenario", default=DEFAULT_SCENARIO, show_default=True, help="Scenario name or YAML path.")
 @click.option(
@@ -138,7 +150,9 @@ def ladder_notes(summary: dict) -> list[str]:
     default=None,
     help="Output folder [default: runs/SCENARIO].",
 )
-@click.option("--list", "list_only", is_flag=True, help="List the shipped scenarios and exit.")
+@click.option(
+    "--list", "list_only", is_flag=True, help="List the shipped scenarios and the systems, and exit."
+)
 @set_option
 @profile_option
 @json_option
@@ -148,8 +162,7 @@ def simulate(scenario, trace_file, systems, steps, seed, out_dir, list_only, ove
     Writes summary.json, steps.json, PNG plots and a Perfetto trace.json to --out.
     """
     if list_only:
-        for name in list_scenarios():
-            console.print(name)
+        print_list()
         return
     data = apply_overrides(load_scenario(scenario), list(overrides))
     names = [s.strip() for s in systems.split(",") if s.strip()] if systems else None
