@@ -111,7 +111,8 @@ class RouteRequest:
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
     """`bucket` is where the trajectory runs; `target` the bucket the router chose (None for the
-    length-blind routers). They differ when the target was full and the turn spilled over."""
+    length-blind routers). They differ when the turn spilled over: the target was full, or (with
+    `spill: balance`) a larger bucket had fewer outstanding requests per GPU."""
 
     bucket: int
     instance: str

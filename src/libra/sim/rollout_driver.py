@@ -33,9 +33,10 @@ from libra.sim.kernel import Kernel
 class RoutingStats:
     """Routing quality. A decision is scored on the bucket the router chose (`RouteDecision.target`;
     the bucket it ran in for the length-blind routers, which choose none): that is what the router
-    predicted. Where it ran can differ when the chosen bucket was full and the turn spilled to a
-    larger one, which says how full the buckets were, not how well the router predicted; that is
-    `placement_accuracy`, and `spilled` the share of decisions that ran above their target."""
+    predicted. Where it ran can differ when the turn spilled to a larger bucket (the chosen one was
+    full, or with `spill: balance` less loaded per GPU), which says how the load was spread, not
+    how well the router predicted; that is `placement_accuracy`, and `spilled` the share of
+    decisions that ran above their target."""
 
     decisions: int = 0
     correct: int = 0
