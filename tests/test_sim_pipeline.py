@@ -458,3 +458,17 @@ def test_list_names_each_scenario_with_its_description_and_the_systems():
         assert load_scenario(name)["description"][:30] in line
     assert any("k8s-per-trajectory" in x for x in lines)  # a tangram scenario's own systems
     assert "router:cmlfq" in out.stdout and "ablation:hetero-tp" in out.stdout
+
+
+def test_spill_balance_runs_turns_on_the_idle_larger_buckets():
+    """Sixteen trajectories load one rollout node (TP1, TP1, TP2, TP4) lightly. C-MLFQ starts them
+    in the TP1 bucket; with spill: balance their turns run on the TP2 and TP4 engines while those
+    have fewer requests per GPU, so rollout is faster. The router's decisions are the same."""
+    out = {}
+    for spill in ("balance", "saturated"):
+        cfg = {**SMALL, "rollout": {**SMALL["rollout"], "router_params": {"spill": spill}}}
+        out[spill] = run(cfg, ["router:cmlfq"], 3, 0, None, _quiet)["systems"]["router:cmlfq"]
+    bal, sat = out["balance"], out["saturated"]
+    assert bal["routing"]["accuracy"] == sat["routing"]["accuracy"]
+    assert sat["routing"]["spilled"] == 0 < bal["routing"]["spilled"]
+    assert bal["rollout_throughput_tokens_per_s"] > 1.1 * sat["rollout_throughput_tokens_per_s"]
