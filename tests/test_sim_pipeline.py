@@ -472,3 +472,13 @@ def test_spill_balance_runs_turns_on_the_idle_larger_buckets():
     assert bal["routing"]["accuracy"] == sat["routing"]["accuracy"]
     assert sat["routing"]["spilled"] == 0 < bal["routing"]["spilled"]
     assert bal["rollout_throughput_tokens_per_s"] > 1.1 * sat["rollout_throughput_tokens_per_s"]
+
+
+def test_a_router_param_no_router_of_the_run_has_is_an_error_not_ignored():
+    cfg = {**SMALL, "rollout": {**SMALL["rollout"], "router_params": {"move_cost": 1.0}}}
+    with pytest.raises(ConfigError, match="router_params.move_cost.*thresholds"):
+        run(cfg, ["router:classic-mlfq", "static-uniform"], 1, 0, None, _quiet)
+    assert (
+        "router:classic-mlfq"
+        in run(cfg, ["router:cmlfq", "router:classic-mlfq"], 1, 0, None, _quiet)["systems"]
+    )

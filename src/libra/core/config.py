@@ -23,12 +23,19 @@ M = TypeVar("M", bound=BaseModel)
 MAX_TEXT_FILE = 64 << 20  # a config or catalog this large is a wrong path, not a config
 
 
-def read_text_file(p: Path, limit: int = MAX_TEXT_FILE) -> str:
-    """A regular UTF-8 file's text. ValueError for a device or FIFO (/dev/zero reads forever), a
-    file over `limit` bytes, or bytes that are not UTF-8; OSError when it cannot be opened."""
-    st = os.stat(p)  # before opening: opening a FIFO would wait for a writer
+def regular_file(p: Path) -> os.stat_result:
+    """`p`'s stat, checked before anything opens it (opening a FIFO waits for a writer, and a device
+    such as /dev/zero reads forever). ValueError unless it is a regular file; OSError if missing."""
+    st = os.stat(p)
     if not stat.S_ISREG(st.st_mode):
         raise ValueError("not a regular file")
+    return st
+
+
+def read_text_file(p: Path, limit: int = MAX_TEXT_FILE) -> str:
+    """A regular UTF-8 file's text (`regular_file`). ValueError for a file over `limit` bytes or
+    bytes that are not UTF-8, as for a special file; OSError when it cannot be opened."""
+    st = regular_file(p)
     if st.st_size > limit:
         raise ValueError(f"{st.st_size >> 20} MiB; at most {limit >> 20} MiB")
     data = p.read_bytes()

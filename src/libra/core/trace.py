@@ -9,9 +9,7 @@ traces from that simulator replay unchanged.
 from __future__ import annotations
 
 import json
-import os
 import random
-import stat
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -19,7 +17,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from libra.core.config import build
+from libra.core.config import build, regular_file
 from libra.core.errors import ConfigError, TraceError
 from libra.core.trajectory import ToolStatus, Trajectory, Turn
 
@@ -109,9 +107,10 @@ def json_lines(path: Path) -> Iterator[tuple[int, object]]:
     """(line number, parsed JSON) of each non-blank line. Read as bytes, so a line that is not
     UTF-8 is an error naming the line, and a regular file only (/dev/zero would never end)."""
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):  # before opening: a FIFO would wait for a writer
-            raise TraceError(str(path), 0, "<file>", "is not a regular file")
+        regular_file(path)
         fh = path.open("rb")
+    except ValueError:
+        raise TraceError(str(path), 0, "<file>", "is not a regular file") from None
     except OSError as e:
         raise TraceError(str(path), 0, "<file>", f"cannot be read: {e.strerror}") from None
     with fh:

@@ -76,7 +76,7 @@ def run_eval(trace_path: str, buckets: str, routers: str, order: str, overrides=
     from libra.core.config import parse_override
     from libra.core.trace import read_trace
     from libra.rollout.evaluate import evaluate
-    from libra.rollout.registry import make_router
+    from libra.rollout.registry import make_router, route_params
 
     bks = parse_buckets(buckets)
     names = [r.strip() for r in routers.split(",") if r.strip()]
@@ -86,7 +86,7 @@ def run_eval(trace_path: str, buckets: str, routers: str, order: str, overrides=
     for text in overrides:
         path, value = parse_override(text)
         params[".".join(path)] = value
-    per_router = routed_params(names, params)
+    per_router = route_params(names, params, "--set ")
     trajs = read_trace(trace_path)
     out = []
     for name in names:
@@ -95,21 +95,3 @@ def run_eval(trace_path: str, buckets: str, routers: str, order: str, overrides=
         d["router"] = name
         out.append(d)
     return out
-
-
-def routed_params(names: list[str], params: dict) -> dict[str, dict]:
-    """Each router gets the `--set` params it has (move_cost goes to cmlfq, not to classic-mlfq);
-    a param no chosen router has is an error that lists what they do have."""
-    from libra.rollout.registry import router_class
-
-    fields = {n: getattr(getattr(router_class(n), "Params", None), "model_fields", None) for n in names}
-    known = set().union(*(f for f in fields.values() if f is not None))
-    for key, value in params.items():
-        top = key.split(".")[0]
-        if top not in known and all(f is not None for f in fields.values()):
-            raise ConfigError(
-                f"--set {key}", value, sorted(known) if known else "no param: these routers take none"
-            )
-    return {
-        n: {k: v for k, v in params.items() if f is None or k.split(".")[0] in f} for n, f in fields.items()
-    }

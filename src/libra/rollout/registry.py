@@ -51,15 +51,20 @@ def router_class(name: str) -> type:
     raise ConfigError("rollout.router", name, sorted(ROUTERS) + ["pkg.module:Class"])
 
 
+def _fields(name: str) -> dict | None:
+    """The param names router `name` takes; None for an outside router without a pydantic Params."""
+    return getattr(getattr(router_class(name), "Params", None), "model_fields", None)
+
+
 def params_for(name: str, params: dict) -> dict:
     """The entries of one shared `rollout.router_params` that router `name` has.
 
-    A simulation runs several routers on one scenario, so each takes the params it has (`move_cost`
-    is cmlfq's, `spill` every bucket router's); a name that neither this router nor a registered
-    one has is an error listing those there are (so a param only an outside router knows cannot
-    share a run with registered routers). An outside router without a pydantic `Params` gets them all.
+    A run holds several routers on one set of params, so each takes those it has (`move_cost` is
+    cmlfq's, `spill` every bucket router's). A name that neither this router nor a registered one
+    has is an error listing those there are (so a param only an outside router knows cannot share a
+    run with registered routers). An outside router without a pydantic `Params` gets them all.
     """
-    fields = getattr(getattr(router_class(name), "Params", None), "model_fields", None)
+    fields = _fields(name)
     if fields is None:
         return dict(params)
     known = set(fields).union(*(cls.Params.model_fields for cls in ROUTERS.values()))
@@ -67,6 +72,20 @@ def params_for(name: str, params: dict) -> dict:
         if key.split(".")[0] not in known:
             raise ConfigError(f"{PARAMS_FIELD}.{key}", value, sorted(known))
     return {k: v for k, v in params.items() if k.split(".")[0] in fields}
+
+
+def route_params(names: Sequence[str], params: dict, prefix: str = PARAMS_FIELD + ".") -> dict[str, dict]:
+    """`params_for` each router of a run, after checking that some router of the run has each param:
+    one that none of them has would do nothing, so it is an error listing what they do have."""
+    fields = {n: _fields(n) for n in names}
+    if all(f is not None for f in fields.values()):
+        known = set().union(*fields.values())
+        for key, value in params.items():
+            if key.split(".")[0] not in known:
+                raise ConfigError(
+                    f"{prefix}{key}", value, sorted(known) if known else "no param: these routers take none"
+                )
+    return {n: params_for(n, params) for n in fields}
 
 
 def make_router(

@@ -34,7 +34,7 @@ from libra.core.trajectory import Trajectory
 from libra.costmodel.catalog import load_catalog
 from libra.costmodel.efficiency import Profile
 from libra.costmodel.training import TrainCostModel
-from libra.rollout.registry import make_router, params_for
+from libra.rollout.registry import make_router, params_for, route_params
 from libra.sim import isolation
 from libra.sim.isolation import Progress
 from libra.sim.kernel import Kernel
@@ -447,9 +447,10 @@ def run(scenario: dict, systems: list[str] | None, steps: int | None, seed: int,
     if trajs is None:  # generated once, here: every system's process reads the same batches
         for s in range(n):
             batches.get(s)
+    systems_ = [make_system(name) for name in names]  # an unknown name fails here, before anything runs
+    route_params({s.router for s in systems_}, sc.rollout.router_params)  # a param no router has: error
     results, per_step, records, shared = {}, {}, {}, {}
-    for name in names:
-        system = make_system(name)  # an unknown name fails here, before anything runs
+    for name, system in zip(names, systems_, strict=True):
         system.shared = shared
         job = partial(_simulate, sc, system, batches, n, seed, profile, trace_step)
         # `shared` comes back with this system's memoised planner searches, for the next ones.

@@ -70,7 +70,6 @@ def setup_of(plan: Plan, hw: HardwareSpec, router: str, params: dict, reconfig_s
 
 class PlannedSystem(System):
     planner = "libra"
-    router = "least-loaded"
     replan = True
     elastic = False
 

@@ -95,6 +95,7 @@ class System:
     # A run-scoped cache the driver hands to every system of one simulation, so that pure,
     # expensive helpers (a planner and its memoised searches) are built once per run.
     shared: dict | None = None
+    router = "least-loaded"  # the router its setups name (`rollout.router_params` are checked against it)
 
     def setup(self, sc: RLScenario, hw: HardwareSpec) -> Setup:
         raise NotImplementedError  # abstract: each system defines its layout
@@ -118,8 +119,9 @@ class VerlColocated(System):
             total,
             homogeneous(0, total, tp, hw),
             one_bucket(sc, tp),
-            "least-loaded",
+            self.router,
             train_parallel(sc, total),
+            dict(sc.rollout.router_params),
         )
 
 
@@ -130,9 +132,8 @@ class StaticUniform(System):
 
     def setup(self, sc, hw):
         tr, ro, tp = sc.split.train_gpus, sc.split.rollout_gpus, sc.rollout.homogeneous_tp
-        return Setup(
-            False, tr, homogeneous(tr, ro, tp, hw), one_bucket(sc, tp), "least-loaded", train_parallel(sc, tr)
-        )
+        return Setup(False, tr, homogeneous(tr, ro, tp, hw), one_bucket(sc, tp), self.router,
+                     train_parallel(sc, tr), dict(sc.rollout.router_params))  # fmt: skip
 
 
 class RouterSystem(System):
