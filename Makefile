@@ -37,6 +37,7 @@ sysdeps:
 
 test: $(STAMP_TEST) sysdeps native
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/python -m pytest
 
 lint: $(STAMP_TEST)

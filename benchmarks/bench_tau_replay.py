@@ -6,12 +6,12 @@ trace has 200 trajectories (50 tasks x 4 trials) dealt to 5 steps, and which tas
 moves the figures by several percent. So, as the offline evaluation does (tests/
 test_rollout_evaluate.py), this replays the trace in its own order and with its tasks dealt to the
 5 steps in `--orderings - 1` other random orders, and reports each router's mean, minimum and
-maximum over them, and how many orderings `cmlfq` wins against each rival.
+maximum over them, and against each rival the paired difference (wins, mean, standard error).
 
 The engines are `libra-searchr1-48gpu`'s, with buckets suited to the trace's 2.7K-8.4K lengths
 (4096 / 6144 / rest), as in docs/rollout.md.
 
-Run: .venv/bin/python benchmarks/bench_tau_replay.py [--orderings 6] [--set split.rollout_gpus=8 ...]
+Run: .venv/bin/python benchmarks/bench_tau_replay.py [--orderings 40] [--set split.rollout_gpus=8 ...]
 """
 
 from __future__ import annotations
@@ -34,7 +34,15 @@ from libra.sim.rl_config import parse_rl  # noqa: E402
 from libra.sim.scenarios import load_scenario  # noqa: E402
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "trajectories" / "tau-bench-airline.jsonl"
-ROUTERS = ["cmlfq", "cmlfq-paper", "classic-mlfq", "context-prior", "length-predictor", "least-loaded", "oracle"]
+ROUTERS = [
+    "cmlfq",
+    "cmlfq-paper",
+    "classic-mlfq",
+    "context-prior",
+    "length-predictor",
+    "least-loaded",
+    "oracle",
+]
 BUCKETS = (
     "rollout.buckets=[{name: a, tp: 1, max_context: 4096}, {name: b, tp: 2, max_context: 6144},"
     " {name: c, tp: 4, max_context: 40960}]"
@@ -58,16 +66,28 @@ def summarise(runs: list[dict[str, dict]]) -> dict:
         for key in ("tok_s", "accuracy"):
             xs = [run_[r][key] for run_ in runs]
             out.setdefault(r, {})[key] = {"mean": round(sum(xs) / len(xs), 3), "min": round(min(xs), 3), "max": round(max(xs), 3)}  # fmt: skip
-    for rival in ("classic-mlfq", "context-prior"):
+    for rival in ("classic-mlfq", "context-prior", "cmlfq-paper"):
         for key in ("tok_s", "accuracy"):
-            wins = sum(run_["cmlfq"][key] > run_[rival][key] for run_ in runs)
-            out["cmlfq"][f"{key}_wins_vs_{rival}"] = f"{wins}/{len(runs)}"
+            diffs = [run_["cmlfq"][key] - run_[rival][key] for run_ in runs]
+            out["cmlfq"][f"{key}_vs_{rival}"] = paired(diffs)
     return out
+
+
+def paired(diffs: list[float]) -> dict:
+    """cmlfq minus a rival over the same orderings: wins, the mean difference and its standard error.
+
+    The orderings are paired (every router replays the same deal), so the spread that matters is
+    that of the differences, not of each router's figures; |mean| under 2 standard errors is a tie.
+    """
+    n = len(diffs)
+    mean = sum(diffs) / n
+    se = round((sum((d - mean) ** 2 for d in diffs) / (n - 1) / n) ** 0.5, 4) if n > 1 else None
+    return {"wins": f"{sum(d > 0 for d in diffs)}/{n}", "mean_diff": round(mean, 4), "stderr": se}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--orderings", type=int, default=6, help="The trace's own order plus N-1 reshuffles.")
+    ap.add_argument("--orderings", type=int, default=40, help="The trace's own order plus N-1 reshuffles.")
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument(
         "--set",
