@@ -5,7 +5,9 @@ Goal: one C-MLFQ decision <= 50 us median with a causal tree of 100k nodes.
 Each router is first warmed up by replaying long SWE-like trajectories (unique paths, so the tree
 grows by tens of nodes per trajectory) through the offline evaluator until its tree holds at least
 100k nodes; then every `route()` call of a further 64 trajectories, turn by turn, is timed against
-the 48-GPU scenarios' rollout layout (24 GPUs: three nodes of TP1, TP1, TP2, TP4 instances). Baselines are
+the 48-GPU scenarios' rollout layout (24 GPUs: three nodes of TP1, TP1, TP2, TP4 instances). Each
+router has the scenarios' cost model (qwen3-14b on A800s), as in the simulator, so a decision
+includes pricing the migration and `spill: cost`'s pricing of the candidate instances. Baselines are
 timed the same way, side by side in one run.
 
 Run: .venv/bin/python benchmarks/bench_router.py [--nodes 100000]
@@ -22,8 +24,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import report  # noqa: E402
+from libra.costmodel.catalog import load_catalog  # noqa: E402
+from libra.costmodel.rollout import RolloutCostModel  # noqa: E402
 from libra.rollout.base import Bucket, InstanceView, RouteRequest  # noqa: E402
 from libra.rollout.evaluate import evaluate  # noqa: E402
+from libra.rollout.placement import CostModelCoster  # noqa: E402
 from libra.rollout.registry import ROUTERS, make_router  # noqa: E402
 from libra.rollout.synthetic import swe_like  # noqa: E402
 from libra.rollout.tool_state import trajectory_path  # noqa: E402
@@ -40,10 +45,16 @@ def instances() -> list[InstanceView]:
     ]
 
 
+def coster() -> CostModelCoster:
+    cat = load_catalog()
+    hw, model = cat.hardware("a800-80g"), cat.model("qwen3-14b")
+    return CostModelCoster([RolloutCostModel(hw, model, b.tp) for b in BUCKETS])
+
+
 def warm(name: str, min_nodes: int, seed: int, steps: int | None = None):
     """A router after learning from `steps` batches of 256 SWE-like trajectories, or (steps None)
     from as many as its tree needs to hold `min_nodes` nodes (global and per-prompt together)."""
-    router = make_router(name, BUCKETS, seed=0)
+    router = make_router(name, BUCKETS, cost=coster(), seed=0)
     tree = getattr(router, "tree", None)
     step = 0
     while True:

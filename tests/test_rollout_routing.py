@@ -19,7 +19,7 @@ from libra.rollout.base import (
     ToolState,
 )
 from libra.rollout.cmlfq import PaperCMLFQRouter, mean_p90_rule
-from libra.rollout.placement import CostModelCoster, choose_instance, migration_method
+from libra.rollout.placement import CostModelCoster, choose_instance, migration_method, per_gpu_load
 from libra.rollout.registry import ROUTERS, make_router
 from libra.rollout.routers import BaseRouter
 
@@ -179,36 +179,41 @@ def test_a_spill_is_not_a_decision():
 def test_balance_sends_a_turn_up_to_a_bucket_with_less_load_per_gpu():
     # outstanding per GPU: bucket 0 (TP1) 2, bucket 1 (TP2) 2, bucket 2 (TP4) 1
     insts = [inst(0, 0, outstanding=2), inst(1, 1, outstanding=4), inst(2, 2, outstanding=4)]
-    assert choose_instance(insts, 0, 0, 3, None, balance=True).id == "i2"
+    assert choose_instance(insts, 0, 0, 3, None, price=per_gpu_load).id == "i2"
     assert choose_instance(insts, 0, 0, 3, None).id == "i0"  # without it: the target, which has room
 
 
 def test_balance_keeps_the_target_when_idle_or_tied():
-    assert choose_instance(one_per_bucket(), 0, 0, 3, None, balance=True).id == "i0"
+    assert choose_instance(one_per_bucket(), 0, 0, 3, None, price=per_gpu_load).id == "i0"
     tied = [inst(0, 0, outstanding=1), inst(1, 1, outstanding=2), inst(2, 2, outstanding=4)]
-    assert choose_instance(tied, 0, 0, 3, None, balance=True).id == "i0"
+    assert choose_instance(tied, 0, 0, 3, None, price=per_gpu_load).id == "i0"
 
 
 def test_balance_never_goes_below_the_target_nor_to_a_full_instance():
     insts = [inst(0, 0), inst(1, 1, outstanding=6), inst(2, 2, outstanding=7)]
-    assert choose_instance(insts, 1, 0, 3, None, balance=True).id == "i2"  # 7/4 < 6/2; i0 idle but below
+    assert (
+        choose_instance(insts, 1, 0, 3, None, price=per_gpu_load).id == "i2"
+    )  # 7/4 < 6/2; i0 idle but below
     insts[2].outstanding = 8  # full (cap 8): it does not compete
-    assert choose_instance(insts, 1, 0, 3, None, balance=True).id == "i1"
+    assert choose_instance(insts, 1, 0, 3, None, price=per_gpu_load).id == "i1"
 
 
 def test_balance_does_not_move_a_trajectory_inside_its_bucket():
     # on i2 in bucket 2; the router now chooses bucket 0, which is busier per GPU than i2
     insts = [inst(0, 0, outstanding=4), inst(2, 2, outstanding=2), inst(3, 2)]
-    assert choose_instance(insts, 0, 0, 3, "i2", level=2, balance=True).id == "i2"  # not idle i3
+    assert choose_instance(insts, 0, 0, 3, "i2", level=2, price=per_gpu_load).id == "i2"  # not idle i3
     insts[0].outstanding = 0  # room in the chosen bucket: it moves down
-    assert choose_instance(insts, 0, 0, 3, "i2", level=2, balance=True).id == "i0"
+    assert choose_instance(insts, 0, 0, 3, "i2", level=2, price=per_gpu_load).id == "i0"
 
 
 def test_routers_balance_by_default_and_keep_their_target():
-    """Accuracy is scored on the target, so balance changes where a turn runs, not the decision."""
+    """Accuracy is scored on the target, so spill-over changes where a turn runs, not the decision.
+    Without a cost model (no `TurnPricer`), `spill: cost` balances load per GPU too."""
     insts = [inst(0, 0, outstanding=3), inst(1, 1, outstanding=4), inst(2, 2, outstanding=2)]
     first = req(turn=0, path=(), cur=None, inst_id=None, true_final_tokens=2500)
     d = make_router("oracle", B).route(first, insts)
+    assert (d.target, d.bucket) == (0, 2)
+    d = make_router("oracle", B, spill="cost").route(first, insts)
     assert (d.target, d.bucket) == (0, 2)
     d = make_router("oracle", B, spill="saturated").route(first, insts)
     assert (d.target, d.bucket) == (0, 0)
@@ -280,6 +285,47 @@ def test_migration_method_choices(coster):
     assert migration_method(coster, insts, "i0", insts[1], 5000) == MigrationMethod.REPREFILL
     # without a coster: KV transfer
     assert migration_method(None, [inst(0, 0), insts[1]], "i0", insts[1], 5000) == MigrationMethod.KV_TRANSFER
+
+
+# ---- spill: cost ----------------------------------------------------------------------------------
+
+
+def test_turn_price_grows_with_the_turns_running_and_shrinks_with_tp(coster):
+    for bucket in range(3):
+        prices = [coster.turn_price(bucket, n, 3000) for n in range(0, 64, 8)]
+        assert prices == sorted(prices) and prices[0] > 0
+    # idle, a larger TP decodes a token sooner (qwen3-14b on A800s)
+    assert coster.turn_price(2, 0, 3000) < coster.turn_price(1, 0, 3000) < coster.turn_price(0, 0, 3000)
+    # the price counts the delay a turn adds to those already running: more than its own step
+    own, _ = coster.models[2].decode_coeffs(9)
+    assert coster.turn_price(2, 8, 3000) > own + coster.models[2].decode_coeffs(9)[1] * 9 * 3000
+
+
+def test_cost_sends_a_turn_to_an_idle_larger_tp_and_back_when_it_is_busy(coster):
+    r = make_router("oracle", B, cost=coster, spill="cost")
+    first = req(turn=0, path=(), cur=None, inst_id=None, true_final_tokens=2500)
+    d = r.route(first, one_per_bucket())
+    assert (d.target, d.bucket) == (0, 2)  # idle everywhere: the TP4 engine is the fastest
+    busy = [inst(0, 0), inst(1, 1, outstanding=60, cap=256), inst(2, 2, outstanding=120, cap=256)]
+    d = r.route(first, busy)
+    assert (d.target, d.bucket) == (0, 0)  # each turn there would slow a hundred others
+    # never below the target, never to a full instance; spill: balance ignores the cost model
+    d = r.route(req(turn=0, path=(), cur=None, inst_id=None, true_final_tokens=8000), busy)
+    assert d.bucket >= d.target == 1
+    busy[1].outstanding = busy[1].cap
+    assert r.route(req(turn=0, path=(), cur=None, inst_id=None, true_final_tokens=8000), busy).bucket == 2
+    d = make_router("oracle", B, cost=coster).route(first, one_per_bucket())
+    assert d.bucket == 0  # idle: per GPU the loads tie, and ties keep the target
+
+
+@settings(max_examples=150)
+@given(st.lists(st.integers(0, 40), min_size=3, max_size=3), st.integers(0, 2), st.integers(100, 30000))
+def test_cost_picks_the_cheapest_instance_at_or_above_the_target(coster, loads, target, ctx):
+    insts = [inst(k, k, outstanding=n, cap=64) for k, n in enumerate(loads)]
+    price = lambda i: coster.turn_price(i.bucket, i.outstanding, ctx)  # noqa: E731
+    chosen = choose_instance(insts, target, 0, 3, None, price=price)
+    assert chosen.bucket >= target
+    assert price(chosen) == min(price(i) for i in insts[target:])
 
 
 class CheapPrefill:
@@ -437,9 +483,9 @@ def test_balance_takes_the_least_load_per_gpu_at_or_above_the_target(loads, targ
     insts = [inst(i, b, outstanding=o, healthy=h) for i, (b, o, h) in enumerate(loads)]
     if not any(i.healthy for i in insts):
         with pytest.raises(NoInstanceError):
-            choose_instance(insts, target, 0, 3, None, balance=True)
+            choose_instance(insts, target, 0, 3, None, price=per_gpu_load)
         return
-    chosen = choose_instance(insts, target, 0, 3, None, balance=True)
+    chosen = choose_instance(insts, target, 0, 3, None, price=per_gpu_load)
     assert chosen.healthy
     room = [i for i in insts if i.bucket >= target and not i.saturated]
     if not room:

@@ -7,7 +7,9 @@
 - The same seed and the same inputs give the same decisions.
 
 Routers are checked both cold (nothing learned) and warmed up on synthetic trajectories, so the
-learned code paths (trees, fitted models, sibling books) are under the same contract.
+learned code paths (trees, fitted models, sibling books) are under the same contract. The cold ones
+are given a cost model and `spill: cost`, so the cost model prices the instances; the warm ones
+balance load per GPU (the default): both placement paths are under the contract too.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from libra.costmodel.catalog import load_catalog
+from libra.costmodel.rollout import RolloutCostModel
 from libra.rollout.base import (
     Bucket,
     InstanceView,
@@ -28,7 +32,8 @@ from libra.rollout.base import (
     bucket_for_length,
 )
 from libra.rollout.evaluate import evaluate
-from libra.rollout.registry import ROUTERS, make_router
+from libra.rollout.placement import CostModelCoster
+from libra.rollout.registry import ROUTERS, make_router, params_for
 from libra.rollout.synthetic import search_like
 
 BUCKETS = [Bucket("short", 1, 4096), Bucket("medium", 2, 12288), Bucket("long", 4, 40960)]
@@ -51,7 +56,7 @@ def instance_lists(draw):
             InstanceView(
                 id=f"i{i}",
                 bucket=draw(st.integers(0, len(BUCKETS) - 1)),
-                tp=draw(st.sampled_from([1, 2, 4, 8])),  # unequal TPs exercise spill: balance
+                tp=draw(st.sampled_from([1, 2, 4, 8])),  # unequal TPs exercise the spill prices
                 outstanding=draw(st.integers(0, 6)),
                 cap=draw(st.integers(1, 6)),
                 healthy=draw(st.booleans()),
@@ -94,9 +99,18 @@ def _warm(name: str):
 WARM = {}
 
 
+def _coster() -> CostModelCoster:
+    cat = load_catalog()
+    hw, model = cat.hardware("a800-80g"), cat.model("qwen3-14b")
+    return CostModelCoster([RolloutCostModel(hw, model, b.tp) for b in BUCKETS])
+
+
+COSTER = _coster()
+
+
 def _router(name: str, warm: bool):
     if not warm:
-        return make_router(name, BUCKETS, seed=3)
+        return make_router(name, BUCKETS, cost=COSTER, seed=3, **params_for(name, {"spill": "cost"}))
     if name not in WARM:
         WARM[name] = _warm(name)
     return WARM[name]

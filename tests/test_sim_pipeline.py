@@ -460,18 +460,22 @@ def test_list_names_each_scenario_with_its_description_and_the_systems():
     assert "router:cmlfq" in out.stdout and "ablation:hetero-tp" in out.stdout
 
 
-def test_spill_balance_runs_turns_on_the_idle_larger_buckets():
+def test_spill_runs_turns_on_the_idle_larger_buckets():
     """Sixteen trajectories load one rollout node (TP1, TP1, TP2, TP4) lightly. C-MLFQ starts them
     in the TP1 bucket; with spill: balance their turns run on the TP2 and TP4 engines while those
-    have fewer requests per GPU, so rollout is faster. The router's decisions are the same."""
+    have fewer requests per GPU (the default), and with spill: cost wherever the cost model says a
+    turn adds the least token time, which on idle engines is the largest TP. Either way rollout is
+    faster than with spill: saturated, and the decisions are as accurate."""
     out = {}
-    for spill in ("balance", "saturated"):
+    for spill in ("cost", "balance", "saturated"):
         cfg = {**SMALL, "rollout": {**SMALL["rollout"], "router_params": {"spill": spill}}}
         out[spill] = run(cfg, ["router:cmlfq"], 3, 0, None, _quiet)["systems"]["router:cmlfq"]
-    bal, sat = out["balance"], out["saturated"]
+    cost, bal, sat = out["cost"], out["balance"], out["saturated"]
     assert bal["routing"]["accuracy"] == sat["routing"]["accuracy"]
-    assert sat["routing"]["spilled"] == 0 < bal["routing"]["spilled"]
+    assert abs(cost["routing"]["accuracy"] - sat["routing"]["accuracy"]) < 0.05
+    assert sat["routing"]["spilled"] == 0 < bal["routing"]["spilled"] < cost["routing"]["spilled"]
     assert bal["rollout_throughput_tokens_per_s"] > 1.1 * sat["rollout_throughput_tokens_per_s"]
+    assert cost["rollout_throughput_tokens_per_s"] > bal["rollout_throughput_tokens_per_s"]
 
 
 def test_a_router_param_no_router_of_the_run_has_is_an_error_not_ignored():

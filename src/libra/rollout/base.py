@@ -112,7 +112,7 @@ class RouteRequest:
 class RouteDecision:
     """`bucket` is where the trajectory runs; `target` the bucket the router chose (None for the
     length-blind routers). They differ when the turn spilled over: the target was full, or (with
-    `spill: balance`) a larger bucket had fewer outstanding requests per GPU."""
+    `spill: cost` or `balance`) a larger bucket was cheaper."""
 
     bucket: int
     instance: str
@@ -148,6 +148,16 @@ class MigrationCoster(Protocol):
         self, src_bucket: int, dst_bucket: int, context_tokens: int, inter_node: bool
     ) -> tuple[float, float]:
         """(kv_transfer_s, reprefill_s) for `context_tokens` moving from src to dst bucket."""
+        ...
+
+
+@runtime_checkable
+class TurnPricer(Protocol):
+    """Prices running a turn on an instance: what `spill: cost` compares (placement.py)."""
+
+    def turn_price(self, bucket: int, running: int, context_tokens: int) -> float:
+        """Seconds of token time a turn of `context_tokens` adds on a `bucket` instance running
+        `running` turns."""
         ...
 
 

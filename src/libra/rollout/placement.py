@@ -12,10 +12,12 @@ them, and it is where the safety rules live, so it is written once here:
   feasible one is healthy;
 - a trajectory is not moved for load alone: its current instance holds its prefix, so it stays
   there while that is healthy and where its router wants it, spill-over included (`_keeps`);
-- with `balance` (the routers' `spill: balance`, their default), a turn may also run in a larger
-  bucket than the router chose when that bucket has less load per GPU (`_balanced_up`): a larger
+- with a `price` (the routers' `spill: balance`, their default, or `spill: cost`), a turn may also
+  run in a larger bucket than the router chose when it is cheaper there (`_balanced_up`): a larger
   bucket holds any context a smaller one does, and an engine with spare room decodes each token
-  sooner at a larger TP. Without it a turn runs above its bucket only when the bucket is full.
+  sooner at a larger TP. `balance` prices an instance by its load per GPU (`per_gpu_load`); `cost`
+  by the token time the turn adds there (`CostModelCoster.turn_price`). Without a price a turn runs
+  above its bucket only when the bucket is full.
 
 The migration method (move the KV cache or re-prefill) is priced by a `MigrationCoster`; without
 one the router assumes KV transfer, which the published measurements show is the cheaper method
@@ -25,7 +27,7 @@ re-prefill).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from libra.costmodel.rollout import RolloutCostModel
 from libra.rollout.base import InstanceView, MigrationCoster, MigrationMethod, NoInstanceError
@@ -38,13 +40,14 @@ class CostModelCoster:
     heads arrive over. Re-prefill is the target's chunked prefill of the whole context.
     """
 
-    __slots__ = ("models", "_cache")
+    __slots__ = ("models", "_cache", "_coeffs")
 
     def __init__(self, models_per_bucket: Sequence[RolloutCostModel]):
         if not models_per_bucket:
             raise ValueError("CostModelCoster needs one RolloutCostModel per bucket")
         self.models = list(models_per_bucket)
         self._cache: dict[tuple[int, int, bool], tuple[float, float]] = {}
+        self._coeffs: dict[tuple[int, int], tuple[float, float]] = {}
 
     def costs(
         self, src_bucket: int, dst_bucket: int, context_tokens: int, inter_node: bool
@@ -62,9 +65,40 @@ class CostModelCoster:
             self._cache[key] = hit
         return hit
 
+    def turn_price(self, bucket: int, running: int, context_tokens: int) -> float:
+        """Seconds of token time a turn of `context_tokens` adds on an instance of `bucket` that
+        already runs `running` turns: its own decode step there, plus the delay its step adds to
+        each of the others (they are taken to be as long as this one; the view has no contexts).
+
+        Decode steps cost A(n) + B * context sum (`RolloutCostModel.decode_coeffs`). Summed over
+        the turns, this is the growth of their total time per token, so placing each turn where it
+        is least is the greedy rule for the least total turn time.
+        """
+        dst = min(max(bucket, 0), len(self.models) - 1)
+        a0, _ = self._decode(dst, running)
+        a1, b = self._decode(dst, running + 1)
+        after = a1 + b * (running + 1) * context_tokens
+        before = a0 + b * running * context_tokens if running else 0.0
+        return after + running * (after - before)
+
+    def _decode(self, bucket: int, n: int) -> tuple[float, float]:
+        key = (bucket, n)
+        hit = self._coeffs.get(key)
+        if hit is None:
+            hit = self.models[bucket].decode_coeffs(n)
+            if len(self._coeffs) > 65536:
+                self._coeffs.clear()
+            self._coeffs[key] = hit
+        return hit
+
 
 def healthy_exists(instances: Sequence[InstanceView]) -> bool:
     return any(i.healthy for i in instances)
+
+
+def per_gpu_load(inst: InstanceView) -> float:
+    """`spill: balance`'s price: outstanding requests per GPU."""
+    return inst.outstanding / max(1, inst.tp)
 
 
 def _bucket_order(target: int, floor: int, n_buckets: int) -> list[int]:
@@ -84,7 +118,7 @@ def choose_instance(
     n_buckets: int,
     current: str | None,
     level: int | None = None,
-    balance: bool = False,
+    price: Callable[[InstanceView], float] | None = None,
 ) -> InstanceView:
     """The instance for a trajectory whose router chose bucket `target` (see the module doc).
 
@@ -94,8 +128,8 @@ def choose_instance(
     bucket, the instance with the fewest outstanding requests among those not saturated (request
     cap or KV cache), ties to the earliest in the list; the target bucket first, then its
     neighbours. When a neighbour is the bucket the trajectory already sits in, it stays on its
-    own instance: a move inside a bucket gains nothing. With `balance`, the target and the larger
-    buckets first compete on load per GPU (`_balanced_up`).
+    own instance: a move inside a bucket gains nothing. With a `price`, the target and the larger
+    buckets first compete on it (`_balanced_up`).
     """
     best: dict[int, InstanceView] = {}
     here: InstanceView | None = None
@@ -109,8 +143,8 @@ def choose_instance(
         b = best.get(inst.bucket)
         if b is None or inst.outstanding < b.outstanding:
             best[inst.bucket] = inst
-    if balance:
-        pick = _balanced_up(best, here, target, n_buckets)
+    if price is not None:
+        pick = _balanced_up(best, here, target, n_buckets, price)
         if pick is not None:
             return pick
     for k in _bucket_order(target, floor, n_buckets):
@@ -122,11 +156,14 @@ def choose_instance(
 
 
 def _balanced_up(
-    best: dict[int, InstanceView], here: InstanceView | None, target: int, n_buckets: int
+    best: dict[int, InstanceView],
+    here: InstanceView | None,
+    target: int,
+    n_buckets: int,
+    price: Callable[[InstanceView], float],
 ) -> InstanceView | None:
-    """The instance of the target bucket or a larger one with the fewest outstanding requests per
-    GPU (outstanding / TP); ties go to the smaller bucket, so an idle system keeps the router's
-    choice and a larger bucket takes a turn only when it is less loaded.
+    """The instance of the target bucket or a larger one with the lowest `price`; ties go to the
+    smaller bucket, so the router's choice stands unless a larger bucket is cheaper.
 
     Each bucket offers the instance the plain rule would take in it, except the bucket the
     trajectory sits in, which offers its own instance (no move inside a bucket). Saturated
@@ -138,7 +175,7 @@ def _balanced_up(
         inst = here if here is not None and here.bucket == k else best.get(k)
         if inst is None or inst.saturated:
             continue
-        load = inst.outstanding / max(1, inst.tp)
+        load = price(inst)
         if pick is None or load < pick_load:
             pick, pick_load = inst, load
     return pick

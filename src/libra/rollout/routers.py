@@ -15,7 +15,7 @@ bucket too small for its context, chooses the instance, and prices the migration
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -30,12 +30,14 @@ from libra.rollout.base import (
     MigrationMethod,
     RouteDecision,
     RouteRequest,
+    TurnPricer,
     bucket_for_length,
 )
 from libra.rollout.placement import (
     choose_instance,
     least_loaded,
     migration_method,
+    per_gpu_load,
 )
 
 PARAMS_FIELD = "rollout.router_params"
@@ -50,10 +52,11 @@ class BucketParams(BaseModel):
 
     model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
-    spill: Literal["balance", "saturated"] = Field(
+    spill: Literal["balance", "cost", "saturated"] = Field(
         default="balance",
-        description="balance: also run in a larger bucket when it has less load per GPU; "
-        "saturated: only when the chosen bucket is full (placement.py).",
+        description="balance: also run in a larger bucket when it has less load per GPU; cost: when "
+        "the cost model says the turn adds less token time there (without a cost model, as "
+        "balance); saturated: only when the chosen bucket is full (placement.py).",
     )
 
 
@@ -81,7 +84,8 @@ class BaseRouter:
         self.cost = cost
         self.seed = int(seed)
         self.params = build(self.Params, params, PARAMS_FIELD)
-        self._balance = getattr(self.params, "spill", "saturated") == "balance"
+        self._spill = getattr(self.params, "spill", "saturated")
+        self._pricer = cost if self._spill == "cost" and isinstance(cost, TurnPricer) else None
 
     def route(self, req: RouteRequest, instances: Sequence[InstanceView]) -> RouteDecision:
         floor = bucket_for_length(self.buckets, req.context_tokens)
@@ -96,9 +100,18 @@ class BaseRouter:
         target, predicted = self.target(req, floor)
         target = min(max(target, floor), len(self.buckets) - 1)
         inst = choose_instance(
-            instances, target, floor, len(self.buckets), req.current_instance, req.level, self._balance
+            instances, target, floor, len(self.buckets), req.current_instance, req.level, self._price(req)
         )
         return inst, predicted, target
+
+    def _price(self, req: RouteRequest) -> Callable[[InstanceView], float] | None:
+        """What a turn's candidate instances compete on (`spill`); None: only a full bucket spills."""
+        if self._spill == "saturated":
+            return None
+        pricer, ctx = self._pricer, req.context_tokens
+        if pricer is None:
+            return per_gpu_load
+        return lambda inst: pricer.turn_price(inst.bucket, inst.outstanding, ctx)
 
     def target(self, req: RouteRequest, floor: int) -> tuple[int, float | None]:
         raise NotImplementedError
