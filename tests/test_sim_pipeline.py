@@ -274,6 +274,14 @@ def test_any_value_in_any_section_runs_or_names_its_field(section, name, value):
         assert "\n" not in str(e), e
 
 
+@pytest.mark.parametrize("layout", [[0], [], [-1, 4], [1, 2, 0]])
+def test_a_layout_with_a_zero_or_no_instance_names_its_field(layout):
+    """Found by the fuzz above in explore mode: a TP of 0 once reached `heads % tp`."""
+    data = {**SMALL, "rollout": {**SMALL["rollout"], "layout_per_node": layout}}
+    with pytest.raises(ConfigError, match="layout_per_node"):
+        run(data, ["static-uniform"], 1, 0, None, _quiet)
+
+
 def test_a_plugged_in_router_is_a_system():
     name = "router:tests.test_rollout_routing:OutsideRouter"  # always the last bucket
     res = run(SMALL, [name], 2, 0, None, _quiet)["systems"][name]

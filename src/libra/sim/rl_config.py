@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 from libra.core.config import build
 from libra.core.errors import ConfigError
@@ -54,8 +54,10 @@ class RolloutCfg(_Strict):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     kv_during_tool: Literal["resident", "offload", "drop"] = "resident"
     homogeneous_tp: int = Field(4, ge=1, description="TP of every instance in homogeneous layouts")
-    layout_per_node: list[int] = Field(
-        default_factory=lambda: [1, 1, 2, 4], description="heterogeneous layout"
+    layout_per_node: list[PositiveInt] = Field(
+        default_factory=lambda: [1, 1, 2, 4],
+        min_length=1,
+        description="heterogeneous layout: the TP of each instance on a rollout node",
     )
     buckets: list[BucketCfg]
     # Far below max_num_seqs on purpose: at 256 no instance ever filled, so a length-aware router
