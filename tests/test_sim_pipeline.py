@@ -261,7 +261,7 @@ JUNK = st.one_of(
 )
 
 
-@settings(max_examples=int(__import__("os").environ.get("FUZZ_N", 120)), deadline=None)
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None)
 @given(section=st.sampled_from(sorted(SECTIONS)), name=st.data(), value=JUNK)
 def test_any_value_in_any_section_runs_or_names_its_field(section, name, value):
     """Whatever one field of a section (or an unknown one) is set to, a short run either works or

@@ -178,6 +178,19 @@ def test_unknown_tool_field_lists_tool_fields():
             "workload.params.validator_timeout_share",
         ),
         ({"family": "dapo-math", "params": "fast"}, "workload.params"),
+        # a log-space spread or gain past MAX_LOG_SPREAD (these once overflowed math.exp mid-run)
+        (
+            {"family": "r2e-gym", "params": {"output_sample_sigma": 1e9}},
+            "workload.params.output_sample_sigma",
+        ),
+        (
+            {"family": "search-r1", "params": {"output_return_gain": 1e300}},
+            "workload.params.output_return_gain",
+        ),
+        (
+            {"family": "dapo-math", "params": {"difficulty_sample_sigma": 6}},
+            "workload.params.difficulty_sample_sigma",
+        ),
         ({"family": "dapo-math", "max_length": 10}, "workload.max_length"),
         ({"family": "dapo-math", "prompts_per_step": 0}, "workload.prompts_per_step"),
     ],

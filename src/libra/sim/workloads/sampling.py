@@ -18,6 +18,11 @@ from itertools import accumulate
 
 from libra.core.trajectory import ToolStatus, Trajectory, Turn
 
+# The largest log-space spread or gain a workload parameter may have. A one-sigma factor of e^5 =
+# 148x is already far past any real distribution; a larger value is a typo, and e^(sigma * z) of it
+# could overflow a float.
+MAX_LOG_SPREAD = 5.0
+
 
 def sigmoid(x: float) -> float:
     # Clamped so extreme log-odds (large penalties) never overflow math.exp.
