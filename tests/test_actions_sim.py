@@ -151,6 +151,11 @@ def test_bad_scenarios_are_one_line_config_errors():
         (("cluster", "nodes"), 10**12, "cluster.nodes"),  # was a hang
         (("cluster", "cores_per_node"), 10**12, "cluster.cores_per_node"),  # was a MemoryError
         (("cluster", "memory_gib_per_node"), float("nan"), "finite"),
+        # found by a fuzz of every scenario key: an OverflowError, a TypeError, an unhashable type
+        (("coding", "reward", "t1_sigma"), 1e300, r"coding\.reward\.t1_sigma"),
+        (("profiles", "pytest-xdist", "amdahl"), {"a": 1}, r"profiles\.pytest-xdist\.amdahl"),
+        (("profiles", "pytest-xdist", "units"), [0, 2], r"profiles\.pytest-xdist\.units"),
+        (("systems", "tangram", "type"), [], r"systems\.tangram\.type"),
     ],
 )
 def test_values_no_run_could_use_are_refused_up_front(path, value, needle):

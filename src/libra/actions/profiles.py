@@ -34,17 +34,21 @@ class EfficiencyProfile:
         object.__setattr__(self, "points", pts)
 
     @classmethod
-    def from_mapping(cls, name: str, data: Mapping, source: str = "") -> EfficiencyProfile:
+    def from_mapping(
+        cls, name: str, data: Mapping, source: str = "", field: str | None = None
+    ) -> EfficiencyProfile:
+        field = field or f"profiles.{name}"
         if not isinstance(data, Mapping) or not data:
-            raise ConfigError(
-                f"profiles.{name}", data, "a mapping of units -> efficiency, e.g. {1: 1.0, 4: 0.85}"
-            )
+            raise ConfigError(field, data, "a mapping of units -> efficiency, e.g. {1: 1.0, 4: 0.85}")
         pts = []
         for m, e in data.items():
             try:
-                pts.append((float(m), float(e)))
+                point = (float(m), float(e))
             except (TypeError, ValueError):
-                raise ConfigError(f"profiles.{name}.{m}", e, "numbers: units -> efficiency") from None
+                raise ConfigError(f"{field}.{m}", e, "numbers: units -> efficiency") from None
+            if not (point[0] > 0 and 0 < point[1] <= 1):  # as __post_init__, with the caller's field
+                raise ConfigError(f"{field}.{m}", e, "units > 0 and 0 < efficiency <= 1")
+            pts.append(point)
         return cls(name, tuple(pts), source)
 
     @classmethod
@@ -79,18 +83,33 @@ class EfficiencyProfile:
 
 def load_profiles(data: Mapping | None, field_name: str = "profiles") -> dict[str, EfficiencyProfile]:
     """`{name: {units: efficiency, ...}}` or `{name: {amdahl: s, units: [...]}}` from YAML."""
-    out = {}
-    for name, spec in (data or {}).items():
-        if isinstance(spec, Mapping) and "amdahl" in spec:
-            units = tuple(spec.get("units", (1, 2, 4, 8, 16)))
-            out[name] = EfficiencyProfile.amdahl(
-                name, float(spec["amdahl"]), units, str(spec.get("source", ""))
-            )
-        elif isinstance(spec, Mapping) and "points" in spec:
-            out[name] = EfficiencyProfile.from_mapping(name, spec["points"], str(spec.get("source", "")))
-        else:
-            out[name] = EfficiencyProfile.from_mapping(name, spec)
-    return out
+    return {name: load_profile(name, spec, f"{field_name}.{name}") for name, spec in (data or {}).items()}
+
+
+def load_profile(name: str, spec: object, field: str) -> EfficiencyProfile:
+    """One profile: `{units: efficiency, ...}`, `{points: {...}}` or `{amdahl: s, units: [...]}`."""
+    if isinstance(spec, Mapping) and "amdahl" in spec:
+        serial, units = _amdahl_spec(field, spec)
+        return EfficiencyProfile.amdahl(name, serial, units, str(spec.get("source", "")))
+    if isinstance(spec, Mapping) and "points" in spec:
+        source = str(spec.get("source", ""))
+        return EfficiencyProfile.from_mapping(name, spec["points"], source, f"{field}.points")
+    return EfficiencyProfile.from_mapping(name, spec, field=field)  # type: ignore[arg-type]  # it checks
+
+
+def _amdahl_spec(field: str, spec: Mapping) -> tuple[float, tuple[int, ...]]:
+    """The serial share and the unit counts of `{amdahl: s, units: [...]}`, checked."""
+    serial = spec["amdahl"]
+    if isinstance(serial, bool) or not isinstance(serial, (int, float)) or not 0 <= serial < 1:
+        raise ConfigError(f"{field}.amdahl", serial, "a number: the serial share, 0 <= s < 1")
+    units = spec.get("units", (1, 2, 4, 8, 16))
+    if (
+        not isinstance(units, (list, tuple))
+        or not units
+        or not all(isinstance(m, int) and not isinstance(m, bool) and m > 0 for m in units)
+    ):
+        raise ConfigError(f"{field}.units", units, "a non-empty list of positive unit counts, e.g. [1, 2, 4]")
+    return float(serial), tuple(units)
 
 
 def lookup(

@@ -421,7 +421,7 @@ def make_system(
     if not isinstance(spec, dict) or "type" not in spec:
         raise ConfigError(f"systems.{name}", spec, "a mapping with `type` and that type's parameters")
     kind = spec["type"]
-    if kind not in SYSTEM_TYPES:
+    if not isinstance(kind, str) or kind not in SYSTEM_TYPES:
         raise ConfigError(f"systems.{name}.type", kind, SYSTEM_TYPES)
     cls = SYSTEM_TYPES[kind]
     params = {k: v for k, v in spec.items() if k != "type"} | (overrides or {})

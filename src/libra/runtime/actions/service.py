@@ -24,7 +24,7 @@ from pydantic import BaseModel, ValidationError
 
 from libra.actions import Action, ActionState, Orchestrator, ResourceVector, Start
 from libra.actions.cpu import CpuManager, CpuNode
-from libra.actions.profiles import load_profiles
+from libra.actions.profiles import load_profile
 from libra.actions.quota import QuotaManager
 from libra.core.errors import ConfigError, LibraError
 from libra.runtime.actions import schemas
@@ -116,7 +116,7 @@ class ActionsService:
         self.ws = Workspaces(cfg.sandbox.workdir_root, chown=isolation.sandboxed)
         self.sessions: dict[str, Session] = {}
         self.python = python_executable(cfg.sandbox)
-        self.profile = load_profiles({"parallel": cfg.parallel_profile}, "parallel_profile")["parallel"]
+        self.profile = load_profile("parallel", cfg.parallel_profile, "parallel_profile")
         self.http = None
         sb = cfg.sandbox
         warm_lim = Limits(sb.default_timeout_s, sb.memory_mb, int(sb.max_timeout_s) + 2, sb.nproc, sb.fsize_mb,
