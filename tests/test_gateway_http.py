@@ -537,6 +537,22 @@ def test_turns_overflow_to_a_larger_bucket_with_less_load_per_gpu(instant_factor
         assert placed == {"short": 8, "long": 0}
 
 
+@pytest.mark.parametrize("spill", ["cost", "balance"])
+def test_spill_cost_with_a_cost_model(instant_factory, gateway_factory, spill):  # noqa: F811
+    """Told what the backends serve on (`cost_model`), the routers price placement with the cost
+    model: on idle engines a turn adds the least token time on the larger TP, so spill: cost sends
+    C-MLFQ's first turns, chosen for the short bucket, to the TP4 engine; spill: balance keeps them
+    where the router chose (per GPU the idle engines tie)."""
+    be = instant_factory(ports=2)
+    gw = gateway_factory(*backend_arg(be.urls[0], "short", 1, SHORT), *backend_arg(be.urls[1], "long", 4, LONG),
+                         "--set", "cost_model={model: qwen3-14b, hardware: a800-80g}",
+                         "--set", f"router_params.spill={spill}")  # fmt: skip
+    assert asyncio.run(_first_turns_at_once(gw.url, 1)) == [200]
+    text = gw.metrics()
+    placed = {b: metric(text, "libra_gateway_decisions_total", bucket=b) for b in ("short", "long")}
+    assert placed == ({"short": 0, "long": 1} if spill == "cost" else {"short": 1, "long": 0})
+
+
 def test_a_yaml_config_with_overrides(instant_factory, gateway_factory, tmp_path):  # noqa: F811
     be = instant_factory(ports=2)
     cfg = tmp_path / "gateway.yaml"

@@ -108,6 +108,8 @@ def test_cli_configuration_errors_are_one_line_and_exit_2(capsys, tmp_path):
     assert "cmlfq" in cli_error(capsys, *backend, "--router", "nope")
     assert "health" in cli_error(capsys, *backend, "--set", "helth.interval_s=1")  # names the known fields
     assert "causal tree" in cli_error(capsys, *backend, "--router", "round-robin", "--tree-path", str(tmp_path / "t.json"))  # fmt: skip
+    assert "cost_model.model" in cli_error(capsys, *backend, "--set", "cost_model={model: gpt-9, hardware: a800-80g}")  # fmt: skip
+    assert "cost_model.hardware" in cli_error(capsys, *backend, "--set", "cost_model={model: qwen3-14b}")
     bad_tree = tmp_path / "bad.json"
     bad_tree.write_text("{not a tree")
     assert "tree_path" in cli_error(capsys, *backend, "--tree-path", str(bad_tree))

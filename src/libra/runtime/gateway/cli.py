@@ -51,7 +51,7 @@ def gateway(config_path, host, port, backends, router, tree_path, overrides, log
     from libra.rollout.registry import make_router
 
     try:
-        rt = make_router(cfg.router, cfg.bucket_list(), seed=cfg.seed, **cfg.router_params)
+        rt = make_router(cfg.router, cfg.bucket_list(), cost=_coster(cfg), seed=cfg.seed, **cfg.router_params)
     except ConfigError as e:  # the registry names simulator fields (rollout.router); name ours
         raise ConfigError(e.field.removeprefix("rollout."), e.value, e.allowed) from None
     import logging
@@ -61,3 +61,17 @@ def gateway(config_path, host, port, backends, router, tree_path, overrides, log
 
     gw = Gateway(cfg, rt)  # loads the tree: a bad tree file fails here, before the port is taken
     serve(gw, bind(cfg.host, cfg.port), access_log)
+
+
+def _coster(cfg):
+    """The cost model of each bucket's engines, when the config says what they serve on."""
+    if cfg.cost_model is None:
+        return None
+    from libra.costmodel.catalog import load_catalog
+    from libra.costmodel.rollout import RolloutCostModel
+    from libra.rollout.placement import CostModelCoster
+
+    cat = load_catalog()
+    hw = cat.hardware(cfg.cost_model.hardware, "cost_model.hardware")
+    model = cat.model(cfg.cost_model.model, "cost_model.model")
+    return CostModelCoster([RolloutCostModel(hw, model, b.tp) for b in cfg.bucket_list()])

@@ -125,6 +125,13 @@ class SessionConfig(_Strict):
     feed_idle: bool = Field(True, description="Feed sessions ended by idleness to the router's tree.")
 
 
+class CostModelConfig(_Strict):
+    """What the backends serve on, for the cost model (`libra costmodel report` lists both)."""
+
+    model: str = Field(description="A catalog model, e.g. qwen3-14b.")
+    hardware: str = Field(description="A catalog GPU, e.g. a800-80g.")
+
+
 class GatewayConfig(_Strict):
     """Everything `libra serve gateway` can be told (YAML keys and `--set` paths)."""
 
@@ -141,6 +148,10 @@ class GatewayConfig(_Strict):
     health: HealthConfig = Field(default_factory=HealthConfig)
     sessions: SessionConfig = Field(default_factory=SessionConfig)
     tool_state: SizeThresholds = Field(default_factory=SizeThresholds)
+    cost_model: CostModelConfig | None = Field(
+        None,
+        description="The backends' model and GPU: routers then price placement (spill: cost) and migration.",
+    )
     max_body_mb: float = Field(8.0, gt=0, le=4096, description="Largest request body; larger gets 413.")
     connect_timeout_s: float = Field(5.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0, description="Whole upstream request, generation included.")
