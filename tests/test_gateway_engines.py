@@ -95,8 +95,9 @@ def test_failing_sessions_move_to_the_larger_bucket_exactly_as_the_router_predic
     short, long_ = engines
     tree = tmp_path / "tree.json"
     offline_tree(tree)
-    # spill: saturated, so that each turn runs where the router put it: with the default balance, a
-    # turn sent to the busy short engine would run on the idle long one (placement, tested apart).
+    # spill: saturated, so that each turn runs where the router put it: with the default (cost, which
+    # without a cost model balances load per GPU), a turn sent to the busy short engine would run on
+    # the idle long one (placement, tested apart).
     gw = gateway_factory(*backend_arg(short.url, "short", 1, SHORT), *backend_arg(long_.url, "long", 2, LONG),
                          "--router", "cmlfq-paper", "--tree-path", str(tree),
                          "--set", "router_params.spill=saturated")  # fmt: skip

@@ -206,9 +206,9 @@ def test_balance_does_not_move_a_trajectory_inside_its_bucket():
     assert choose_instance(insts, 0, 0, 3, "i2", level=2, price=per_gpu_load).id == "i0"
 
 
-def test_routers_balance_by_default_and_keep_their_target():
+def test_routers_spill_by_cost_by_default_and_keep_their_target():
     """Accuracy is scored on the target, so spill-over changes where a turn runs, not the decision.
-    Without a cost model (no `TurnPricer`), `spill: cost` balances load per GPU too."""
+    Without a cost model (no `TurnPricer`), the default `spill: cost` balances load per GPU."""
     insts = [inst(0, 0, outstanding=3), inst(1, 1, outstanding=4), inst(2, 2, outstanding=2)]
     first = req(turn=0, path=(), cur=None, inst_id=None, true_final_tokens=2500)
     d = make_router("oracle", B).route(first, insts)
@@ -218,7 +218,7 @@ def test_routers_balance_by_default_and_keep_their_target():
     d = make_router("oracle", B, spill="saturated").route(first, insts)
     assert (d.target, d.bucket) == (0, 0)
     for name in ("cmlfq", "cmlfq-paper", "classic-mlfq", "length-predictor", "context-prior"):
-        assert make_router(name, B).params.spill == "balance"
+        assert make_router(name, B).params.spill == "cost"
     with pytest.raises(ConfigError, match="router_params.spill"):
         make_router("cmlfq", B, spill="always")
     with pytest.raises(ConfigError, match="no settings"):  # a length-blind router has no buckets to spill
@@ -302,7 +302,7 @@ def test_turn_price_grows_with_the_turns_running_and_shrinks_with_tp(coster):
 
 
 def test_cost_sends_a_turn_to_an_idle_larger_tp_and_back_when_it_is_busy(coster):
-    r = make_router("oracle", B, cost=coster, spill="cost")
+    r = make_router("oracle", B, cost=coster)
     first = req(turn=0, path=(), cur=None, inst_id=None, true_final_tokens=2500)
     d = r.route(first, one_per_bucket())
     assert (d.target, d.bucket) == (0, 2)  # idle everywhere: the TP4 engine is the fastest
@@ -314,7 +314,7 @@ def test_cost_sends_a_turn_to_an_idle_larger_tp_and_back_when_it_is_busy(coster)
     assert d.bucket >= d.target == 1
     busy[1].outstanding = busy[1].cap
     assert r.route(req(turn=0, path=(), cur=None, inst_id=None, true_final_tokens=8000), busy).bucket == 2
-    d = make_router("oracle", B, cost=coster).route(first, one_per_bucket())
+    d = make_router("oracle", B, cost=coster, spill="balance").route(first, one_per_bucket())
     assert d.bucket == 0  # idle: per GPU the loads tie, and ties keep the target
 
 

@@ -8,8 +8,8 @@
 
 Routers are checked both cold (nothing learned) and warmed up on synthetic trajectories, so the
 learned code paths (trees, fitted models, sibling books) are under the same contract. The cold ones
-are given a cost model and `spill: cost`, so the cost model prices the instances; the warm ones
-balance load per GPU (the default): both placement paths are under the contract too.
+are given a cost model, so the default `spill: cost` prices the instances with it; the warm ones
+have none and balance load per GPU: both placement paths are under the contract too.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from libra.rollout.base import (
 )
 from libra.rollout.evaluate import evaluate
 from libra.rollout.placement import CostModelCoster
-from libra.rollout.registry import ROUTERS, make_router, params_for
+from libra.rollout.registry import ROUTERS, make_router
 from libra.rollout.synthetic import search_like
 
 BUCKETS = [Bucket("short", 1, 4096), Bucket("medium", 2, 12288), Bucket("long", 4, 40960)]
@@ -110,7 +110,7 @@ COSTER = _coster()
 
 def _router(name: str, warm: bool):
     if not warm:
-        return make_router(name, BUCKETS, cost=COSTER, seed=3, **params_for(name, {"spill": "cost"}))
+        return make_router(name, BUCKETS, cost=COSTER, seed=3)
     if name not in WARM:
         WARM[name] = _warm(name)
     return WARM[name]

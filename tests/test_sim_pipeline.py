@@ -235,7 +235,7 @@ def test_planned_systems_run_feasible_plans(system):
 def test_planned_family_is_the_hetero_rung_with_another_router():
     """`planned:least-loaded` is `ablation:hetero-tp` event for event; `planned:oracle` on the same
     planner routes every trajectory to the bucket of its true final length, so it never migrates.
-    (With the default `spill: balance`, short trajectories may fill the long bucket, so a long one
+    (With the default `spill: cost`, short trajectories may fill the long bucket, so a long one
     can spill down at its first turn and move up later: placement, not prediction.)"""
     workload = {**SMALL["workload"], "prompts_per_step": 8, "samples_per_prompt": 8}  # several buckets
     rollout = {**SMALL.get("rollout", {}), "router_params": {"spill": "saturated"}}
@@ -471,7 +471,7 @@ def test_list_names_each_scenario_with_its_description_and_the_systems():
 def test_spill_runs_turns_on_the_idle_larger_buckets():
     """Sixteen trajectories load one rollout node (TP1, TP1, TP2, TP4) lightly. C-MLFQ starts them
     in the TP1 bucket; with spill: balance their turns run on the TP2 and TP4 engines while those
-    have fewer requests per GPU (the default), and with spill: cost wherever the cost model says a
+    have fewer requests per GPU, and with spill: cost (the default) wherever the cost model says a
     turn adds the least token time, which on idle engines is the largest TP. Either way rollout is
     faster than with spill: saturated, and the decisions are as accurate."""
     out = {}

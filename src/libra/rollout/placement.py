@@ -12,12 +12,12 @@ them, and it is where the safety rules live, so it is written once here:
   feasible one is healthy;
 - a trajectory is not moved for load alone: its current instance holds its prefix, so it stays
   there while that is healthy and where its router wants it, spill-over included (`_keeps`);
-- with a `price` (the routers' `spill: balance`, their default, or `spill: cost`), a turn may also
+- with a `price` (the routers' `spill: cost`, their default, or `spill: balance`), a turn may also
   run in a larger bucket than the router chose when it is cheaper there (`_balanced_up`): a larger
   bucket holds any context a smaller one does, and an engine with spare room decodes each token
-  sooner at a larger TP. `balance` prices an instance by its load per GPU (`per_gpu_load`); `cost`
-  by the token time the turn adds there (`CostModelCoster.turn_price`). Without a price a turn runs
-  above its bucket only when the bucket is full.
+  sooner at a larger TP. `cost` prices an instance by the token time the turn adds there
+  (`CostModelCoster.turn_price`), `balance` by its load per GPU (`per_gpu_load`); `cost` without a
+  cost model is `balance`. Without a price a turn runs above its bucket only when it is full.
 
 The migration method (move the KV cache or re-prefill) is priced by a `MigrationCoster`; without
 one the router assumes KV transfer, which the published measurements show is the cheaper method

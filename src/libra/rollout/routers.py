@@ -52,11 +52,11 @@ class BucketParams(BaseModel):
 
     model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
-    spill: Literal["balance", "cost", "saturated"] = Field(
-        default="balance",
-        description="balance: also run in a larger bucket when it has less load per GPU; cost: when "
-        "the cost model says the turn adds less token time there (without a cost model, as "
-        "balance); saturated: only when the chosen bucket is full (placement.py).",
+    spill: Literal["cost", "balance", "saturated"] = Field(
+        default="cost",
+        description="cost: also run in a larger bucket when the cost model says the turn adds less "
+        "token time there (without a cost model, as balance); balance: when it has less load per "
+        "GPU; saturated: only when the chosen bucket is full (placement.py).",
     )
 
 
