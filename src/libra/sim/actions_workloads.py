@@ -30,7 +30,7 @@ from libra.costmodel.catalog import Catalog
 from libra.costmodel.efficiency import RolloutEfficiency
 from libra.costmodel.rollout import RolloutCostModel
 from libra.sim.workloads import make_workload
-from libra.sim.workloads.sampling import MAX_LOG_SPREAD, WeightedChoice
+from libra.sim.workloads.sampling import LogSpread, WeightedChoice
 
 
 @dataclass(slots=True)
@@ -61,15 +61,10 @@ class ToolAction(BaseModel):
     cpu: object = Field(1, description="Feasible cores: a number, [lo, hi] or {set: [...]}.")
     profile: str | None = Field(None, description="Efficiency profile; none means not elastic.")
     t1_median_s: float | None = Field(None, gt=0, description="One-core time; default: the trace's latency.")
-    t1_sigma: float = Field(
-        0.4,
-        ge=0,
-        le=MAX_LOG_SPREAD,
-        description="Log-space spread of one call's time around its repository's.",
+    t1_sigma: LogSpread = Field(
+        0.4, description="Log-space spread of one call's time around its repository's."
     )
-    t1_traj_sigma: float = Field(
-        0.9, ge=0, le=MAX_LOG_SPREAD, description="Log-space spread between repositories (trajectories)."
-    )
+    t1_traj_sigma: LogSpread = Field(0.9, description="Log-space spread between repositories (trajectories).")
     scale_key: str | None = Field(
         None, description="Actions with one key share a repository's scale (default: the kind)."
     )
@@ -176,7 +171,7 @@ class MopdParams(BaseModel):
     samples_per_prompt: int = Field(16, ge=1, le=1024)
     prompt_tokens_median: float = Field(1024, gt=0, le=1 << 20)
     response_tokens_median: float = Field(4096, gt=0, le=1 << 20)
-    response_tokens_sigma: float = Field(0.8, ge=0, le=MAX_LOG_SPREAD)
+    response_tokens_sigma: LogSpread = Field(0.8)
     max_response_tokens: int = Field(32768, ge=1)
     decode_tok_s: float = Field(30.0, gt=0, description="Per-sequence decode rate of the policy model.")
     workspace_gib: float = Field(6.0, ge=0, description="Per-GPU memory a service needs beyond its weights.")

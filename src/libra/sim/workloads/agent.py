@@ -45,7 +45,7 @@ from pydantic.fields import FieldInfo
 from libra.core.trajectory import ToolStatus, Trajectory
 from libra.sim.workloads.base import WorkloadConfig, validate_params
 from libra.sim.workloads.sampling import (
-    MAX_LOG_SPREAD,
+    LogSpread,
     TrajectoryBuilder,
     WeightedChoice,
     drift_fraction,
@@ -62,14 +62,12 @@ class ToolSpec(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
     weight: float = Field(gt=0, description="Relative frequency of this tool among tool calls.")
     return_median: float = Field(gt=0, description="Median tokens of a successful return (verbosity 1).")
-    return_sigma: float = Field(ge=0, le=MAX_LOG_SPREAD, description="Log-space spread of a return's size.")
+    return_sigma: LogSpread = Field(description="Log-space spread of a return's size.")
     failure_return_median: float = Field(gt=0, description="Median tokens of an error return (traceback).")
     fail_logit_offset: float = Field(0.0, description="Added to fail_logit for this tool.")
     timeout_share: float = Field(0.0, ge=0, le=1, description="Share of this tool's failures that time out.")
     latency_median_s: float = Field(gt=0, description="Median wall time of a call, seconds.")
-    latency_sigma: float = Field(
-        0.5, ge=0, le=MAX_LOG_SPREAD, description="Log-space spread of the call's wall time."
-    )
+    latency_sigma: LogSpread = Field(0.5, description="Log-space spread of the call's wall time.")
 
 
 class AgentParams(BaseModel):
@@ -80,38 +78,22 @@ class AgentParams(BaseModel):
     min_turns: int = Field(1, ge=1, description="The agent cannot answer before this turn.")
     drift_steps: int = Field(100, ge=1, description="RL steps over which the *_start values reach *_end.")
     prompt_tokens_median: float = Field(gt=0, description="Median prompt length (shared by a group).")
-    prompt_tokens_sigma: float = Field(
-        ge=0, le=MAX_LOG_SPREAD, description="Log-space spread of prompt length."
+    prompt_tokens_sigma: LogSpread = Field(description="Log-space spread of prompt length.")
+    difficulty_prompt_sigma: LogSpread = Field(description="Spread of the per-prompt difficulty latent.")
+    difficulty_sample_sigma: LogSpread = Field(
+        description="Per-sample deviation from the prompt's difficulty."
     )
-    difficulty_prompt_sigma: float = Field(
-        ge=0, le=MAX_LOG_SPREAD, description="Spread of the per-prompt difficulty latent."
-    )
-    difficulty_sample_sigma: float = Field(
-        ge=0, le=MAX_LOG_SPREAD, description="Per-sample deviation from the prompt's difficulty."
-    )
-    verbosity_prompt_sigma: float = Field(
-        ge=0, le=MAX_LOG_SPREAD, description="Log-spread of the per-prompt tool-return scale."
-    )
-    verbosity_sample_sigma: float = Field(
-        ge=0, le=MAX_LOG_SPREAD, description="Per-sample log-deviation of that scale."
-    )
+    verbosity_prompt_sigma: LogSpread = Field(description="Log-spread of the per-prompt tool-return scale.")
+    verbosity_sample_sigma: LogSpread = Field(description="Per-sample log-deviation of that scale.")
     output_tokens_start: float = Field(gt=0, description="Median output tokens per turn at step 0.")
     output_tokens_end: float = Field(gt=0, description="Median output tokens per turn from drift_steps on.")
-    output_tokens_sigma: float = Field(
-        ge=0, le=MAX_LOG_SPREAD, description="Log-space spread of a turn's output tokens."
+    output_tokens_sigma: LogSpread = Field(description="Log-space spread of a turn's output tokens.")
+    output_prompt_sigma: LogSpread = Field(0.0, description="Per-prompt log-spread of output per turn.")
+    output_sample_sigma: LogSpread = Field(0.0, description="Per-sample log-spread of output per turn.")
+    output_difficulty_gain: LogSpread = Field(
+        0.0, description="Log output per turn added per unit difficulty."
     )
-    output_prompt_sigma: float = Field(
-        0.0, ge=0, le=MAX_LOG_SPREAD, description="Per-prompt log-spread of output per turn."
-    )
-    output_sample_sigma: float = Field(
-        0.0, ge=0, le=MAX_LOG_SPREAD, description="Per-sample log-spread of output per turn."
-    )
-    output_difficulty_gain: float = Field(
-        0.0, ge=0, le=MAX_LOG_SPREAD, description="Log output per turn added per unit difficulty."
-    )
-    output_return_gain: float = Field(
-        0.0, ge=0, le=MAX_LOG_SPREAD, description="Log output added per e-fold of the last return."
-    )
+    output_return_gain: LogSpread = Field(0.0, description="Log output added per e-fold of the last return.")
     finish_logit_start: float = Field(description="Base log-odds of answering after a turn, at step 0.")
     finish_logit_end: float = Field(description="Base log-odds of answering, from drift_steps on.")
     finish_turn_slope: float = Field(0.0, description="Added to the log-odds of answering per turn taken.")
@@ -122,9 +104,7 @@ class AgentParams(BaseModel):
     return_ref_tokens: float = Field(gt=0, description="Returns above this size delay the answer.")
     fail_logit: float = Field(description="Base log-odds that a tool call fails.")
     fail_difficulty_gain: float = Field(ge=0, description="Log-odds of failing added per unit difficulty.")
-    fail_sample_sigma: float = Field(
-        0.0, ge=0, le=MAX_LOG_SPREAD, description="Per-sample spread of the log-odds of failing."
-    )
+    fail_sample_sigma: LogSpread = Field(0.0, description="Per-sample spread of the log-odds of failing.")
     fail_repeat_gain: float = Field(ge=0, description="Log-odds of failing added right after a failure.")
     stuck_after: int = Field(3, ge=1, description="Consecutive failures that put the agent in a loop.")
     stuck_finish_penalty: float = Field(0.0, ge=0, description="Log-odds of answering lost while stuck.")

@@ -29,7 +29,7 @@ from libra.core.trajectory import ToolStatus, Trajectory
 from libra.sim.workloads.agent import PromptTraits
 from libra.sim.workloads.base import WorkloadConfig, validate_params
 from libra.sim.workloads.sampling import (
-    MAX_LOG_SPREAD,
+    LogSpread,
     TrajectoryBuilder,
     drift_fraction,
     lerp,
@@ -48,14 +48,10 @@ class DapoMathParams(BaseModel):
     max_turns: int = Field(3, ge=1, description="Answer attempts; the validator answers all but the last.")
     drift_steps: int = Field(100, ge=1, description="RL steps over which the *_start values reach *_end.")
     prompt_tokens_median: float = Field(200, gt=0, description="Problem statement plus instruction, tokens.")
-    prompt_tokens_sigma: float = Field(
-        0.4, ge=0, le=MAX_LOG_SPREAD, description="Log-space spread of prompt length."
-    )
-    difficulty_prompt_sigma: float = Field(
-        1.5, ge=0, le=MAX_LOG_SPREAD, description="Spread of the per-prompt difficulty latent."
-    )
-    difficulty_sample_sigma: float = Field(
-        0.4, ge=0, le=MAX_LOG_SPREAD, description="Per-sample deviation from the prompt's difficulty."
+    prompt_tokens_sigma: LogSpread = Field(0.4, description="Log-space spread of prompt length.")
+    difficulty_prompt_sigma: LogSpread = Field(1.5, description="Spread of the per-prompt difficulty latent.")
+    difficulty_sample_sigma: LogSpread = Field(
+        0.4, description="Per-sample deviation from the prompt's difficulty."
     )
     wrong_logit_start: float = Field(
         -0.8, description="Log-odds of a wrong first answer at step 0 (difficulty 0)."
@@ -66,21 +62,13 @@ class DapoMathParams(BaseModel):
     output_tokens_end: float = Field(
         6500, gt=0, description="Median first-response tokens from drift_steps on."
     )
-    output_tokens_sigma: float = Field(
-        0.5, ge=0, le=MAX_LOG_SPREAD, description="Log-space spread of a response's length."
-    )
-    output_difficulty_gain: float = Field(
-        0.25, ge=0, le=MAX_LOG_SPREAD, description="Log-length added per unit difficulty."
-    )
+    output_tokens_sigma: LogSpread = Field(0.5, description="Log-space spread of a response's length.")
+    output_difficulty_gain: LogSpread = Field(0.25, description="Log-length added per unit difficulty.")
     retry_output_ratio: float = Field(0.5, gt=0, description="A retry's median length relative to the first.")
     feedback_tokens_median: float = Field(40, gt=0, description="Median tokens of the validator's feedback.")
-    feedback_tokens_sigma: float = Field(
-        0.4, ge=0, le=MAX_LOG_SPREAD, description="Log-space spread of the feedback's length."
-    )
+    feedback_tokens_sigma: LogSpread = Field(0.4, description="Log-space spread of the feedback's length.")
     validator_latency_median_s: float = Field(0.05, gt=0, description="Median validator time, seconds.")
-    validator_latency_sigma: float = Field(
-        0.5, ge=0, le=MAX_LOG_SPREAD, description="Log-space spread of validator time."
-    )
+    validator_latency_sigma: LogSpread = Field(0.5, description="Log-space spread of validator time.")
     validator_timeout_share: float = Field(0.01, ge=0, le=1, description="Share of checks that time out.")
     validator_timeout_s: float = Field(10.0, gt=0, description="Latency of a check that times out, seconds.")
 

@@ -15,6 +15,9 @@ import math
 import random
 from bisect import bisect_right
 from itertools import accumulate
+from typing import Annotated
+
+from pydantic import Field
 
 from libra.core.trajectory import ToolStatus, Trajectory, Turn
 
@@ -22,6 +25,7 @@ from libra.core.trajectory import ToolStatus, Trajectory, Turn
 # 148x is already far past any real distribution; a larger value is a typo, and e^(sigma * z) of it
 # could overflow a float.
 MAX_LOG_SPREAD = 5.0
+LogSpread = Annotated[float, Field(ge=0, le=MAX_LOG_SPREAD)]
 
 
 def sigmoid(x: float) -> float:
