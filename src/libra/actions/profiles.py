@@ -29,8 +29,7 @@ class EfficiencyProfile:
         if not pts:
             raise ConfigError(f"profiles.{self.name}", self.points, "at least one (units, efficiency) point")
         for m, e in pts:
-            if m <= 0 or not 0 < e <= 1:
-                raise ConfigError(f"profiles.{self.name}.{m:g}", e, "units > 0 and 0 < efficiency <= 1")
+            _check_point(f"profiles.{self.name}.{m:g}", m, e)
         object.__setattr__(self, "points", pts)
 
     @classmethod
@@ -46,8 +45,7 @@ class EfficiencyProfile:
                 point = (float(m), float(e))
             except (TypeError, ValueError):
                 raise ConfigError(f"{field}.{m}", e, "numbers: units -> efficiency") from None
-            if not (point[0] > 0 and 0 < point[1] <= 1):  # as __post_init__, with the caller's field
-                raise ConfigError(f"{field}.{m}", e, "units > 0 and 0 < efficiency <= 1")
+            _check_point(f"{field}.{m}", *point)  # here, so the error names the caller's field
             pts.append(point)
         return cls(name, tuple(pts), source)
 
@@ -79,6 +77,11 @@ class EfficiencyProfile:
 
     def duration(self, t1: float, m: float) -> float:
         return t1 / self.speedup(m)
+
+
+def _check_point(field: str, units: float, efficiency: float) -> None:
+    if units <= 0 or not 0 < efficiency <= 1:
+        raise ConfigError(field, efficiency, "units > 0 and 0 < efficiency <= 1")
 
 
 def load_profiles(data: Mapping | None, field_name: str = "profiles") -> dict[str, EfficiencyProfile]:

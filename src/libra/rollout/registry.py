@@ -68,9 +68,7 @@ def params_for(name: str, params: dict) -> dict:
     if fields is None:
         return dict(params)
     known = set(fields).union(*(cls.Params.model_fields for cls in ROUTERS.values()))
-    for key, value in params.items():
-        if key.split(".")[0] not in known:
-            raise ConfigError(f"{PARAMS_FIELD}.{key}", value, sorted(known))
+    _check_known(params, known, PARAMS_FIELD + ".")
     return {k: v for k, v in params.items() if k.split(".")[0] in fields}
 
 
@@ -79,13 +77,17 @@ def route_params(names: Sequence[str], params: dict, prefix: str = PARAMS_FIELD 
     one that none of them has would do nothing, so it is an error listing what they do have."""
     fields = {n: _fields(n) for n in names}
     if all(f is not None for f in fields.values()):
-        known = set().union(*fields.values())
-        for key, value in params.items():
-            if key.split(".")[0] not in known:
-                raise ConfigError(
-                    f"{prefix}{key}", value, sorted(known) if known else "no param: these routers take none"
-                )
+        _check_known(params, set().union(*fields.values()), prefix)
     return {n: params_for(n, params) for n in fields}
+
+
+def _check_known(params: dict, known: set, prefix: str) -> None:
+    """A ConfigError for the first param (by its top-level name) not in `known`, listing those."""
+    for key, value in params.items():
+        if key.split(".")[0] not in known:
+            raise ConfigError(
+                f"{prefix}{key}", value, sorted(known) if known else "no param: these routers take none"
+            )
 
 
 def make_router(

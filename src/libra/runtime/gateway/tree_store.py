@@ -57,14 +57,11 @@ class TreeStore:
         if not self.path.exists():
             log.info("tree %s does not exist yet; starting with an empty tree", self.path)
             return 0
-        try:  # a regular file of at most MAX_TREE_BYTES: /dev/zero would be read forever
+        # A regular file of at most MAX_TREE_BYTES (/dev/zero would be read forever); ValueError is
+        # a special file, too big a file, or not JSON.
+        try:
             loaded = CausalTree.from_dict(json.loads(read_text_file(self.path, MAX_TREE_BYTES)))
-        except (
-            OSError,
-            ValueError,
-            RecursionError,
-            LibraError,
-        ) as e:  # ValueError: not regular, too big, not JSON
+        except (OSError, ValueError, RecursionError, LibraError) as e:
             raise ConfigError(
                 "tree_path", str(self.path), f"a causal tree file written by Libra, a regular file ({e})"
             ) from None
