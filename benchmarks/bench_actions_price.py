@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import report  # noqa: E402
 from libra.actions import orchestrator  # noqa: E402
-from libra.sim.actions import run  # noqa: E402
 from libra.sim.scenarios import load_scenario  # noqa: E402
+from libra.sim.tangram.runner import run  # noqa: E402
 
 SCALES = (0.0, 0.1, 0.25, 0.35, 0.5, 0.7, 1.0, 2.0)
 

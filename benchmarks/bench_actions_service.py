@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 
 from benchmarks.common import report  # noqa: E402
-from libra.runtime.actions.client import ServiceProcess  # noqa: E402
-from libra.runtime.actions.config import SandboxConfig  # noqa: E402
-from libra.runtime.actions.sandbox import probe  # noqa: E402
+from libra.runtime.sandbox.client import ServiceProcess  # noqa: E402
+from libra.runtime.sandbox.config import SandboxConfig  # noqa: E402
+from libra.runtime.sandbox.sandbox import probe  # noqa: E402
 
 
 def latencies(c: httpx.Client, body: dict, n: int, gap_s: float = 0.0) -> list[float]:

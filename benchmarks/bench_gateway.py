@@ -2,7 +2,7 @@
 side with `sglang-router` routing to the same backends, in the same run.
 
 What is timed is the router, not a model: both routers sit in front of the *instant* backend
-(`libra.runtime.instant_backend`, answers at once with a fixed reply), so a request's time is the
+(`tests.instant_backend`, answers at once with a fixed reply), so a request's time is the
 client, the router and the backend's fixed HTTP cost. Added latency is a router's percentile minus
 the same percentile of the backend called directly, measured one request at a time. Throughput is
 a closed loop of `--concurrency` keep-alive connections for `--duration` seconds.
@@ -300,7 +300,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     procs: list[subprocess.Popen] = []
     try:
-        be, ports = start([sys.executable, "-m", "libra.runtime.instant_backend", "--port", "0", "--port", "0", "--model", MODEL], others, tmp / "backend.log", n=2)  # fmt: skip
+        be, ports = start([sys.executable, "-m", "tests.instant_backend", "--port", "0", "--port", "0", "--model", MODEL], others, tmp / "backend.log", n=2)  # fmt: skip
         procs.append(be)
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         gw_cmd = [sys.executable, "-m", "libra", "serve", "gateway", "--port", "0", "--router", args.router, "--log-level", "warning",

@@ -32,10 +32,10 @@ from benchmarks.common import report  # noqa: E402
 from libra.core.config import apply_overrides  # noqa: E402
 from libra.core.errors import ConfigError  # noqa: E402
 from libra.costmodel.catalog import Catalog, load_catalog  # noqa: E402
-from libra.sim.pipeline import Batches, RLSim  # noqa: E402
-from libra.sim.rl_config import parse_rl  # noqa: E402
+from libra.sim.rl.config import parse_rl  # noqa: E402
+from libra.sim.rl.pipeline import Batches, RLSim  # noqa: E402
+from libra.sim.rl.systems import make_system  # noqa: E402
 from libra.sim.scenarios import load_scenario  # noqa: E402
-from libra.sim.systems import make_system  # noqa: E402
 
 
 def run_one(raw: dict, cat: Catalog, steps: int, overrides: list[str]) -> dict:

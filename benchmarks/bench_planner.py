@@ -41,10 +41,10 @@ from libra.planner import (  # noqa: E402
     place,
 )
 from libra.rollout.base import Bucket  # noqa: E402
-from libra.sim.pipeline import Batches, RLSim  # noqa: E402
-from libra.sim.rl_config import parse_rl  # noqa: E402
+from libra.sim.rl.config import parse_rl  # noqa: E402
+from libra.sim.rl.pipeline import Batches, RLSim  # noqa: E402
+from libra.sim.rl.systems import InstanceSpec, Setup, System  # noqa: E402
 from libra.sim.scenarios import load_scenario  # noqa: E402
-from libra.sim.systems import InstanceSpec, Setup, System  # noqa: E402
 from libra.sim.workloads import WorkloadConfig, make_workload  # noqa: E402
 
 

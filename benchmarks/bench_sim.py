@@ -33,7 +33,7 @@ CASES = {
 CHILD = """
 import json, resource, sys, time
 from libra import native
-from libra.sim.pipeline import run
+from libra.sim.rl.pipeline import run
 from libra.sim.scenarios import load_scenario
 systems = sys.argv[2].split(",") if sys.argv[2] else None
 out = sys.argv[4] or None

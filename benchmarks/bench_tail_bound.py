@@ -32,10 +32,10 @@ from benchmarks.common import report  # noqa: E402
 from libra.core.trajectory import Trajectory  # noqa: E402
 from libra.costmodel.catalog import load_catalog  # noqa: E402
 from libra.costmodel.rollout import RolloutCostModel  # noqa: E402
-from libra.sim.pipeline import Batches, RLSim  # noqa: E402
-from libra.sim.rl_config import parse_rl  # noqa: E402
+from libra.sim.rl.config import parse_rl  # noqa: E402
+from libra.sim.rl.pipeline import Batches, RLSim  # noqa: E402
+from libra.sim.rl.systems import make_system  # noqa: E402
 from libra.sim.scenarios import load_scenario  # noqa: E402
-from libra.sim.systems import make_system  # noqa: E402
 
 SCENARIOS = ("libra-r2e-48gpu", "libra-searchr1-48gpu")
 

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import report  # noqa: E402
 from libra.core.config import build  # noqa: E402
-from libra.sim.actions import SETUPS, TangramScenario, run, simulate_system  # noqa: E402
 from libra.sim.scenarios import load_scenario  # noqa: E402
+from libra.sim.tangram.runner import SETUPS, TangramScenario, run, simulate_system  # noqa: E402
 
 
 def mean_act(raw: dict, system: str) -> dict:

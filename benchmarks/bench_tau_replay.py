@@ -29,8 +29,8 @@ from libra.core.errors import LibraError  # noqa: E402
 from libra.core.trace import deal_prompts, read_trace, write_trace  # noqa: E402
 from libra.core.trajectory import Trajectory  # noqa: E402
 from libra.costmodel.catalog import load_catalog  # noqa: E402
-from libra.sim.pipeline import run  # noqa: E402
-from libra.sim.rl_config import parse_rl  # noqa: E402
+from libra.sim.rl.config import parse_rl  # noqa: E402
+from libra.sim.rl.pipeline import run  # noqa: E402
 from libra.sim.scenarios import load_scenario  # noqa: E402
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "trajectories" / "tau-bench-airline.jsonl"

@@ -11,13 +11,13 @@ import time
 import httpx
 import pytest
 
-from libra.runtime.actions.client import ServiceProcess
-from libra.runtime.actions.config import SandboxConfig
-from libra.runtime.actions.sandbox import processes_of
+from libra.runtime.sandbox.client import ServiceProcess
+from libra.runtime.sandbox.config import SandboxConfig
+from libra.runtime.sandbox.sandbox import processes_of
 from tests.test_actions_service import needs_sandbox, sandbox_available
 
 UIDS = range(SandboxConfig().uid_base, SandboxConfig().uid_base + SandboxConfig().uid_count)
-SOURCE = __import__("libra.runtime.actions.service", fromlist=["x"]).__file__
+SOURCE = __import__("libra.runtime.sandbox.service", fromlist=["x"]).__file__
 
 HOSTILE = {
     "fork bomb": (

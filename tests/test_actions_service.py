@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from libra.runtime.actions.client import ActionsClient, ServiceProcess
-from libra.runtime.actions.rewards import judge_reward, unit_test_reward
+from libra.runtime.sandbox.client import ActionsClient, ServiceProcess
+from libra.runtime.sandbox.rewards import judge_reward, unit_test_reward
 
 
 def sandbox_available() -> str | None:

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from libra.core.errors import ConfigError
-from libra.sim.actions import run, split_nodes
-from libra.sim.actions_systems import max_min_fair
 from libra.sim.scenarios import load_scenario
+from libra.sim.tangram.runner import run, split_nodes
+from libra.sim.tangram.systems import max_min_fair
 from tests.conftest import run_cli
 
 REQUIRED = ("mean_act_s", "p99_act_s", "mean_step_time_s", "restore_overhead_share")
@@ -58,7 +58,7 @@ def test_coding_tangram_cuts_act_to_a_third_of_k8s(coding):
 
 
 def test_coding_trajectories_end_with_a_reward_call_at_their_repository_scale():
-    from libra.sim.actions import CodingSetup, TangramScenario, build
+    from libra.sim.tangram.runner import CodingSetup, TangramScenario, build
 
     setup = CodingSetup(build(TangramScenario, load_scenario("tangram-coding"), "scenario"), None)
     plans = setup.plans(0, seed=3)
@@ -225,7 +225,7 @@ def test_a_trajectory_cut_off_on_a_tool_call_still_gets_its_reward_call():
     import random
 
     from libra.core.trajectory import Trajectory, Turn
-    from libra.sim.actions import CodingSetup, TangramScenario, build
+    from libra.sim.tangram.runner import CodingSetup, TangramScenario, build
 
     setup = CodingSetup(build(TangramScenario, load_scenario("tangram-coding"), "scenario"), None)
     cut = Trajectory("t", "p", 0, 500, [Turn(100, "execute_bash", 50, tool_latency_s=2.0)])

@@ -104,7 +104,7 @@ def start(cmd: list[str], log_dir: Path, n_urls: int = 1, timeout: float = 60.0)
 
 def start_instant(*args: str, ports: int = 1, log_dir: Path | None = None) -> Proc:
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="libra-instant-"))
-    cmd = [sys.executable, "-m", "libra.runtime.instant_backend", *(["--port", "0"] * ports), *args]
+    cmd = [sys.executable, "-m", "tests.instant_backend", *(["--port", "0"] * ports), *args]
     return start(cmd, log_dir, n_urls=ports)
 
 

@@ -57,9 +57,9 @@ def test_modules_are_named_by_their_sources():
 CHILD = """
 import json, sys
 from libra import native
-from libra.sim.pipeline import run
+from libra.sim.rl.pipeline import run
 from libra.sim.scenarios import load_scenario
-import libra.sim.engine as e, libra.sim.kernel as k, libra.sim.rollout_driver as d
+import libra.sim.engine as e, libra.sim.kernel as k, libra.sim.rl.driver as d
 res = run(load_scenario("libra-r2e-48gpu"), ["static-uniform", "ablation:cmlfq"], 3, 0, None, lambda a, b: None)
 files = [m.__file__.endswith(".py") for m in (e, k, d)]
 print(json.dumps({"active": native.active(), "status": native.status()[0], "py_files": files,

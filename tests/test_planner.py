@@ -705,7 +705,7 @@ JUNK = st.one_of(
     value=JUNK,
 )
 def test_scenario_junk_is_a_clear_error_never_a_crash(section, key, value):
-    from libra.commands.plan import _section, build_problem
+    from libra.cli.plan import _section, build_problem
     from libra.sim.scenarios import load_scenario
 
     sc = load_scenario("libra-r2e-48gpu")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from libra.sim.replay import calibrate, compare, load_bench
+from libra.sim.replay.vllm import calibrate, compare, load_bench
 from tests.conftest import run_cli
 
 TRACES = ["RTXPRO6000_Llama-3.1-8B", "RTXPRO6000_Qwen3-32B"]

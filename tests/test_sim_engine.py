@@ -148,7 +148,7 @@ def test_driver_spills_agents_past_an_engines_kv_commitment(small_cost):
     from libra.core.trajectory import Trajectory, Turn
     from libra.rollout.base import Bucket
     from libra.rollout.registry import make_router
-    from libra.sim.rollout_driver import RolloutDriver
+    from libra.sim.rl.driver import RolloutDriver
 
     k = Kernel(0)
     cap = small_cost.kv_capacity_tokens()

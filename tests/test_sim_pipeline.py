@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 from libra.core.errors import ConfigError, LibraError
 from libra.planner.config import ElasticConfig, PlannerConfig
-from libra.sim.pipeline import RLSim, run
-from libra.sim.rl_config import ClusterCfg, PipelineCfg, RolloutCfg, SplitCfg, parse_rl
+from libra.sim.rl.config import ClusterCfg, PipelineCfg, RolloutCfg, SplitCfg, parse_rl
+from libra.sim.rl.pipeline import RLSim, run
+from libra.sim.rl.systems import make_system
 from libra.sim.scenarios import load_scenario
-from libra.sim.systems import make_system
 from libra.sim.workloads import WorkloadConfig
 from tests.conftest import run_cli
 
@@ -41,7 +41,7 @@ def _quiet(label, frac):
 
 def test_every_trajectory_finishes_once(catalog):
     sc = parse_rl(SMALL, catalog)
-    from libra.sim.pipeline import Batches
+    from libra.sim.rl.pipeline import Batches
 
     sim = RLSim(sc, make_system("router:least-loaded"), Batches(sc, 0), 3, 0)
     sim.run()
@@ -54,7 +54,7 @@ def test_every_trajectory_finishes_once(catalog):
 
 def test_staleness_bound(catalog):
     sc = parse_rl({**SMALL, "steps": 5}, catalog)
-    from libra.sim.pipeline import Batches
+    from libra.sim.rl.pipeline import Batches
 
     sim = RLSim(sc, make_system("static-uniform"), Batches(sc, 0), 5, 0)
     sim.run()
@@ -204,7 +204,7 @@ def test_shipped_scenarios_parse(catalog):
 )
 def test_no_trajectory_lost_property(seed, system):
     """Every trajectory that starts ends exactly once, for any seed and system."""
-    from libra.sim.pipeline import Batches
+    from libra.sim.rl.pipeline import Batches
 
     sc = parse_rl(SMALL, __import__("libra.costmodel.catalog", fromlist=["x"]).load_catalog())
     batches = Batches(sc, seed)
@@ -302,7 +302,7 @@ def test_routing_counts_cover_every_layout_of_a_replanned_run(catalog):
     preemptions in the summary still cover the whole run, not the last layout alone."""
     from dataclasses import replace
 
-    from libra.sim.pipeline import Batches
+    from libra.sim.rl.pipeline import Batches
 
     sc = parse_rl({**SMALL, "steps": 4}, catalog)
     batches = Batches(sc, 0)
@@ -324,7 +324,7 @@ def test_elastic_pool_joins_when_training_is_slow(catalog):
     FETCHING_STATE and ZERO_SYNC, and adds a DP replica to later training steps, never blocking one."""
     from dataclasses import replace
 
-    from libra.sim.pipeline import Batches
+    from libra.sim.rl.pipeline import Batches
 
     pinned = {"interval_steps": 1000, "ratio_low": 0.01, "ratio_high": 100.0}  # no re-plan: the pool alone
     sc = parse_rl({**SMALL, "steps": 6, "cluster": {"nodes": 4, "hardware": "a800-80g"}, "planner": pinned,
@@ -353,7 +353,7 @@ def test_elastic_pool_joins_when_training_is_slow(catalog):
 
 
 def test_elastic_pool_without_replicas_says_so(catalog):
-    from libra.sim.pipeline import Batches
+    from libra.sim.rl.pipeline import Batches
 
     sc = parse_rl({**SMALL, "steps": 2}, catalog)
     res = RLSim(sc, make_system("libra"), Batches(sc, 0), 2, 0).run()
@@ -363,7 +363,7 @@ def test_elastic_pool_without_replicas_says_so(catalog):
 
 
 def test_a_replan_carries_the_pools_counts_and_last_decision():
-    from libra.sim.elastic_pool import ElasticPool
+    from libra.sim.rl.elastic_pool import ElasticPool
 
     def pool(replicas, reason, moves=0):  # the fields carry_over reads, without a simulation
         p = object.__new__(ElasticPool)
@@ -397,7 +397,7 @@ def test_consumption_order_and_whole_groups(catalog, consume):
     """completion: a step trains on the first GRPO groups to finish, so step 0 does not wait for
     the straggler's group, which the next step takes. batch: step s trains on
     exactly batch s. Either way every step holds whole groups and no trajectory is trained twice."""
-    from libra.sim.pipeline import Batches
+    from libra.sim.rl.pipeline import Batches
 
     sc = parse_rl({**SMALL, "pipeline": {"consume": consume}}, catalog)
     trace = _straggler_trace()

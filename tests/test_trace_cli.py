@@ -134,7 +134,7 @@ def test_stats_bad_file_names_file_and_line(tmp_path):
 def test_params_documents_every_parameter():
     from click.testing import CliRunner
 
-    from libra.commands.trace import trace
+    from libra.cli.trace import trace
     from libra.sim.workloads import FAMILIES
     from libra.sim.workloads.agent import ToolSpec
 

@@ -33,7 +33,7 @@ from pathlib import Path
 MODULES = (
     "libra.sim.kernel",
     "libra.sim.engine",
-    "libra.sim.rollout_driver",
+    "libra.sim.rl.driver",
     "libra.rollout.placement",
     "libra.rollout.tree",
     "libra.rollout.predictor",

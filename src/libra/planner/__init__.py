@@ -46,14 +46,15 @@ from libra.planner.planner import (
 )
 from libra.planner.problem import CONSUME, PlanningProblem
 from libra.planner.selector import ParallelismSelector, ParallelismSwitch
+from libra.planner.staleness import Finished, GroupQueue, StalenessGate
 from libra.planner.stats import WorkloadStats
 from libra.planner.triggers import ApplyVerdict, PipelineSignals, Trigger, check_triggers, should_apply
 
 __all__ = [
     "CONSUME", "PLANNERS", "ApplyVerdict", "BucketPlan", "ElasticConfig", "ElasticController", "ElasticDecision",
-    "ElasticSignals", "GlobalPlanner", "GreedyShiftPlanner", "HomogeneousPlanner", "HybridReplica",
+    "ElasticSignals", "Finished", "GlobalPlanner", "GroupQueue", "GreedyShiftPlanner", "HomogeneousPlanner", "HybridReplica",
     "JoinReplica", "JoinState", "ParallelismSelector", "ParallelismSwitch", "PipelineSignals", "Plan",
     "Placement", "PlanDecision", "PlanDiff", "PlannerConfig", "PlanningProblem", "ReleaseReplica", "Role",
-    "SelectorConfig", "TransitionError", "Trigger", "WorkloadStats", "check_plan", "check_triggers",
+    "SelectorConfig", "StalenessGate", "TransitionError", "Trigger", "WorkloadStats", "check_plan", "check_triggers",
     "completion_wait", "diff", "make_planner", "make_pool", "pack", "phase_seconds", "pipeline_period", "place", "reconfig_cost_s", "should_apply",
 ]  # fmt: skip

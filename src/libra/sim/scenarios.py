@@ -1,8 +1,8 @@
 """Scenario files and the runners that simulate them.
 
 A scenario is a YAML file shipped in `libra/scenarios/` (or given by path). Its `kind` picks the
-runner: `rl` (the RL post-training pipeline, `libra.sim.pipeline`) or `tangram` (action-level
-orchestration of external resources, `libra.sim.actions`). A runner is a function
+runner: `rl` (the RL post-training pipeline, `libra.sim.rl.pipeline`) or `tangram` (action-level
+orchestration of external resources, `libra.sim.tangram.runner`). A runner is a function
 
     run(scenario: dict, systems: list[str] | None, steps: int | None, seed: int,
         out_dir: Path | None, progress: Callable[[str, float], None]) -> dict
@@ -21,8 +21,8 @@ from libra.core.errors import ConfigError
 SCENARIO_DIR = Path(__file__).resolve().parents[1] / "scenarios"
 
 RUNNERS = {
-    "rl": "libra.sim.pipeline:run",
-    "tangram": "libra.sim.actions:run",
+    "rl": "libra.sim.rl.pipeline:run",
+    "tangram": "libra.sim.tangram.runner:run",
 }
 
 

@@ -22,6 +22,7 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from aiohttp import web
 
@@ -31,7 +32,7 @@ from libra.runtime.engine import protocol as p
 from libra.runtime.engine.config import EngineConfig
 from libra.runtime.engine.core import EngineCore
 from libra.runtime.engine.metrics import EngineMetrics
-from libra.runtime.engine.model import TinyTransformer, build_model
+from libra.runtime.engine.model import TinyTransformer, build_model, save_checkpoint
 from libra.runtime.engine.sequence import SamplingParams, SeqEvent, Sequence, TextOutput, ToolOutput
 from libra.runtime.engine.tokenizer import render_chat, render_prompt
 from libra.runtime.openai_errors import ApiError, json_error, read_json_object
@@ -389,6 +390,17 @@ async def _drain(q: asyncio.Queue) -> list[SeqEvent]:
 
 
 # ---- running it -------------------------------------------------------------------------------------
+
+
+def write_checkpoint(cfg: EngineConfig, path: str) -> tuple[Path, int]:
+    """Write the weights the config would serve (random from its seed, or its checkpoint) to
+    `path`: (the file, the parameter count)."""
+    model = build_model(cfg.preset, cfg.seed, cfg.checkpoint)
+    try:
+        out = save_checkpoint(model, path)
+    except OSError as e:
+        raise ConfigError("--save-checkpoint", path, f"a writable path ({e.strerror})") from None
+    return out, sum(t.numel() for t in model.state_dict().values())
 
 
 def serve(cfg: EngineConfig, sock: socket.socket, access_log: bool = False) -> None:

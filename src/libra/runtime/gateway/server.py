@@ -442,13 +442,6 @@ async def _forever(loop_fn) -> None:
 # ---- running it -------------------------------------------------------------------------------------
 
 
-def bind(host: str, port: int) -> socket.socket:
-    try:
-        return socket.create_server((host, port), backlog=4096)
-    except OSError as e:
-        raise ConfigError("port", port, f"a free port on {host} ({e.strerror})") from None
-
-
 def raise_fd_limit() -> None:
     """Each session holds a client and a backend connection; the default 1024 fds is too few."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -18,7 +18,7 @@ import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from libra.commands.common import (
+from libra.cli.common import (
     console,
     emit_json,
     err_console,

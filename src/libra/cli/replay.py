@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import click
 
-from libra.commands.common import catalog_option, console, emit_json, json_option, profile_option, table
+from libra.cli.common import catalog_option, console, emit_json, json_option, profile_option, table
 from libra.costmodel.catalog import load_catalog
 from libra.costmodel.efficiency import load_profile
-from libra.sim.replay import compare, load_bench
+from libra.sim.replay.vllm import compare, load_bench
 
 
 @click.command("replay-vllm")

@@ -3,7 +3,7 @@
 A system is a small class registered by name. `setup` returns the static decisions (colocated or
 disaggregated, GPU split, rollout instances and buckets, router, training parallelism);
 `between_steps` may return a new setup (planners, elastic pools). The pipeline mechanism in
-`libra.sim.pipeline` carries these decisions out; a system never touches the clock.
+`libra.sim.rl.pipeline` carries these decisions out; a system never touches the clock.
 
 `router:NAME` names the disaggregated heterogeneous layout with router NAME from
 `libra.rollout.registry`, so every router is a system without registering it twice; NAME may be
@@ -19,7 +19,7 @@ from libra.core.errors import ConfigError
 from libra.core.specs import HardwareSpec
 from libra.costmodel.training import TrainParallel
 from libra.rollout.base import Bucket
-from libra.sim.rl_config import RLScenario
+from libra.sim.rl.config import RLScenario
 
 
 @dataclass(slots=True)
@@ -154,7 +154,7 @@ SYSTEM_FAMILIES: dict[str, Callable[[str], System]] = {"router": RouterSystem}
 
 
 def _register_planned() -> None:
-    import libra.sim.planned  # noqa: F401  (registers the planner-driven systems)
+    import libra.sim.rl.planned  # noqa: F401  (registers the planner-driven systems)
 
 
 def known_systems() -> list[str]:

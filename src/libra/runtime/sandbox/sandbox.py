@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
 
-from libra.runtime.actions.config import SandboxConfig
+from libra.runtime.sandbox.config import SandboxConfig
 
 WORKSPACE = "/workspace"
 TRUNCATION_MARKER = "\n[... truncated {n} bytes of output ...]\n"

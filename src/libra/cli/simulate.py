@@ -9,7 +9,7 @@ import click
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from libra import native
-from libra.commands.common import (
+from libra.cli.common import (
     console,
     emit_json,
     err_console,
@@ -22,8 +22,8 @@ from libra.commands.common import (
 from libra.core.config import apply_overrides
 from libra.core.errors import ConfigError
 from libra.costmodel.efficiency import load_profile
+from libra.sim.rl.systems import known_systems
 from libra.sim.scenarios import list_scenarios, load_scenario, runner_for
-from libra.sim.systems import known_systems
 
 DEFAULT_SCENARIO = "libra-r2e-48gpu"
 
@@ -66,7 +66,7 @@ def ladder_table(summary: dict):
 
     A rung whose lower neighbour did not run is compared with the nearest lower rung that did, and
     the cell names it, since the difference then spans more than one mechanism."""
-    from libra.sim.planned import LADDER
+    from libra.sim.rl.planned import LADDER
 
     systems = summary.get("systems", {})
     rows, prev = [], None
@@ -103,7 +103,7 @@ def libra_ratios(summary: dict) -> str | None:
 
 def ladder_notes(summary: dict) -> list[str]:
     """Why a rung may add nothing: the planner chose one bucket, or the pool lent nothing."""
-    from libra.sim.planned import BUCKETED, LADDER
+    from libra.sim.rl.planned import BUCKETED, LADDER
 
     systems, notes = summary.get("systems", {}), []
     single = [n for n, _ in LADDER if n in BUCKETED and n in systems and "routing" not in systems[n]]

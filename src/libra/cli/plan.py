@@ -14,7 +14,7 @@ import time
 
 import click
 
-from libra.commands.common import (
+from libra.cli.common import (
     catalog_option,
     console,
     emit_json,
@@ -38,7 +38,7 @@ from libra.planner import (
     WorkloadStats,
     make_planner,
 )
-from libra.sim.rl_config import MAX_NODES
+from libra.sim.rl.config import MAX_NODES
 
 # The planner reads a window of recent steps; 1000 steps of a 512-trajectory batch take ~30 s to
 # generate, and more would only be read to be outweighed by the latest ones.
@@ -109,7 +109,7 @@ def _load_scenario(name: str) -> dict:
 def check_sections(sc: dict, name: str) -> None:
     """The scenario is an RL one, and every section has only known fields with allowed values.
     The split is left out: the planner chooses it, and --gpus may change the cluster under it."""
-    from libra.sim.rl_config import RLScenario, section_models
+    from libra.sim.rl.config import RLScenario, section_models
 
     if sc.get("kind", "rl") != "rl":
         raise ConfigError("--scenario", name, "an RL scenario (kind: rl), such as libra-r2e-48gpu")

@@ -11,7 +11,7 @@ that fails all score 0, as a reward must.
 
 from __future__ import annotations
 
-from libra.runtime.actions.client import ActionsClient
+from libra.runtime.sandbox.client import ActionsClient
 
 
 async def unit_test_reward(

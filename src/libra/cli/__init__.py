@@ -1,6 +1,6 @@
 """The `libra` command.
 
-Subcommands live in `libra.commands.*` and are imported only when used, so `libra --help` and
+Subcommands live in `libra.cli.*`, one module each, imported only when used, so `libra --help` and
 `libra costmodel ...` stay fast and never import heavy optional dependencies. Every error a user
 can cause becomes one line on stderr and exit code 2; no traceback reaches a user.
 """
@@ -17,16 +17,17 @@ from libra.core.errors import LibraError
 
 # name -> "module:attribute". One line per command: this is the only place a command is registered.
 COMMANDS = {
-    "costmodel": ("libra.commands.costmodel:costmodel", "Query and calibrate the cost model."),
-    "simulate": ("libra.commands.simulate:simulate", "Simulate agentic RL post-training systems."),
-    "trace": ("libra.commands.trace:trace", "Generate and inspect trajectory traces."),
+    "costmodel": ("libra.cli.costmodel:costmodel", "Query and calibrate the cost model."),
+    "simulate": ("libra.cli.simulate:simulate", "Simulate agentic RL post-training systems."),
+    "trace": ("libra.cli.trace:trace", "Generate and inspect trajectory traces."),
     "replay-vllm": (
-        "libra.commands.replay:replay_vllm",
+        "libra.cli.replay:replay_vllm",
         "Replay a real vLLM benchmark on the simulated engine.",
     ),
-    "plan": ("libra.commands.plan:plan", "Run the global resource planner on a scenario."),
-    "native": ("libra.commands.native:native", "Build or check the compiled simulator modules."),
-    "serve": ("libra.commands.serve:serve", "Run a live service: gateway, engine or actions."),
+    "plan": ("libra.cli.plan:plan", "Run the global resource planner on a scenario."),
+    "native": ("libra.cli.native:native", "Build or check the compiled simulator modules."),
+    "serve": ("libra.cli.serve:serve", "Run a live service: gateway, engine or actions."),
+    "route": ("libra.cli.route:route", "Score routers offline on a trajectory trace."),
 }
 
 

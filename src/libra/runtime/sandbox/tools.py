@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from libra.actions import ActionState
-from libra.runtime.actions.config import HttpToolConfig
+from libra.runtime.sandbox.config import HttpToolConfig
 
 RUNNER_SOURCE = (Path(__file__).parent / "pytest_runner.py").read_text(encoding="utf-8")
 

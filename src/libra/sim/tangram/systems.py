@@ -30,8 +30,8 @@ from libra.actions.quota import QuotaManager
 from libra.actions.resources import Discrete, fixed
 from libra.core.config import build
 from libra.core.errors import ConfigError
-from libra.sim.actions_workloads import ActionSpec
 from libra.sim.kernel import Handle, Kernel
+from libra.sim.tangram.workloads import ActionSpec
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 from pydantic import BaseModel, ConfigDict, Field
 
-from libra.commands.common import (
+from libra.cli.common import (
     catalog_option,
     console,
     emit_json,
@@ -250,8 +250,8 @@ def calibrate(data, vllm_bench, out, as_json, catalogs, profile):
             {"records": len(recs), "mape": mape},
         )
     else:
-        from libra.sim.replay import calibrate as fit_replay
-        from libra.sim.replay import load_bench
+        from libra.sim.replay.vllm import calibrate as fit_replay
+        from libra.sim.replay.vllm import load_bench
 
         eff, err = fit_replay(load_bench(vllm_bench, cat), cat, base.rollout)
         note, fit = f"fitted by replaying {vllm_bench}", {"replay_error": err}

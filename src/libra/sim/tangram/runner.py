@@ -30,10 +30,10 @@ from libra.actions.quota import QuotaManager, QuotaSpec
 from libra.core.config import build
 from libra.core.errors import ConfigError
 from libra.costmodel.catalog import load_catalog
-from libra.sim.actions_systems import Resources, SimAction, make_system
-from libra.sim.actions_workloads import CodingParams, CodingWorkload, MopdParams, MopdWorkload, TrajPlan
 from libra.sim.kernel import Kernel
-from libra.sim.report import write_json
+from libra.sim.rl.report import write_json
+from libra.sim.tangram.systems import Resources, SimAction, make_system
+from libra.sim.tangram.workloads import CodingParams, CodingWorkload, MopdParams, MopdWorkload, TrajPlan
 
 
 class ClusterParams(BaseModel):

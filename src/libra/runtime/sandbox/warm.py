@@ -21,8 +21,8 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from libra.runtime.actions.sandbox import ExecResult, Isolation, Limits, spawn, supervise
-from libra.runtime.actions.workspace import UidPool, Workspaces
+from libra.runtime.sandbox.sandbox import ExecResult, Isolation, Limits, spawn, supervise
+from libra.runtime.sandbox.workspace import UidPool, Workspaces
 
 ZYGOTE = r"""
 import os, sys, json

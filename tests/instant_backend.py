@@ -21,7 +21,7 @@ It speaks enough of the API to be a faithful stand-in:
 - `--exit-mid-stream` makes the process crash after the first event of a chat stream, so tests
   can see a backend die halfway through a response.
 
-Run: `python -m libra.runtime.instant_backend --port 0 [--port 0 ...] --model NAME`. One process
+Run: `python -m tests.instant_backend --port 0 [--port 0 ...] --model NAME`. One process
 can listen on several ports (each prints `listening on http://HOST:PORT`), which saves a core when
 a benchmark needs several backends.
 """

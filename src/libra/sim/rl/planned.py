@@ -36,8 +36,8 @@ from libra.planner import (
 from libra.planner.plan import place
 from libra.planner.triggers import Trigger
 from libra.rollout.base import Bucket
-from libra.sim.rl_config import RLScenario
-from libra.sim.systems import SYSTEM_FAMILIES, SYSTEMS, InstanceSpec, Setup, System
+from libra.sim.rl.config import RLScenario
+from libra.sim.rl.systems import SYSTEM_FAMILIES, SYSTEMS, InstanceSpec, Setup, System
 
 WINDOW_STEPS = 3  # finished steps the planner's statistics cover
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import gc
 import random
-from collections import deque
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
@@ -34,13 +34,14 @@ from libra.core.trajectory import Trajectory
 from libra.costmodel.catalog import load_catalog
 from libra.costmodel.efficiency import Profile
 from libra.costmodel.training import TrainCostModel
+from libra.planner.staleness import Finished, GroupQueue, StalenessGate
 from libra.rollout.registry import make_router, params_for, route_params
 from libra.sim import isolation
 from libra.sim.isolation import Progress
 from libra.sim.kernel import Kernel
-from libra.sim.rl_config import RLScenario, parse_rl
-from libra.sim.rollout_driver import RolloutDriver, RoutingStats, make_engines
-from libra.sim.systems import Setup, System, make_system
+from libra.sim.rl.config import RLScenario, parse_rl
+from libra.sim.rl.driver import RolloutDriver, RoutingStats, make_engines
+from libra.sim.rl.systems import Setup, System, make_system
 from libra.sim.tracing import Tracer
 
 
@@ -114,7 +115,8 @@ class RLSim:
         self.in_flight: dict[int, dict] = {}  # admitted batches whose training batch is not full yet
         self.group_left: dict[tuple[int, str], int] = {}  # (step, prompt) -> samples still running
         self.group_done: dict[tuple[int, str], list[Trajectory]] = {}
-        self.finished: dict[int, deque] = {}  # queue -> finished groups, oldest first
+        self.gate = StalenessGate(sc.pipeline.staleness, sc.pipeline.consume, self.setup.colocated)
+        self.finished: GroupQueue[list[Trajectory]] = GroupQueue(self.gate)
         self.filled = 0  # steps whose training batch is full
         self.version: dict[int, int] = {}  # step -> training steps done when its batch started
         self.done_batches: dict[int, dict] = {}
@@ -132,7 +134,7 @@ class RLSim:
 
     def _make_pool(self):
         from libra.planner import ElasticConfig
-        from libra.sim.elastic_pool import ElasticPool
+        from libra.sim.rl.elastic_pool import ElasticPool
 
         return ElasticPool(self, ElasticConfig(**self.sc.elastic))
 
@@ -183,9 +185,7 @@ class RLSim:
     def _may_roll(self, s: int) -> bool:
         if s >= self.steps or self.pending is not None:
             return False
-        if self.setup.colocated:
-            return self.train_done >= s and not self.training and not self.in_flight
-        return self.train_done >= s - self.sc.pipeline.staleness
+        return self.gate.may_start(s, self.train_done, busy=self.training or bool(self.in_flight))
 
     def _try_rollout(self) -> None:
         while self._may_roll(self.rollout_started):
@@ -227,41 +227,33 @@ class RLSim:
         if self.group_left[key]:
             return
         del self.group_left[key]
-        self.finished.setdefault(self._queue(t.step), deque()).append(
-            (self.version[t.step], self.group_done.pop(key))
-        )
+        self.finished.add(t.step, self.version[t.step], self.group_done.pop(key))
         if self._fill():
             if self.pending is not None and not self.in_flight:
                 self._apply_pending()
             self._try_train()
             self._try_rollout()
 
-    def _queue(self, step: int) -> int:
-        """Where a finished group of batch `step` waits: one queue in completion order, else its step's."""
-        by_completion = self.sc.pipeline.consume == "completion" and not self.setup.colocated
-        return 0 if by_completion else step
-
     def _fill(self) -> bool:
         """Fill the next steps' batches from finished groups; whether any step was filled."""
         filled = False
         while (b := self.in_flight.get(self.filled)) is not None and "groups" in b:
-            queue = self.finished.get(self._queue(self.filled))
-            if queue is None or len(queue) < b["groups"]:
+            taken = self.finished.take(self.filled, b["groups"])
+            if taken is None:
                 break
-            taken = [queue.popleft() for _ in range(b["groups"])]
             self._batch_done(b, taken)
             self.filled += 1
             filled = True
         return filled
 
-    def _batch_done(self, b: dict, taken: list[tuple[int, list[Trajectory]]]) -> None:
+    def _batch_done(self, b: dict, taken: Sequence[Finished[list[Trajectory]]]) -> None:
         s = b["step"]
-        trajs = [t for _, group in taken for t in group]
+        trajs = [t for f in taken for t in f.group]
         del self.in_flight[s]
         self.done_batches[s] = {"step": s, "rollout_start": b["t0"], "rollout_end": self.k.now,
                                 "generated_tokens": sum(t.generated_tokens for t in trajs),
                                 "lengths": [t.total_tokens for t in trajs], "trajs": trajs,
-                                "staleness": [s - v for v, _ in taken]}  # fmt: skip
+                                "staleness": [s - f.version for f in taken]}  # fmt: skip
         self.driver.router.on_step_end(s)
 
     def _try_train(self) -> None:
@@ -457,7 +449,7 @@ def run(scenario: dict, systems: list[str] | None, steps: int | None, seed: int,
         results[name], per_step[name], records[name], shared = isolation.call(job, progress, isolate)
     out = {"scenario": sc.name, "seed": seed, "steps": n, "systems": results, "per_step": per_step}
     if out_dir is not None:
-        from libra.sim.report import write_outputs
+        from libra.sim.rl.report import write_outputs
 
         write_outputs(out, records, Path(out_dir))
     return out

@@ -27,15 +27,15 @@ from libra.actions.cpu import CpuManager, CpuNode
 from libra.actions.profiles import load_profile
 from libra.actions.quota import QuotaManager
 from libra.core.errors import ConfigError, LibraError
-from libra.runtime.actions import schemas
-from libra.runtime.actions.config import ServiceConfig
-from libra.runtime.actions.dispatch import Dispatcher, Outcome
-from libra.runtime.actions.metrics import ServiceMetrics
-from libra.runtime.actions.sandbox import ExecResult, Isolation, Limits, RunStatus, execute, python_executable
-from libra.runtime.actions.tools import call_http_tool, parse_summary, python_tests_argv
-from libra.runtime.actions.warm import WarmPool
-from libra.runtime.actions.workspace import UidPool, Workspaces, decode_files
 from libra.runtime.jsonbody import BodyError, parse_body
+from libra.runtime.sandbox import schemas
+from libra.runtime.sandbox.config import ServiceConfig
+from libra.runtime.sandbox.dispatch import Dispatcher, Outcome
+from libra.runtime.sandbox.metrics import ServiceMetrics
+from libra.runtime.sandbox.sandbox import ExecResult, Isolation, Limits, RunStatus, execute, python_executable
+from libra.runtime.sandbox.tools import call_http_tool, parse_summary, python_tests_argv
+from libra.runtime.sandbox.warm import WarmPool
+from libra.runtime.sandbox.workspace import UidPool, Workspaces, decode_files
 
 log = logging.getLogger("libra.actions")
 

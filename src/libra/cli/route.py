@@ -1,4 +1,4 @@
-"""`python -m libra.rollout eval`: score routers offline on a trajectory trace.
+"""`libra route eval`: score routers offline on a trajectory trace.
 
 The offline evaluator (`libra.rollout.evaluate`) as a command, so routing quality on a real trace
 can be checked without the simulator: accuracy at tool returns, migrations and the migrated-token
@@ -7,11 +7,9 @@ ratio, one row per router, as a table or JSON. Errors are one line naming the fi
 
 from __future__ import annotations
 
-import sys
-
 import click
 
-from libra.core.errors import ConfigError, LibraError
+from libra.core.errors import ConfigError
 from libra.rollout.base import Bucket
 
 
@@ -29,12 +27,12 @@ def parse_buckets(text: str) -> list[Bucket]:
     return [Bucket(names[i], 2**i, c) for i, c in enumerate(limits)]
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-def main() -> None:
+@click.group()
+def route() -> None:
     """Rollout routing tools."""
 
 
-@main.command("eval")
+@route.command("eval")
 @click.option("--trace", "trace_path", required=True, type=click.Path(dir_okay=False), help="JSONL trace.")
 @click.option("--buckets", default="4096,12288,40960", show_default=True, help="Bucket max_context values.")
 @click.option(
@@ -56,17 +54,13 @@ def main() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def eval_cmd(trace_path, buckets, routers, order, overrides, as_json) -> None:
     """Replay TRACE through each router and report routing accuracy and migrations."""
-    try:
-        rows = run_eval(trace_path, buckets, routers, order, overrides)
-    except LibraError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
+    rows = run_eval(trace_path, buckets, routers, order, overrides)
     if as_json:
-        from libra.commands.common import emit_json
+        from libra.cli.common import emit_json
 
         emit_json(rows)
         return
-    from libra.commands.common import console, table
+    from libra.cli.common import console, table
 
     cols = ["router", "accuracy", "migrations", "migrated_token_ratio", "decisions"]
     console.print(table(f"routing on {trace_path} ({order})", cols, [[r[c] for c in cols] for r in rows]))

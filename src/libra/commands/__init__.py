@@ -1,1 +1,0 @@
-"""Subcommands of `libra`, one module each, registered by name in `libra.cli.COMMANDS`."""

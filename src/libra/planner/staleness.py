@@ -1,0 +1,78 @@
+"""Bounded staleness: when a rollout batch may start, and which finished groups a training step takes.
+
+Why it is policy, shared by the simulator and `libra train`: the pipeline's correctness (no group
+trained on weights more than k steps old; only whole GRPO groups trained) must not differ between
+the simulated clock and the live run. Both mechanisms ask the same two questions here:
+
+- `may_start(batch, trained)`: batch s may start once at least s - k training steps are done (its
+  weights are then at most k steps old), as slime and AReaL bound it. Colocated systems roll out
+  one whole batch at a time, after its previous step trained.
+- `GroupQueue.take(step, n)`: training step s takes n whole finished groups. `consume: completion`
+  takes the first n to finish, from any batch (AReaL); `consume: batch` takes exactly batch s's.
+
+Pure: no clock and no I/O; a group is any object, carried with the weight version it was sampled at.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Generic, Literal, TypeVar
+
+G = TypeVar("G")
+Consume = Literal["completion", "batch"]
+
+
+@dataclass(frozen=True, slots=True)
+class StalenessGate:
+    staleness: int = 1
+    consume: Consume = "completion"
+    colocated: bool = False  # rollout and training take turns on the same GPUs
+
+    def may_start(self, batch: int, trained: int, busy: bool = False) -> bool:
+        """Whether batch `batch` may start now, with `trained` training steps done. `busy`: for a
+        colocated system, a step is training or a batch is still rolling out."""
+        if self.colocated:
+            return trained >= batch and not busy
+        return trained >= batch - self.staleness
+
+    def by_completion(self) -> bool:
+        return self.consume == "completion" and not self.colocated
+
+    def queue_of(self, batch: int) -> int:
+        """Where a finished group of batch `batch` waits: one queue in completion order, else its own."""
+        return 0 if self.by_completion() else batch
+
+
+@dataclass(slots=True)
+class Finished(Generic[G]):
+    """A whole finished GRPO group and the weight version (training steps done) it was sampled at."""
+
+    version: int
+    group: G
+
+
+@dataclass(slots=True)
+class GroupQueue(Generic[G]):
+    """Finished whole groups waiting to be trained, oldest first, per the gate's queue rule."""
+
+    gate: StalenessGate
+    _queues: dict[int, deque[Finished[G]]] = field(default_factory=dict)
+
+    def add(self, batch: int, version: int, group: G) -> None:
+        self._queues.setdefault(self.gate.queue_of(batch), deque()).append(Finished(version, group))
+
+    def ready(self, step: int, n_groups: int) -> bool:
+        q = self._queues.get(self.gate.queue_of(step))
+        return q is not None and len(q) >= n_groups
+
+    def take(self, step: int, n_groups: int) -> Sequence[Finished[G]] | None:
+        """The `n_groups` groups training step `step` trains, or None while too few have finished."""
+        if not self.ready(step, n_groups):
+            return None
+        q = self._queues[self.gate.queue_of(step)]
+        return [q.popleft() for _ in range(n_groups)]
+
+    def waiting(self) -> int:
+        return sum(len(q) for q in self._queues.values())

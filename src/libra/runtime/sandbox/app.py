@@ -1,0 +1,55 @@
+"""Start the sandboxed actions service from its validated config.
+
+The CLI parses arguments into a `ServiceConfig`; deciding the isolation (bubblewrap, or an explicit
+opt-out) and running the HTTP server live here, so launchers and tests start the same service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from libra.core.errors import LibraError
+from libra.runtime.sandbox.config import ServiceConfig
+
+
+def isolation(cfg: ServiceConfig, insecure_no_sandbox: bool):
+    """bubblewrap when the host allows it; without it, only on the caller's explicit opt-out."""
+    from libra.runtime.sandbox.sandbox import Isolation, probe
+
+    iso = probe(cfg.sandbox)
+    if iso.sandboxed:
+        return iso
+    if not insecure_no_sandbox:
+        raise LibraError(
+            f"sandbox unavailable: {iso.reason}. Install bubblewrap (Debian: apt-get install bubblewrap) "
+            "and run the service as root, or pass --insecure-no-sandbox to run actions without isolation."
+        )
+    print(f"warning: running actions WITHOUT a sandbox ({iso.reason})", file=sys.stderr)
+    return Isolation(False, iso.reason)
+
+
+def run(cfg: ServiceConfig, insecure_no_sandbox: bool = False) -> None:
+    iso = isolation(cfg, insecure_no_sandbox)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(serve(cfg, iso))
+
+
+async def serve(cfg: ServiceConfig, iso) -> None:
+    from aiohttp import web
+
+    from libra.runtime.sandbox.service import ActionsService
+    from libra.runtime.serving import serve_until_signalled
+
+    service = ActionsService(cfg, iso)
+    # A client that goes away cancels its handler: a queued action is withdrawn (dispatch.py).
+    runner = web.AppRunner(service.app(), access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=4096)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    kind = "bwrap" if iso.sandboxed else "NONE"
+    print(f"libra actions service listening on http://{cfg.host}:{port} "
+          f"(isolation: {kind}, cores: {len(service.cores)})", file=sys.stderr, flush=True)  # fmt: skip
+    await serve_until_signalled(runner)

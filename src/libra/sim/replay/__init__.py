@@ -1,0 +1,1 @@
+"""Replays of real serving measurements on the simulated engine (`libra replay-vllm`)."""
