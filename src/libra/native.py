@@ -38,6 +38,7 @@ MODULES = (
     "libra.rollout.tree",
     "libra.rollout.predictor",
     "libra.rollout.features",
+    "libra.rollout.batching",
 )
 PACKAGE_DIR = Path(__file__).resolve().parent
 MANIFEST = PACKAGE_DIR / "_native.json"
