@@ -28,7 +28,7 @@ from libra.core.config import apply_overrides, build
 from libra.core.errors import ConfigError, LibraError
 from libra.core.trace import read_trace
 from libra.costmodel.catalog import load_catalog
-from libra.costmodel.efficiency import load_profile
+from libra.costmodel.efficiency import DEFAULT_ENGINE, load_profile
 from libra.planner import (
     CONSUME,
     ElasticConfig,
@@ -140,6 +140,9 @@ def build_problem(sc: dict, gpus: int | None, catalogs, profile) -> PlanningProb
         if not 1 <= gpus <= MAX_NODES * hw.gpus_per_node or gpus % hw.gpus_per_node:
             raise ConfigError("--gpus", gpus, f"a positive multiple of {hw.gpus_per_node} (GPUs per {hw.name} node), at most {MAX_NODES * hw.gpus_per_node}")  # fmt: skip
         nodes = gpus // hw.gpus_per_node
+    prof = load_profile(profile)
+    engine = str(ro.get("engine", DEFAULT_ENGINE))
+    prof.rollout.engine(engine, "rollout.engine")  # an unknown name is one line naming the field
     return PlanningProblem(
         hw=hw, nodes=nodes, model=model,
         prompts_per_step=_int(wl, "workload.prompts_per_step", 32),
@@ -147,7 +150,8 @@ def build_problem(sc: dict, gpus: int | None, catalogs, profile) -> PlanningProb
         max_length=_int(wl, "workload.max_length", 40960),
         max_num_seqs=_int(ro, "rollout.max_num_seqs", 256),
         max_num_batched_tokens=_int(ro, "rollout.max_num_batched_tokens", 8192),
-        profile=load_profile(profile), staleness=staleness, consume=consume,
+        profile=prof, staleness=staleness, consume=consume,
+        engine=engine,
     )  # fmt: skip
 
 

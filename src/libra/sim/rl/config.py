@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 from libra.core.config import build
 from libra.core.errors import ConfigError
 from libra.costmodel.catalog import Catalog
+from libra.costmodel.efficiency import DEFAULT_ENGINE, EngineName
 
 
 class _Strict(BaseModel):
@@ -66,6 +67,9 @@ class RolloutCfg(_Strict):
         48, ge=1, description="outstanding requests per instance before new work spills to a neighbour bucket"
     )
     router_params: dict = Field(default_factory=dict)
+    engine: EngineName = Field(
+        DEFAULT_ENGINE, description="engine preset for the CPU overhead: vllm-v1 or vllm-v0"
+    )
 
     @model_validator(mode="after")
     def _sorted(self) -> RolloutCfg:

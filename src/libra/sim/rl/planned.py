@@ -57,7 +57,8 @@ def problem_of(sc: RLScenario, hw: HardwareSpec) -> PlanningProblem:
     return PlanningProblem(hw, sc.cluster.nodes, cat.model(sc.model), int(w["prompts_per_step"]),
                            int(w["samples_per_prompt"]), int(w["max_length"]), sc.rollout.max_num_seqs,
                            sc.rollout.max_num_batched_tokens, sc.rollout.gpu_memory_utilization,
-                           staleness=sc.pipeline.staleness, consume=sc.pipeline.consume)  # fmt: skip
+                           staleness=sc.pipeline.staleness, consume=sc.pipeline.consume,
+                           engine=sc.rollout.engine)  # fmt: skip
 
 
 def setup_of(plan: Plan, hw: HardwareSpec, router: str, params: dict, reconfig_s: float = 0.0) -> Setup:
