@@ -26,7 +26,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from enum import IntEnum
 
-from libra.costmodel.rollout import RolloutCostModel
+from libra.costmodel.rollout import KV_BLOCK, RolloutCostModel
 from libra.rollout.batching import admits, preemption_victim, prefill_chunk
 from libra.sim.kernel import Handle, Kernel
 
@@ -198,12 +198,16 @@ class Engine:
     def schedule(self) -> StepPlan:
         """The batching decision for the next step, like vLLM's `schedule()`.
 
-        Admits waiting requests, preempts what the KV cache cannot hold, picks the prefill chunks;
-        with no chunk to run, plans a decode segment: the number of identical decode-only
+        Like vLLM: the running requests first (preempting the newest when the KV cache cannot
+        grow), then, only in a step that preempted nothing, waiting requests in FCFS order while
+        each fits beside a reserve of one block per running request; then the prefill chunks.
+        With no chunk to run, it plans a decode segment: the number of identical decode-only
         iterations until the batch changes. Queue and KV bookkeeping move with the decision; time
         does not (that is `_execute`)."""
         plan = StepPlan()
-        self._admit()
+        self._room_for_decode(plan)
+        if not plan.preempted:
+            self._admit()
         if self.prefilling and self._plan_chunks(plan):
             return plan
         if self.n_dec:
@@ -211,10 +215,15 @@ class Engine:
         return plan
 
     def _admit(self) -> None:
-        """FCFS admission while a sequence slot and KV room for the whole prefill are free."""
+        """FCFS admission while a sequence slot is free and the whole prefill fits in free and
+        evictable KV, keeping one block per running request free for its growth (the rule the
+        live engine's scheduler shares, `libra.rollout.batching`)."""
         while self.waiting and self.running < self.max_num_seqs:
             seq = self.waiting[0]
-            if self.running and not admits(self._free() + self.cache_tokens, seq.ctx - seq.done_tokens, 0):
+            reserve = KV_BLOCK * self.running
+            if self.running and not admits(
+                self._free() + self.cache_tokens, seq.ctx - seq.done_tokens, reserve
+            ):
                 break
             self.waiting.popleft()
             seq.state = SeqState.PREFILL
