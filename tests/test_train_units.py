@@ -22,7 +22,16 @@ from libra.runtime.train import checkpoint as ckpt
 from libra.runtime.train.batch import TrainSample, micro_batches, shard
 from libra.runtime.train.config import load_train_config
 from libra.runtime.train.grpo import group_advantages
-from libra.runtime.train.task import TOOL_NAME, TOOL_SCHEMA, Problem, ProblemStream, demonstration, evaluate, reward, sandbox_program  # fmt: skip
+from libra.runtime.train.task import (  # fmt: skip
+    TOOL_NAME,
+    TOOL_SCHEMA,
+    Problem,
+    ProblemStream,
+    demonstration,
+    evaluate,
+    reward,
+    sandbox_program,
+)
 from libra.runtime.train.tools import expression_of
 from libra.runtime.train.trajectory import TokenMismatch, Turn, assemble
 from tests.conftest import run_cli
