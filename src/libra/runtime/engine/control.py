@@ -223,18 +223,23 @@ class Control:
 
     async def update_from_group(self, request: web.Request) -> web.Response:
         req = parse(DistUpdate, await _body(request))
-        out = await self._receive(req.group_name, self._specs(req.names, req.dtypes, req.shapes), req)
+        out = await self._receive(
+            self._group(req.group_name), self._specs(req.names, req.dtypes, req.shapes), req
+        )
         return _ok(f"received {len(req.names)} tensors over {req.group_name!r}", **out)
 
-    async def _receive(self, group_name: str, specs: list[TensorSpec], req: DistUpdate) -> dict:
-        group = self.groups.get(group_name)
+    def _group(self, name: str) -> WeightGroup:
+        group = self.groups.get(name)
         if group is None:
-            raise ConfigError("group_name", clip(group_name), sorted(self.groups) or "a group made by /init_weights_update_group first")  # fmt: skip
-        async with self._locks.setdefault(group_name, asyncio.Lock()):  # broadcasts are ordered
+            raise ConfigError("group_name", clip(name), sorted(self.groups) or "a group made by /init_weights_update_group first")  # fmt: skip
+        return group
+
+    async def _receive(self, group: WeightGroup, specs: list[TensorSpec], req: DistUpdate) -> dict:
+        async with self._locks.setdefault(group.name, asyncio.Lock()):  # broadcasts are ordered
             try:
                 tensors = await asyncio.to_thread(group.receive, specs)
             except Exception as e:
-                raise ControlError(f"receiving over {group_name!r} failed: {type(e).__name__}: {str(e)[:200]}") from None  # fmt: skip
+                raise ControlError(f"receiving over {group.name!r} failed: {type(e).__name__}: {str(e)[:200]}") from None  # fmt: skip
         return await self._run("weights", (tensors, req.weight_version, req.abort_all_requests))
 
     def _specs(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[TensorSpec]:
@@ -300,5 +305,5 @@ class Control:
         if not isinstance(info, dict):
             raise ConfigError("update_info", clip(info), "an object: names, dtype_names, shapes")
         req = parse(DistUpdate, {**info, "dtypes": info.get("dtype_names")}, "update_info")
-        await self._receive(req.group_name, self._specs(req.names, req.dtypes, req.shapes), req)
+        await self._receive(self._group(req.group_name), self._specs(req.names, req.dtypes, req.shapes), req)
         return web.json_response({"message": "Weights updated"})

@@ -13,12 +13,18 @@ rendezvous and the order of tensors:
   every engine receives into a fresh tensor of that dtype and shape.
 
 Everything here blocks (rendezvous waits for every rank), so the engine calls it from a worker
-thread, never from its event loop or its engine thread.
+thread, never from its event loop or its engine thread. `open_group` and `push_weights` are the
+trainer's side in one call each: they POST to an engine or to a gateway (which broadcasts to every
+engine of its pool) while doing the rendezvous or the broadcast that call waits for.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -96,3 +102,59 @@ class WeightGroup:
             self._pg.shutdown()
         except RuntimeError:  # already broken (a peer died): nothing left to release
             pass
+
+
+# ---- the trainer's side over HTTP: one call to an engine or to a gateway (which broadcasts) -------
+
+
+def _post(url: str, body: dict, token: str | None, timeout_s: float) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+class WeightUpdateError(RuntimeError):
+    """The engines (or the gateway) refused or failed a weight-group call."""
+
+
+def _call_while(url: str, body: dict, token: str | None, timeout_s: float, work) -> dict:
+    """POST `body` to `url` from a helper thread while `work()` runs here (the rendezvous or the
+    broadcast the engines wait for on their side); the engines' answer, or WeightUpdateError."""
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(_post, url, body, token, timeout_s)
+        try:
+            result = work()
+        except Exception as e:  # the engines' refusal, when they refused, says more than a timeout
+            _check(url, *answer.result())
+            raise WeightUpdateError(f"{url}: {type(e).__name__}: {e}") from e
+        _check(url, *answer.result())
+    return {"result": result, "answer": answer.result()[1]}
+
+
+def _check(url: str, status: int, data: dict) -> None:
+    if status != 200 or data.get("success") is False or data.get("ok") is False:
+        raise WeightUpdateError(f"{url} answered {status}: {json.dumps(data)[:500]}")
+
+
+def open_group(base_url: str, master_address: str, master_port: int, world_size: int, group_name: str = "weight_update_group",
+               token: str | None = None, timeout_s: float = 600.0) -> WeightGroup:  # fmt: skip
+    """Rank 0: ask the engines behind `base_url` (ranks 1..world_size-1) to join a new group, and
+    host it. With a gateway, every engine of its pool joins (each gets its own rank)."""
+    body = {"master_address": master_address, "master_port": master_port, "rank_offset": 1,
+            "world_size": world_size, "group_name": group_name, "backend": "gloo"}  # fmt: skip
+    make = lambda: WeightGroup(master_address, master_port, 0, world_size, group_name, timeout_s)  # noqa: E731
+    return _call_while(base_url + "/init_weights_update_group", body, token, timeout_s, make)["result"]
+
+
+def push_weights(group: WeightGroup, base_url: str, named: dict[str, Tensor], weight_version: str,
+                 token: str | None = None, timeout_s: float = 600.0) -> dict:  # fmt: skip
+    """Rank 0: send `named` to every engine of the group; they swap it in and report
+    `weight_version` from their next step on. Returns the engines' (or the gateway's) answer."""
+    body = {**manifest(named), "group_name": group.name, "weight_version": weight_version}
+    return _call_while(base_url + "/update_weights_from_distributed", body, token, timeout_s, lambda: group.send(named))["answer"]  # fmt: skip
