@@ -70,12 +70,18 @@ def chat_body(model: str, messages: list[dict], tools: list[dict], sampling: Sam
     }
 
 
+def version_number(v: object) -> int:
+    """`libra train` publishes versions "0", "1", ...; anything else (an engine's initial
+    "default") is -1, older than every published one."""
+    return int(v) if isinstance(v, str) and v.isdigit() else v if isinstance(v, int) else -1
+
+
 def parse_choice(data: dict) -> Turn:
     """A chat response (non-streamed, n=1) with token ids and logprobs as a `Turn`."""
     choice = data["choices"][0]
     ids = [int(t) for t in choice["token_ids"]]
     lps = [float(e["logprob"]) for e in (choice.get("logprobs") or {}).get("content") or []]
-    version = int(data.get("weight_version", 0))
+    version = version_number(data.get("weight_version"))
     versions = choice.get("token_weight_versions")
     msg = choice.get("message") or {}
     call = None
@@ -86,7 +92,7 @@ def parse_choice(data: dict) -> Turn:
         prompt_ids=[int(t) for t in data["prompt_token_ids"]],
         token_ids=ids,
         logprobs=lps,
-        weight_versions=[int(v) for v in versions] if versions else [version] * len(ids),
+        weight_versions=[version_number(v) for v in versions] if versions else [version] * len(ids),
         finish_reason=str(choice.get("finish_reason")),
         text=msg.get("content") or "",
         tool_call=call,

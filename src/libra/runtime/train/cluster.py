@@ -130,6 +130,8 @@ def start(cfg: TrainConfig, run: Path, launcher: Launcher) -> Cluster:
     logs = run / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     (run / "config.json").write_text(cfg.model_dump_json(indent=1))
+    if cfg.task.tool == "sandbox" and cfg.actions.url is not None:
+        check_reachable(cfg.actions.url, cfg.actions.connect_timeout_s)  # before anything starts
     cluster = Cluster(run, launcher)
     try:
         _start_all(cfg, run, launcher, cluster)
@@ -162,8 +164,6 @@ def _start_all(cfg: TrainConfig, run: Path, launcher: Launcher, cluster: Cluster
     for p in cluster.of("trainer") + cluster.of("actions"):
         p.url = wait_for_line(p.handle, LISTENING, START_TIMEOUT_S).group(1)
     cluster.actions_url = cluster.of("actions")[0].url if want_actions else cfg.actions.url
-    if cfg.task.tool == "sandbox":
-        check_reachable(cluster.actions_url, cfg.actions.connect_timeout_s)
 
 
 def gateway_spec_placeholder(logs: Path) -> ProcessSpec:

@@ -42,7 +42,7 @@ class RolloutConfig(_Strict):
     group_size: int = Field(8, ge=2, le=64, description="Samples per prompt.")
     temperature: float = Field(1.0, gt=0, le=2.0)
     top_p: float = Field(1.0, gt=0, le=1.0)
-    max_tokens: int = Field(48, ge=8, le=4096, description="Per model call.")
+    max_tokens: int = Field(64, ge=8, le=4096, description="Per model call.")
     agent_loop: str = Field("calc", description="A registered agent loop or pkg.module:Class.")
     max_drop_fraction: float = Field(0.5, ge=0, le=1, description="Dropped groups in a batch that stop the run.")  # fmt: skip
     turn_timeout_s: float = Field(120.0, gt=0, le=3600)
@@ -138,6 +138,7 @@ class TrainConfig(_Strict):
     warmstart: WarmStartConfig = WarmStartConfig()
     publish: PublishConfig = PublishConfig()
     metrics_port: int = Field(0, ge=-1, le=65535, description="The driver's Prometheus port (0: any free one, -1: none).")  # fmt: skip
+    save_trajectories: bool = Field(False, description="Write every trained trajectory's tokens to RUN/trajectories.jsonl.")  # fmt: skip
     ray_address: str | None = Field(None, description="With --launcher ray: a cluster address (default: start a local one).")  # fmt: skip
 
     @model_validator(mode="after")

@@ -98,10 +98,13 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
             clock.mark("publish")
             rec = step_record(step, groups, samples, result, pub, clock, rollouts.drops.take())
             folder.record(rec)
+            if cfg.save_trajectories:
+                folder.save_trajectories(step, groups)
             trace_step(folder.timeline, step, groups, clock)
             _observe(metrics, rec)
             if progress is not None:
                 progress.step(rec)
+        folder.unfinished = rollouts.running()
     finally:
         await rollouts.stop()
 
@@ -126,7 +129,7 @@ def _rollouts(cfg: TrainConfig, cluster, http: aiohttp.ClientSession, step: int)
     # Each resumed step draws fresh problems: the stream is seeded by the step it starts at.
     problems = ProblemStream(cfg.seed * 1_000_003 + 2 + step, cfg.task.lo, cfg.task.hi, cfg.task.ops)
     shape = RolloutShape(r.groups_per_step, r.group_size, r.max_drop_fraction)
-    return Rollouts(shape, gate, problems, make_agent_loop(r.agent_loop), env, step)
+    return Rollouts(shape, gate, problems, make_agent_loop(r.agent_loop), env, step, cfg.steps - 1)
 
 
 async def _guard(cluster, coro):

@@ -99,6 +99,17 @@ class RunFolder:
         self.path = path
         self.timeline = Timeline(t0)
         self.records: list[dict] = []
+        self.unfinished = 0  # trajectories still generating when the run ended
+
+    def save_trajectories(self, step: int, groups) -> None:
+        """Every trained trajectory of the step, turn by turn, as the engines reported it."""
+        with open(self.path / "trajectories.jsonl", "a") as f:
+            for g in groups:
+                for t in g.group.trajs:
+                    turns = [{"prompt_ids": x.prompt_ids, "token_ids": x.token_ids, "logprobs": x.logprobs,
+                              "weight_versions": x.weight_versions, "bucket": x.bucket, "instance": x.instance}
+                             for x in t.turns]  # fmt: skip
+                    f.write(json.dumps({"step": step, "id": t.id, "batch": t.batch, "reward": t.reward, "turns": turns}) + "\n")  # fmt: skip
 
     def load_previous(self, upto: int) -> None:
         """On --resume: keep the steps before the checkpoint's."""
@@ -116,7 +127,7 @@ class RunFolder:
         tmp.replace(self.path / name)
 
     def finish(self, metrics_text: bytes | None) -> dict:
-        summary = summarize(self.records)
+        summary = {**summarize(self.records), "unfinished": self.unfinished}
         self._write("summary.json", summary)
         self._write("trace.json", self.timeline.chrome())
         if metrics_text is not None:

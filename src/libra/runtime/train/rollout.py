@@ -72,8 +72,9 @@ class RolloutShape:
 
 
 class Rollouts:
-    def __init__(self, shape: RolloutShape, gate: StalenessGate, problems: ProblemStream, loop: AgentLoop, env: AgentEnv, start_step: int = 0):  # fmt: skip
+    def __init__(self, shape: RolloutShape, gate: StalenessGate, problems: ProblemStream, loop: AgentLoop, env: AgentEnv, start_step: int = 0, last_step: int | None = None):  # fmt: skip
         self.shape, self.gate, self.problems, self.loop, self.env = shape, gate, problems, loop, env
+        self.last_step = last_step  # no batch past the run's last step is started: nothing is left over
         self.queue: GroupQueue[Group] = GroupQueue(gate)
         self.trained = start_step
         self.drops = DropLog()
@@ -104,6 +105,10 @@ class Rollouts:
         self.trained = steps
         self._poke()
 
+    def running(self) -> int:
+        """Trajectories still being generated (0 at the end of a run: none is lost)."""
+        return sum(1 for t in asyncio.all_tasks() if t.get_name().startswith("traj ") and not t.done())
+
     async def stop(self) -> None:
         for t in [self._producer, *self._tasks]:
             if t is not None:
@@ -115,7 +120,7 @@ class Rollouts:
     # ---- the producer --------------------------------------------------------------------------
 
     async def _produce(self) -> None:
-        while True:
+        while self.last_step is None or self._next_batch <= self.last_step:
             b = self._next_batch
             while not self.gate.may_start(b, self.trained):
                 self._changed.clear()
@@ -163,7 +168,8 @@ class Rollouts:
         trajs = [
             Trajectory(f"b{b}-g{g}-{next(self._ids)}", problem.id, g, b) for _ in range(self.shape.group_size)
         ]
-        await asyncio.gather(*(self.loop.run(problem, t, self.env) for t in trajs))
+        runs = [asyncio.create_task(self.loop.run(problem, t, self.env), name=f"traj {t.id}") for t in trajs]
+        await asyncio.gather(*runs)
         return Group(b, g, problem, trajs, version)
 
     def _poke(self) -> None:
