@@ -230,7 +230,9 @@ def test_an_admin_add_with_one_junk_field_gets_an_answer_below_500(gw, backends,
 
 
 def test_models_health_and_metrics(gw):
-    assert gw.get("/v1/models") == (200, {"object": "list", "data": [{"id": "instant", "object": "model", "created": pytest.approx(time.time(), abs=3600), "owned_by": "libra-gateway"}]})  # fmt: skip
+    # the backend's card passes through, max_model_len included (the instant backend's 32768)
+    assert gw.get("/v1/models") == (200, {"object": "list", "data": [{"id": "instant", "object": "model", "created": pytest.approx(time.time(), abs=3600), "owned_by": "libra-instant", "max_model_len": 32768}]})  # fmt: skip
+    assert gw.get("/v1/models/instant")[1]["max_model_len"] == 32768 and gw.get("/v1/models/nope")[0] == 404
     status, health = gw.get("/health")
     assert status == 200 and health["routable"] == 2 and health["router"] == "cmlfq"
     assert [b["name"] for b in health["buckets"]] == ["short", "long"]

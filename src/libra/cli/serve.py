@@ -117,6 +117,8 @@ def _presets() -> list[str]:
 )
 @click.option("--tool-rounds", default=1, show_default=True, type=click.IntRange(0), help="Tool calls an 'auto' turn makes before answering in text.")  # fmt: skip
 @click.option("--max-body-mb", default=8.0, show_default=True, type=click.FloatRange(min=0, max=4096, min_open=True), help="Largest request body.")  # fmt: skip
+@click.option("--weight-version", default="0", show_default=True, help="Weight version reported until a trainer sets another.")  # fmt: skip
+@click.option("--admin-token", default=None, envvar="LIBRA_ADMIN_TOKEN", help="Control calls (pause, weights, flush) need 'Authorization: Bearer TOKEN' [env: LIBRA_ADMIN_TOKEN].")  # fmt: skip
 @click.option("--access-log", is_flag=True, help="Log every HTTP request.")
 @_needs_extra
 def engine(save_checkpoint: str | None, host: str, port: int, access_log: bool, **options) -> None:
