@@ -378,7 +378,8 @@ def profile(model, device, out, threads, quick, catalogs):
     """Time one layer of MODEL's shape with torch on this machine, for `calibrate --vidur OUT`.
 
     bf16 on a GPU; on the CPU the dtype of the model's weights (fp32 for the built-in engine's).
-    One device, so TP1 only."""
+    One device, so TP1 only. For the built-in engine's models on the CPU, the engine itself is also
+    timed step by step (OUT/builtin-MODEL-steps.jsonl, for `calibrate --data`)."""
     import torch
 
     from libra.runtime.profiler import QUICK, Grid, Shape
@@ -393,3 +394,8 @@ def profile(model, device, out, threads, quick, catalogs):
     torch.set_num_threads(threads)
     folder = run_profile(shape, device, writable_dir(Path(out)), QUICK if quick else Grid())
     console.print(f"{model}: layer kernels and attention timed on {device} -> {folder}")
+    if device == "cpu" and model.startswith("builtin-"):
+        from libra.runtime.profiler import profile_builtin_engine
+
+        steps = profile_builtin_engine(model.removeprefix("builtin-"), Path(out), threads, quick)
+        console.print(f"the built-in engine's steps -> {steps} (for `calibrate --data`)")

@@ -225,3 +225,62 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# ---- the built-in engine, step by step (CPU) -------------------------------------------------------
+
+ENGINE_GRID = ((1, 32, 48), (4, 64, 48), (16, 128, 48), (32, 64, 32), (64, 200, 24), (8, 1500, 8))
+ENGINE_QUICK = ((1, 32, 8), (8, 64, 8))
+
+
+def profile_builtin_engine(model: str, out: Path, threads: int = 1, quick: bool = False) -> Path:
+    """Time every step of the built-in engine (scheduler, model, sampling; no HTTP) over batches of
+    (sequences, prompt tokens, output tokens), each step with its batch's composition, as the JSONL
+    `libra costmodel calibrate --data` reads (hardware `cpu-host`, engine preset `libra-builtin`)."""
+    from libra.runtime.engine.config import EngineConfig
+    from libra.runtime.engine.core import EngineCore
+    from libra.runtime.engine.model import build_model
+    from libra.runtime.engine.sequence import SamplingParams, Sequence, TextOutput
+
+    torch.set_num_threads(threads)
+    cfg = EngineConfig(model=model, max_num_seqs=64, kv_cache_mb=256, threads=threads)
+    net = build_model(cfg.preset, cfg.seed)
+    rows: list[dict] = []
+    for k, (n, prompt, gen) in enumerate(((2, 16, 4),) + (ENGINE_QUICK if quick else ENGINE_GRID)):
+        core = EngineCore(cfg, net, publish=lambda events: None)
+        seqs = [Sequence(f"p{i}", 0, [65 + (i + j) % 26 for j in range(prompt)], SamplingParams(gen, 1.0, seed=i),
+                         TextOutput(ignore_eos=True), None, cfg.preset.max_model_len) for i in range(n)]  # fmt: skip
+        timed = _timed_steps(core, seqs, f"builtin-{model}")
+        rows += timed if k else []  # the first batch warms torch up
+    path = out / f"builtin-{model}-steps.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _timed_steps(core, seqs: list, model: str) -> list[dict]:
+    plans: list = []
+    schedule = core.sched.schedule
+
+    def capture():
+        plan = schedule()
+        plans.append(plan)
+        return plan
+
+    core.sched.schedule = capture
+    core._apply("add", seqs)
+    rows = []
+    while core.sched.has_work:
+        t0 = time.perf_counter()
+        core.step()
+        dt = time.perf_counter() - t0
+        plan = plans[-1]
+        if plan.empty:
+            continue
+        pre = [c for c in plan.prefills]
+        rows.append({"hardware": "cpu-host", "model": model, "tp": 1, "engine": "libra-builtin",
+                     "prefill_tokens": sum(c.n for c in pre),
+                     "prefill_attn": float(sum(c.n * c.start + c.n * (c.n + 1) / 2 for c in pre)),
+                     "decode_seqs": len(plan.decodes), "decode_ctx": float(sum(c.start + 1 for c in plan.decodes)),
+                     "step_time_s": dt})  # fmt: skip
+    return rows
