@@ -203,6 +203,10 @@ def test_vllm_dialect_backends_get_vllm_calls(engines, gateway_factory):  # noqa
     assert status == 200 and e.get("/health")["paused"] is None
     status, out = gw.post("/update_weights_from_disk", {"model_path": "/x.pt"})
     assert status == 502 and out["status"]["v"] == 501  # vLLM has no HTTP load from disk
+    assert (
+        gw.post("/release_memory_occupation")[0] == 200 and e.get("/health")["sleeping"]
+    )  # -> /sleep?level=1
+    assert gw.post("/wake_up")[0] == 200 and not e.get("/health")["sleeping"]  # vLLM's name -> /wake_up
     group_port = free_port()
     group = open_group(gw.url, "127.0.0.1", group_port, world_size=2)  # -> /init_weight_transfer_engine
     try:

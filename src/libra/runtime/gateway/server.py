@@ -53,6 +53,7 @@ log = logging.getLogger("libra.gateway")
 perf = time.perf_counter
 STEP = re.compile(r"[0-9]{1,9}")
 FAILOVER_POLL_S = 0.05
+UPSTREAM_S = web.RequestKey("upstream_s", float)  # time spent waiting on the backend
 # Where a session's name is found, after the configured header or field: the header Libra
 # documents, then SGLang's router's (slime sets it per sample); the body field SkyRL sets, then
 # OpenAI's `user`.
@@ -444,7 +445,7 @@ class Gateway:
             self.health.probe_soon(inst)
             s.failed_on = inst.id
             raise ApiError(502, f"backend {inst.id} failed mid-response ({type(e).__name__})", code="upstream_failed") from None  # fmt: skip
-        request["upstream_s"] = up = perf() - t_up
+        request[UPSTREAM_S] = up = perf() - t_up
         self.metrics.upstream_time(inst.view.bucket, up)
         if resp.status == 200:
             usage = upstream.generate_usage(out) if kind == "generate" else upstream.usage_in_body(out)
@@ -474,7 +475,7 @@ class Gateway:
             watch.feed(chunk)
             if not await _try_write(out, chunk):
                 return out  # the client left; releasing the response closes the backend connection
-        request["upstream_s"] = up = perf() - t_up
+        request[UPSTREAM_S] = up = perf() - t_up
         self.metrics.upstream_time(inst.view.bucket, up)
         if watch.usage is not None:
             self.tracker.metered(s, watch.usage)
@@ -510,7 +511,7 @@ class Gateway:
         endpoint = res.canonical if res is not None else "unmatched"
         elapsed = perf() - t0
         self.metrics.request(endpoint, resp.status, elapsed)
-        up = request.get("upstream_s")
+        up = request.get(UPSTREAM_S)
         if up is not None:
             self.metrics.overhead_of(endpoint, elapsed - up)
         return resp
