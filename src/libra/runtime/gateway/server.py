@@ -1,9 +1,12 @@
 """The gateway's HTTP server: the OpenAI API in front, the backend pool behind, the router between.
 
-Every `POST /v1/chat/completions` or `/v1/completions` is one turn of a session:
+Every `POST /v1/chat/completions`, `/v1/completions` or SGLang's `/generate` is one turn of a
+session:
 
-1. the session is found (`X-Session-ID` header, else the body's `user` field, else the request is
-   a one-turn session of its own) and the conversation is scanned for new tool returns;
+1. the session is found (a header: the configured one, `X-Session-ID`, slime's
+   `X-SMG-Routing-Key`; else a body field: the configured one, SkyRL's `trajectory_id`, `user`;
+   else the request is a one-turn session of its own), the conversation is scanned for new tool
+   returns, and a prompt sent as token ids is counted exactly;
 2. the router is asked, with the same `RouteRequest` and `InstanceView`s the simulator builds;
 3. the decision is carried out: the body is sent as is to the chosen instance, and the response is
    returned as is (streams pass through chunk by chunk). A change of instance is a migration: the
@@ -14,7 +17,8 @@ Every `POST /v1/chat/completions` or `/v1/completions` is one turn of a session:
    shared by every router), and the instance is taken out.
 
 The hot path does no policy work of its own and no JSON encoding: the request body is decoded once
-(to read the messages), and the response body is searched for `usage`, not decoded.
+(to read the messages), and the response body is searched for `usage` (or /generate's token
+counts), not decoded. Control calls are not routed but broadcast to every engine (`control`).
 """
 
 from __future__ import annotations
