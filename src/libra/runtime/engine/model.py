@@ -170,23 +170,29 @@ def save_checkpoint(model: TinyTransformer, path: str | Path) -> Path:
 
 
 def load_checkpoint(model: TinyTransformer, path: str | Path) -> None:
+    model.load_state_dict(read_checkpoint(model, path), strict=True)
+
+
+def read_checkpoint(model: TinyTransformer, path: str | Path, field: str = "checkpoint") -> dict[str, Tensor]:
+    """The tensors of a `state_dict` file for `model`, checked against its shapes, not loaded:
+    a live engine copies them in between two steps. Errors name `field`."""
     try:
         state = torch.load(Path(path), map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise ConfigError("checkpoint", str(path), "an existing file") from None
+    except (FileNotFoundError, IsADirectoryError):
+        raise ConfigError(field, str(path), "an existing file") from None
     except Exception as e:  # torch raises many types for a file that is not a checkpoint
-        raise ConfigError("checkpoint", str(path), f"a torch state_dict file ({type(e).__name__})") from None
+        raise ConfigError(field, str(path), f"a torch state_dict file ({type(e).__name__})") from None
     if not isinstance(state, dict):
-        raise ConfigError("checkpoint", str(path), "a torch state_dict (a mapping of tensors)")
-    _check_shapes(model, state, path)
-    model.load_state_dict(state, strict=True)
+        raise ConfigError(field, str(path), "a torch state_dict (a mapping of tensors)")
+    _check_shapes(model, state, path, field)
+    return state
 
 
-def _check_shapes(model: TinyTransformer, state: dict, path: str | Path) -> None:
+def _check_shapes(model: TinyTransformer, state: dict, path: str | Path, field: str = "checkpoint") -> None:
     want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, Tensor)}
     missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
     bad = sorted(k for k in want.keys() & got.keys() if want[k] != got[k])
     if missing or extra or bad:
         detail = f"missing {missing[:3]}, unexpected {extra[:3]}, wrong shape {bad[:3]}"
-        raise ConfigError("checkpoint", str(path), f"a state_dict for model {model.preset.name!r} ({detail})")
+        raise ConfigError(field, str(path), f"a state_dict for model {model.preset.name!r} ({detail})")
