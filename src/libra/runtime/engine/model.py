@@ -84,7 +84,9 @@ class Block(nn.Module):
         h = F.rms_norm(x, (p.d_model,), self.attn_norm, NORM_EPS)
         q, k, v = self.qkv(h).view(b, t, 3, p.n_heads, p.head_dim).unbind(2)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         x = x + self.out(o.transpose(1, 2).reshape(b, t, p.d_model))
         h = F.rms_norm(x, (p.d_model,), self.mlp_norm, NORM_EPS)
         gate, up = self.gate_up(h).chunk(2, dim=-1)
