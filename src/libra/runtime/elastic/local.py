@@ -144,20 +144,21 @@ def _by_index(spec: RunSpec, started: list[tuple[mp.process.BaseProcess, float]]
 _CONTEXT: mp.context.ForkServerContext | None = None
 
 
-def _context() -> mp.context.ForkServerContext:
+def forkserver(*extra: str) -> mp.context.ForkServerContext:
+    """The process context of local runs; `extra` modules are preloaded too (before its first use)."""
     global _CONTEXT
     if _CONTEXT is None:
         _CONTEXT = mp.get_context("forkserver")
         # torch.optim imports torch._dynamo (and sympy) the first time an optimizer is built:
         # seconds per process, paid once here instead.
-        _CONTEXT.set_forkserver_preload(["libra.runtime.elastic.worker", "torch._dynamo"])
+        _CONTEXT.set_forkserver_preload(["libra.runtime.elastic.worker", "torch._dynamo", *extra])
     return _CONTEXT
 
 
 def _start(workdir: Path, port: int, role: str, index: int) -> mp.process.BaseProcess:
     from libra.runtime.elastic.worker import process_main  # torch: only where processes start
 
-    p = _context().Process(
+    p = forkserver().Process(
         target=process_main, args=(str(workdir), port, role, index), name=f"{role}-{index}"
     )
     p.start()

@@ -46,6 +46,15 @@ def _setup(spec: RunSpec, seed: int) -> tuple[TinyTransformer, torch.optim.Optim
     return model, optimizer, work
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far (VmHWM), in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def _line(out: IO[str], row: dict) -> None:
     out.write(json.dumps(row) + "\n")
     out.flush()
@@ -67,7 +76,13 @@ def run_core(spec: RunSpec, store: dist.Store, rank: int, out: IO[str], workdir:
         work.backward(model, step, reducer.begin_step(step, work.tokens(step)))
         reducer.reduce(model)
         default_update(model, optimizer)
-        row = {"step": step, "t0": t0, "t1": time.time(), "elastic": reducer.status.to_json()}
+        row = {
+            "step": step,
+            "t0": t0,
+            "t1": time.time(),
+            "elastic": reducer.status.to_json(),
+            "rss_mb": peak_rss_mb(),
+        }
         if spec.hashes:
             row["hash"] = param_hash(model)
         _line(out, row)
@@ -100,7 +115,7 @@ def run_joiner(spec: RunSpec, store: dist.Store, index: int, out: IO[str]) -> No
     )  # fmt: skip
 
     def on_step(step: int) -> None:
-        row = {"step": step, "t1": time.time()}
+        row = {"step": step, "t1": time.time(), "rss_mb": peak_rss_mb()}
         if spec.hashes:
             row["hash"] = param_hash(model)
         _line(out, row)
