@@ -51,8 +51,8 @@ def _run(workdir: Path, store_port: int, lighthouse: str, role: Role, timeout_s:
     from torchft import Manager, ProcessGroupGloo
     from torchft.optim import OptimizerWrapper
 
-    from libra.runtime.elastic.local import RunSpec, wait_step
     from libra.runtime.elastic.reducer import flat_grads, set_grads, trainable
+    from libra.runtime.elastic.spec import RunSpec, wait_step
     from libra.runtime.elastic.worker import _setup, peak_rss_mb
     from libra.runtime.layout import balance_by_tokens
 

@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from libra.planner import JoinState
 from libra.runtime.elastic.joiner import Faults, Joiner, default_update
-from libra.runtime.elastic.local import STEP_KEY, JoinSpec, RunSpec, wait_step
 from libra.runtime.elastic.reducer import ElasticReducer
+from libra.runtime.elastic.spec import STEP_KEY, JoinSpec, RunSpec, wait_step
 from libra.runtime.elastic.wire import Kind
 from libra.runtime.elastic.workload import SyntheticLM
 from libra.runtime.engine.config import PRESETS
