@@ -74,6 +74,24 @@ class Block(nn.Module):
         gate, up = self.gate_up(h).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
+    def forward_train(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+        """x: [B, T, d_model] of whole sequences from position 0; causal attention, no cache.
+
+        The same weights and operations as `forward` (norms, RoPE, SDPA, SwiGLU), so the
+        trainer's log-probabilities match the engine's to float rounding.
+        """
+        p, (b, t) = self.p, x.shape[:2]
+        h = F.rms_norm(x, (p.d_model,), self.attn_norm, NORM_EPS)
+        q, k, v = self.qkv(h).view(b, t, 3, p.n_heads, p.head_dim).unbind(2)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.out(o.transpose(1, 2).reshape(b, t, p.d_model))
+        h = F.rms_norm(x, (p.d_model,), self.mlp_norm, NORM_EPS)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
@@ -152,6 +170,28 @@ class TinyTransformer(nn.Module):
             x = layer(x, rope, b, cache.k[i], cache.v[i])
         x = x if b.sample_rows is None else x[b.sample_rows]
         return self.lm_head(F.rms_norm(x, (self.preset.d_model,), self.final_norm, NORM_EPS))
+
+    def forward_train(self, tokens: Tensor) -> Tensor:
+        """Logits [B, T, vocab] for right-padded sequences `tokens` [B, T]: the trainer's forward.
+
+        Cache-free and differentiable: every position attends causally to the positions before it,
+        so padding at the right never reaches a real token. Row t predicts token t + 1.
+        """
+        x = self.embed(tokens)
+        rope = self.rope(torch.arange(tokens.shape[1], device=tokens.device))
+        for layer in self.layers:
+            x = layer.forward_train(x, rope)
+        return self.lm_head(F.rms_norm(x, (self.preset.d_model,), self.final_norm, NORM_EPS))
+
+
+def token_logprobs(model: TinyTransformer, tokens: Tensor) -> Tensor:
+    """log p(tokens[:, t] | tokens[:, :t]) for t >= 1, as [B, T - 1] (float32).
+
+    Under the model's raw distribution, which is what the engine reports as a token's logprob
+    (before the grammar's mask and the temperature), so the two compare directly.
+    """
+    logits = model.forward_train(tokens[:, :-1]).float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
 
 
 def build_model(preset: ModelPreset, seed: int = 0, checkpoint: str | Path | None = None) -> TinyTransformer:
