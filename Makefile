@@ -23,7 +23,7 @@ $(STAMP_TEST): pyproject.toml | $(BIN)/python
 demo: $(STAMP_CORE) native
 	$(BIN)/libra simulate
 
-# Compiles the simulator's hot modules (libra.native); if that fails, everything runs as Python.
+# Compiles the simulator's hot modules (libra.sim.native); if that fails, everything runs as Python.
 native: $(STAMP_CORE)
 	-$(BIN)/libra native build --if-stale
 
@@ -49,5 +49,5 @@ bench: $(STAMP_TEST)
 	$(BIN)/python benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache src/libra/_native.json
-	find src -name "*.so" -delete
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache
+	-$(BIN)/python -c 'import shutil, libra.sim.native as n; shutil.rmtree(n.build_dir(), ignore_errors=True)' 2>/dev/null

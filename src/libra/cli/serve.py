@@ -58,8 +58,11 @@ def serve() -> None:
 @set_option_for("health.interval_s=2")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))  # fmt: skip
 @click.option("--access-log", is_flag=True, help="Log every HTTP request.")
+@click.option("--compiled", is_flag=True, help="Run the routing policy's compiled build (`libra native build`) instead of its Python source.")  # fmt: skip
 @_needs_extra
-def gateway(config_path, host, port, backends, router, tree_path, overrides, log_level, access_log) -> None:
+def gateway(
+    config_path, host, port, backends, router, tree_path, overrides, log_level, access_log, compiled
+) -> None:
     """OpenAI-compatible gateway: routes every turn of every session with a Libra router
     (C-MLFQ by default) across vLLM, SGLang or built-in engine instances.
 
@@ -69,6 +72,12 @@ def gateway(config_path, host, port, backends, router, tree_path, overrides, log
             --backend http://127.0.0.1:8101,bucket=short,tp=1,max_context=4096 \\
             --backend http://127.0.0.1:8102,bucket=long,tp=2,max_context=8192
     """
+    if compiled:
+        from libra.sim import native
+
+        ok, why = native.activate()
+        if not ok:
+            raise ConfigError("--compiled", True, f"a compiled build of these sources ({why})")
     from libra.runtime.gateway import app
     from libra.runtime.gateway.config import backend_from_spec, load_gateway_config
 

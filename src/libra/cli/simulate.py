@@ -8,8 +8,13 @@ from pathlib import Path
 import click
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from libra import native
-from libra.cli.common import (
+from libra.sim import native
+
+# A simulator entry point: use the compiled hot modules when a build of these sources exists.
+# Before anything below imports the simulator, since a module already imported stays Python.
+native.activate()
+
+from libra.cli.common import (  # noqa: E402
     console,
     emit_json,
     err_console,
@@ -19,11 +24,10 @@ from libra.cli.common import (
     table,
     writable_dir,
 )
-from libra.core.config import apply_overrides
-from libra.core.errors import ConfigError
-from libra.costmodel.efficiency import load_profile
-from libra.sim.rl.systems import known_systems
-from libra.sim.scenarios import list_scenarios, load_scenario, runner_for
+from libra.core.errors import ConfigError  # noqa: E402
+from libra.costmodel.efficiency import load_profile  # noqa: E402
+from libra.sim.rl.systems import known_systems  # noqa: E402
+from libra.sim.scenarios import list_scenarios, load_scenario, run_scenario  # noqa: E402
 
 DEFAULT_SCENARIO = "libra-r2e-48gpu"
 
@@ -123,10 +127,10 @@ def ladder_notes(summary: dict) -> list[str]:
 def print_list() -> None:
     """The shipped scenarios with their descriptions, and the systems each kind can run."""
     for name in list_scenarios():
-        data = load_scenario(name)
-        console.print(f"{name:<22} {data.get('description', '')}", highlight=False, soft_wrap=True)
-        if data.get("kind") == "tangram":
-            console.print(f"{'':<22} systems: {', '.join(data.get('systems', {}))}", highlight=False)
+        sc = load_scenario(name)
+        console.print(f"{name:<22} {sc.description}", highlight=False, soft_wrap=True)
+        if sc.kind == "tangram":
+            console.print(f"{'':<22} systems: {', '.join(sc.systems)}", highlight=False)
     rl = ", ".join(known_systems())
     console.print(f"\nsystems of the rl scenarios (--systems A,B): {rl}", highlight=False, soft_wrap=True)
 
@@ -164,21 +168,21 @@ def simulate(scenario, trace_file, systems, steps, seed, out_dir, list_only, ove
     if list_only:
         print_list()
         return
-    data = apply_overrides(load_scenario(scenario), list(overrides))
+    sc = load_scenario(scenario, overrides)
     names = [s.strip() for s in systems.split(",") if s.strip()] if systems else None
     if systems is not None and not names:
         raise ConfigError("--systems", systems, "a comma-separated list of system names")
-    out = writable_dir(Path(out_dir or Path("runs") / data["name"]))
+    out = writable_dir(Path(out_dir or Path("runs") / sc.name))
     kwargs = {}
     if trace_file:
-        if data["kind"] != "rl":
+        if sc.kind != "rl":
             raise ConfigError("--trace", trace_file, "only RL scenarios replay trajectory traces")
         kwargs["trace"] = trace_file
     if profile:
         kwargs["profile"] = load_profile(profile)
     t0 = time.perf_counter()
-    result = _run_with_progress(runner_for(data["kind"]), data, names, steps, seed, out, kwargs)
-    result.setdefault("scenario", data["name"])
+    result = _run_with_progress(sc, names, steps, seed, out, kwargs)
+    result.setdefault("scenario", sc.name)
     elapsed = time.perf_counter() - t0
     if as_json:
         emit_json({k: v for k, v in result.items() if k != "per_step"})
@@ -191,14 +195,15 @@ def simulate(scenario, trace_file, systems, steps, seed, out_dir, list_only, ove
             console.print(note, soft_wrap=True)
     if ratios is not None:
         console.print(ratios, soft_wrap=True)
-    compiled, why = native.status()
+    compiled = native.active()
+    why = native.status()[1]
     err_console.print(
         f"simulated in {elapsed:.1f} s ({'compiled' if compiled else 'pure Python: ' + why}); "
         f"results in {out}/ (summary.json, steps.json, *.png, trace.json)"
     )
 
 
-def _run_with_progress(runner, data, names, steps, seed, out, kwargs) -> dict:
+def _run_with_progress(sc, names, steps, seed, out, kwargs) -> dict:
     cols = [
         TextColumn("{task.description}"),
         BarColumn(),
@@ -216,7 +221,7 @@ def _run_with_progress(runner, data, names, steps, seed, out, kwargs) -> dict:
         bar.update(tasks[label], completed=min(1.0, frac))
 
     try:
-        return runner(data, names, steps, seed, out, progress, **kwargs)
+        return run_scenario(sc, names, steps, seed, out, progress, **kwargs)
     finally:
         if tasks:
             bar.stop()

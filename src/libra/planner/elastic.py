@@ -276,3 +276,44 @@ def make_pool(plan: Plan) -> list[HybridReplica]:
     TP x CP groups inside a node, as it places the core training replicas.
     """
     return [HybridReplica(f"hybrid-{k}", plan.replica_gpus) for k in range(plan.hybrid_replicas)]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSlot:
+    """A rollout engine as the host choice sees it."""
+
+    id: str
+    tp: int
+    node: int
+
+
+def hybrid_hosts(replicas: Sequence[HybridReplica], slots: Sequence[EngineSlot]) -> dict[str, list[str]]:
+    """Which engines each hybrid replica takes: whole engines of one node whose TPs sum to the
+    replica's GPUs, largest TP first, the highest-numbered node first, no engine twice. A replica
+    with no such set of engines is left out (it cannot join)."""
+    by_node: dict[int, list[EngineSlot]] = {}
+    for e in slots:
+        by_node.setdefault(e.node, []).append(e)
+    hosts: dict[str, list[str]] = {}
+    used: set[str] = set()
+    for r in replicas:
+        for node in sorted(by_node, reverse=True):
+            pick = _subset(sorted(by_node[node], key=lambda e: -e.tp), r.gpus, used)
+            if pick:
+                hosts[r.id] = [e.id for e in pick]
+                used.update(hosts[r.id])
+                break
+    return hosts
+
+
+def _subset(engines: list[EngineSlot], gpus: int, used: set[str]) -> list[EngineSlot] | None:
+    """Engines (in order) whose TPs sum to exactly `gpus`, none already used."""
+    pick, total = [], 0
+    for e in engines:
+        if e.id in used or total + e.tp > gpus:
+            continue
+        pick.append(e)
+        total += e.tp
+        if total == gpus:
+            return pick
+    return None

@@ -24,13 +24,13 @@ Everything here is pure: no clocks, no I/O. The caller measures search time.
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from libra.core.errors import ConfigError, InfeasibleError
+from libra.core.registry import Registry
 from libra.planner.config import ElasticConfig, PlannerConfig, SelectorConfig
 from libra.planner.layouts import LAYOUTS, RolloutEvaluator, fill_leftover
 from libra.planner.plan import BucketPlan, Plan, check_plan, diff, pipeline_period, reconfig_cost_s
@@ -349,23 +349,13 @@ class GreedyShiftPlanner(GlobalPlanner):
         return PlanDecision(candidate, current, ApplyVerdict(changed, 0.0, 0.0, 0.0, "greedy shift"))
 
 
-PLANNERS: dict[str, type[GlobalPlanner]] = {
-    cls.name: cls for cls in (GlobalPlanner, HomogeneousPlanner, GreedyShiftPlanner)
-}
+PLANNERS: Registry[type[GlobalPlanner]] = Registry(
+    "planner", "planner", (GlobalPlanner, HomogeneousPlanner, GreedyShiftPlanner)
+)
 
 
 def make_planner(
     name: str, problem: PlanningProblem, config: PlannerConfig | None = None, **kw
 ) -> GlobalPlanner:
     """A registered planner by short name, or outside code as 'package.module:Class'."""
-    if name in PLANNERS:
-        return PLANNERS[name](problem, config, **kw)
-    module, sep, attr = name.partition(":")
-    allowed = [*PLANNERS, "package.module:Class"]
-    if not sep:
-        raise ConfigError("planner", name, allowed)
-    try:
-        cls = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError, ValueError):
-        raise ConfigError("planner", name, allowed) from None
-    return cls(problem, config, **kw)
+    return PLANNERS.build(name, problem, config, **kw)

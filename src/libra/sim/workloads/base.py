@@ -32,6 +32,13 @@ class WorkloadConfig(BaseModel):
     params: dict = Field(default_factory=dict, description="Family parameters; see `libra trace params`.")
 
 
+def step_rng(seed: int, step: int) -> random.Random:
+    """The random stream of RL step `step` of a run seeded `seed`: the one derivation `libra
+    simulate`, `libra plan` and `libra trace generate` share, so the trace `trace generate --seed S`
+    writes is exactly the batches `simulate --seed S` runs, and any step can be regenerated alone."""
+    return random.Random(seed * 1_000_003 + step)
+
+
 @runtime_checkable
 class Workload(Protocol):
     """One family, configured. `generate` returns one RL step: prompts x samples trajectories."""
