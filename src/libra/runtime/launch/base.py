@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from libra.core.errors import ConfigError
-
 LISTENING = r"listening on (https?://[^\s,()]+)"
 
 
@@ -77,15 +75,3 @@ def wait_for_line(h: Handle, pattern: str, timeout: float) -> re.Match:
         if time.monotonic() > deadline:
             raise LaunchError(f"{h.name} was not ready within {timeout:g} s; the end of its log ({h.log}):\n{text[-1500:]}")  # fmt: skip
         time.sleep(0.05)
-
-
-def make_launcher(name: str, ray_address: str | None = None, cpus: float = 0.0) -> Launcher:
-    if name == "local":
-        from libra.runtime.launch.local import LocalLauncher
-
-        return LocalLauncher()
-    if name == "ray":
-        from libra.runtime.launch.ray import RayLauncher
-
-        return RayLauncher(ray_address, cpus)
-    raise ConfigError("--launcher", name, ["local", "ray"])
