@@ -36,6 +36,7 @@ class ProcessSpec:
 class Handle(Protocol):
     name: str
     log: Path
+    offset: int  # the log's size when this process started (logs are appended across --resume)
 
     @property
     def pid(self) -> int: ...
@@ -60,13 +61,26 @@ class Launcher(Protocol):
     def shutdown(self) -> None: ...
 
 
+def log_size(path: Path) -> int:
+    return path.stat().st_size if path.exists() else 0
+
+
+def read_from(path: Path, offset: int) -> str:
+    """The log's text from `offset` on: this process's lines, not an earlier run's."""
+    if not path.exists():
+        return ""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
+
+
 def wait_for_line(h: Handle, pattern: str, timeout: float) -> re.Match:
     """The first match of `pattern` in the handle's log, waiting for it; LaunchError if the
     process exits first or `timeout` passes. Logs are files on every launcher, so this works the
     same for a subprocess and for a process a Ray actor owns."""
     rx, deadline = re.compile(pattern), time.monotonic() + timeout
     while True:
-        text = h.log.read_text(errors="replace") if h.log.exists() else ""
+        text = read_from(h.log, h.offset)
         m = rx.search(text)
         if m:
             return m
