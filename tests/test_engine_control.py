@@ -287,3 +287,21 @@ def test_control_needs_the_admin_token_generation_does_not(engine_factory, model
     assert post(eng.url + "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 2}})[0] == 200
     with pytest.raises(WeightUpdateError, match="401"):
         open_group(eng.url, "127.0.0.1", free_port(), world_size=2, timeout_s=5)
+
+
+def test_release_and_resume_the_kv_cache_memory(eng):
+    status, out = control(eng.url, "/release_memory_occupation", {"tags": ["kv_cache"]})
+    assert status == 200 and out["freed_mb"] > 0 and health(eng)["sleeping"] is True
+    late = Stream(eng.url, encode("asleep"), 5)  # held while the cache is gone
+    time.sleep(0.3)
+    assert late.is_alive() and health(eng)["waiting"] == 1
+    assert control(eng.url, "/release_memory_occupation")[0] == 400  # a request is held
+    assert control(eng.url, "/resume_memory_occupation", {"tags": ["weights"]})[1]["param"] == "tags"
+    assert control(eng.url, "/resume_memory_occupation")[0] == 200
+    assert len(late.result()["output_ids"]) == 5 and health(eng)["sleeping"] is False
+    # vLLM's names: level 2 would discard the weights, which a CPU engine keeps
+    assert control(eng.url, "/sleep?level=2")[1]["param"] == "level"
+    assert control(eng.url, "/sleep?level=1")[0] == 200 and control(eng.url, "/is_sleeping", method="GET")[1] == {"is_sleeping": True}  # fmt: skip
+    assert control(eng.url, "/wake_up")[0] == 200 and health(eng)["sleeping"] is False
+    res = post(eng.url + "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}})
+    assert res[0] == 200 and len(res[1]["output_ids"]) == 3

@@ -19,12 +19,13 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import openai
 import pytest
 import torch
 
 from libra.runtime.engine.config import EngineConfig
 from libra.runtime.engine.model import build_model, save_checkpoint
-from libra.runtime.engine.tokenizer import encode, render_prompt
+from libra.runtime.engine.tokenizer import decode, encode, render_prompt
 from libra.runtime.engine.weight_sync import open_group, push_weights
 from tests.engine_fixtures import start_engine
 from tests.test_engine_control import free_port, versions_of
@@ -203,6 +204,10 @@ def test_vllm_dialect_backends_get_vllm_calls(engines, gateway_factory):  # noqa
     assert status == 200 and e.get("/health")["paused"] is None
     status, out = gw.post("/update_weights_from_disk", {"model_path": "/x.pt"})
     assert status == 502 and out["status"]["v"] == 501  # vLLM has no HTTP load from disk
+    assert (
+        gw.post("/release_memory_occupation")[0] == 200 and e.get("/health")["sleeping"]
+    )  # -> /sleep?level=1
+    assert gw.post("/wake_up")[0] == 200 and not e.get("/health")["sleeping"]  # vLLM's name -> /wake_up
     group_port = free_port()
     group = open_group(gw.url, "127.0.0.1", group_port, world_size=2)  # -> /init_weight_transfer_engine
     try:
@@ -215,3 +220,19 @@ def test_vllm_dialect_backends_get_vllm_calls(engines, gateway_factory):  # noqa
         urllib.request.urlopen(req, timeout=30).read()
         group.close()
     assert e.get("/health")["weight_version"] == version  # vLLM's update carries no version
+
+
+def test_token_ids_pass_through_the_gateway_to_the_official_client(gw, models, tmp_path):
+    """vLLM's return_token_ids through the gateway: what the engine sampled, and its logprobs."""
+    path = save_checkpoint(models[0], tmp_path / "w.pt")  # every engine serves known weights
+    assert broadcast(gw, "/update_weights_from_disk", {"model_path": str(path), "weight_version": "tok"})[1][
+        "ok"
+    ]
+    with openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0, timeout=60) as client:
+        r = client.completions.create(model="tiny", prompt=[1, 72, 105], max_tokens=12, logprobs=0, seed=4,
+                                      extra_body={"return_token_ids": True, "trajectory_id": "sky-tok"})  # fmt: skip
+    c = r.choices[0]
+    assert c.prompt_token_ids == [1, 72, 105] and decode(c.token_ids) == c.text
+    assert_close(c.logprobs.token_logprobs, reference_logprobs(models[0], [1, 72, 105], c.token_ids))
+    assert r.model_extra["weight_version"] == "tok"
+    assert gw.get("/sessions/sky-tok")[1]["turns"][0]["context_tokens"] == 3

@@ -604,10 +604,14 @@ def test_a_backend_dying_mid_stream_ends_the_stream_with_an_error_and_the_sessio
             model="instant", messages=conversation(""), user="mid"
         )
     assert r.headers["X-Libra-Instance"] == "alive" and r.parse().choices[0].message.content == "Done."
-    assert (
-        metric(gw.metrics(), "libra_gateway_upstream_errors_total", instance="dying", kind="mid_stream") == 1
-    )
+    text = gw.metrics()
+    assert metric(text, "libra_gateway_upstream_errors_total", instance="dying", kind="mid_stream") == 1
     assert gw.get("/health")[1]["routable"] == 1
+    # the client's retry of the turn is a failover, not the router's choice
+    (first, retry) = gw.get("/sessions/mid")[1]["turns"]
+    assert retry["migrated"] and retry["failover_to"] == "alive" and first["failover_to"] is None
+    assert metric(text, "libra_gateway_migrations_total", reason="failover") == 1
+    assert metric(text, "libra_gateway_migrations_total", reason="policy") == 0
 
 
 def test_a_router_bug_costs_no_turn_and_no_session(instant_factory, gateway_factory):  # noqa: F811

@@ -13,8 +13,9 @@ Real `libra serve gateway` processes in front of instant backends on loopback:
 from __future__ import annotations
 
 import openai
+import pytest
 
-from tests.test_gateway_fixtures import backend_arg, gateway_factory, instant_factory  # noqa: F401
+from tests.test_gateway_fixtures import backend_arg, gateway_factory, instant_factory, start_gateway  # noqa: F401
 
 SHORT, LONG = 4096, 32768
 
@@ -91,3 +92,14 @@ def test_sessions_keyed_as_frameworks_key_them(instant_factory, gateway_factory)
         "/v1/chat/completions", {"model": "m", "messages": msgs, "trajectory_id": "x" * 300}
     )
     assert status == 400 and body["error"]["param"] == "trajectory_id"
+
+
+def test_max_context_above_the_backends_model_is_refused(instant_factory, gateway_factory, tmp_path):  # noqa: F811
+    small = instant_factory("--model", "m", "--max-context", "8192")
+    with pytest.raises(RuntimeError, match=r"backends\[0\]\.max_context.*max_model_len 8192"):
+        start_gateway(*backend_arg(small.url, "long", 4, 40960), log_dir=tmp_path)  # exits 2 at start
+    be, gw = two_buckets(instant_factory, gateway_factory)
+    status, body = gw.post("/admin/instances", {"url": small.url, "bucket": "long", "name": "x"})
+    assert status == 400 and body["error"]["param"] == "max_context" and "8192" in body["error"]["message"]
+    assert "x" not in [i["id"] for i in gw.get("/admin/instances")[1]["instances"]]
+    assert gw.post("/admin/instances", {"url": small.url, "bucket": "short", "name": "y"})[0] == 201

@@ -31,6 +31,7 @@ from libra.runtime.engine.model import TinyTransformer, token_logprobs
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.timeout(900),
     pytest.mark.skipif(shutil.which("bwrap") is None, reason="the actions service needs bubblewrap"),
 ]
 

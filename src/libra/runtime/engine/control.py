@@ -8,12 +8,15 @@ SGLang's endpoints, with SGLang's request shapes and `{"success", "message", ...
 - `POST /init_weights_update_group {"master_address", "master_port", "rank_offset", "world_size",
   "group_name", "backend": "gloo"}`, `POST /update_weights_from_distributed {"names", "dtypes",
   "shapes", "group_name", "weight_version"?}`, `POST /destroy_weights_update_group {"group_name"}`;
-- `GET /get_weight_version`, `POST /update_weight_version {"new_version"}`.
+- `GET /get_weight_version`, `POST /update_weight_version {"new_version"}`;
+- `POST /release_memory_occupation`, `POST /resume_memory_occupation` (the KV cache's memory is
+  given back and taken anew; a CPU engine keeps its weights), `GET /is_sleeping`.
 
 and vLLM's names for the same operations (its dev-mode endpoints), so a gateway that speaks vLLM's
 dialect to a backend can be tested against this engine: `POST /pause?mode=abort|wait|keep`,
-`POST /resume`, `GET /is_paused`, `POST /reset_prefix_cache`, `POST /init_weight_transfer_engine
-{"init_info"}`, `POST /update_weights {"update_info"}`.
+`POST /resume`, `GET /is_paused`, `POST /reset_prefix_cache`, `POST /sleep?level=1`,
+`POST /wake_up`, `POST /init_weight_transfer_engine {"init_info"}`, `POST /update_weights
+{"update_info"}`.
 
 Every control call changes what the engine serves, so when the engine has an admin token they all
 need `Authorization: Bearer <token>`; generation calls never do. Loading a file and waiting on a
@@ -86,6 +89,14 @@ class GroupName(_Body):
     group_name: str = DEFAULT_GROUP
 
 
+class MemoryBody(_Body):
+    tags: list[str] | None = None
+
+    def check(self) -> None:
+        if self.tags is not None and set(self.tags) - {"kv_cache"}:
+            raise ConfigError("tags", clip(self.tags), '["kv_cache"] or absent: a CPU engine keeps its weights resident')  # fmt: skip
+
+
 class VersionBody(_Body):
     new_version: str = Field(min_length=1, max_length=256)
     abort_all_requests: bool = False
@@ -105,6 +116,9 @@ def register(app: web.Application, server) -> None:
         ("POST", "/destroy_weights_update_group", c.destroy_group),
         ("GET", "/get_weight_version", c.get_version),
         ("POST", "/update_weight_version", c.set_version),
+        ("POST", "/release_memory_occupation", c.release_memory),
+        ("POST", "/resume_memory_occupation", c.resume_memory),
+        ("GET", "/is_sleeping", c.is_sleeping),
         # vLLM's names (its dev-mode endpoints)
         ("POST", "/pause", c.vllm_pause),
         ("POST", "/resume", c.vllm_resume),
@@ -112,6 +126,8 @@ def register(app: web.Application, server) -> None:
         ("POST", "/reset_prefix_cache", c.flush_cache),
         ("POST", "/init_weight_transfer_engine", c.vllm_init),
         ("POST", "/update_weights", c.vllm_update),
+        ("POST", "/sleep", c.vllm_sleep),
+        ("POST", "/wake_up", c.vllm_wake_up),
     ]
     for method, path, fn in routes:
         app.router.add_route(method, path, c.guard(fn))
@@ -276,6 +292,19 @@ class Control:
             await self._run("abort_requests", None)
         return _ok("weight version updated", **await self._run("version", req.new_version))
 
+    # ---- memory ----------------------------------------------------------------------------------------
+
+    async def release_memory(self, request: web.Request) -> web.Response:
+        parse(MemoryBody, await _body(request)).check()
+        return _ok("KV cache released", **await self._run("release_memory"))
+
+    async def resume_memory(self, request: web.Request) -> web.Response:
+        parse(MemoryBody, await _body(request)).check()
+        return _ok("KV cache restored", **await self._run("resume_memory"))
+
+    async def is_sleeping(self, request: web.Request) -> web.Response:
+        return web.json_response({"is_sleeping": self.core.sleeping})
+
     # ---- vLLM's names --------------------------------------------------------------------------------
 
     async def vllm_pause(self, request: web.Request) -> web.Response:
@@ -292,6 +321,21 @@ class Control:
 
     async def vllm_is_paused(self, request: web.Request) -> web.Response:
         return web.json_response({"is_paused": self.core.paused is not None})
+
+    async def vllm_sleep(self, request: web.Request) -> web.Response:
+        level = request.query.get("level", "1")
+        if level != "1":
+            raise ConfigError(
+                "level", clip(level), "1 (level 2 discards the weights; a CPU engine keeps them)"
+            )
+        await self._run("release_memory")
+        return web.json_response({})
+
+    async def vllm_wake_up(self, request: web.Request) -> web.Response:
+        tags = request.query.getall("tags", None)
+        MemoryBody(tags=tags).check()
+        await self._run("resume_memory")
+        return web.json_response({})
 
     async def vllm_init(self, request: web.Request) -> web.Response:
         info = (await _body(request)).get("init_info")

@@ -122,8 +122,15 @@ class EngineCore:
         return len(self.sched.waiting) + len(self._held)
 
     @property
+    def sleeping(self) -> bool:
+        return self.cache.released
+
+    @property
     def can_step(self) -> bool:
-        """Not paused, or pausing with `wait` while what was submitted before still runs."""
+        """Not paused, or pausing with `wait` while what was submitted before still runs; and the
+        KV cache is there."""
+        if self.cache.released:
+            return False
         return self.paused is None or (self.paused == PauseMode.WAIT and self.sched.has_work)
 
     # ---- the loop -------------------------------------------------------------------------------
@@ -165,7 +172,7 @@ class EngineCore:
         if kind == "add":
             for seq in arg:
                 self._live.setdefault(seq.rid, []).append(seq)
-                if self.paused:
+                if self.paused or self.sleeping:
                     self._held[seq] = None
                 else:
                     self.sched.add(seq)
@@ -222,13 +229,36 @@ class EngineCore:
     def _do_continue(self, _arg) -> dict:
         was = self.paused
         self.paused = None
-        for seq in self._held:
-            self.sched.add(seq)
-        released, self._held = len(self._held), {}
+        released = self._release_held()
         for fut in self._drained:  # a wait cut short by continue still answers
             fut.set_result({"paused": PauseMode.WAIT.value, "drained": False})
         self._drained.clear()
         return {"resumed": True, "was": was.value if was else None, "released": released}
+
+    def _release_held(self) -> int:
+        """Held requests join the scheduler, unless the cache is still given back."""
+        if self.sleeping:
+            return 0
+        for seq in self._held:
+            self.sched.add(seq)
+        released, self._held = len(self._held), {}
+        return released
+
+    def _do_release_memory(self, _arg) -> dict:
+        """Give the KV cache's memory back (vLLM's sleep); requests that arrive meanwhile are held."""
+        live = sum(1 for group in self._live.values() for s in group if s.status != SeqStatus.FINISHED)
+        if live:
+            raise ControlError(f"{live} requests are in flight or held; let them finish or pause with mode abort first")  # fmt: skip
+        if self.sleeping:
+            return {"released": ["kv_cache"], "freed_mb": 0}
+        freed = self.cache.release()
+        return {"released": ["kv_cache"], "freed_mb": round(freed / 2**20, 1)}
+
+    def _do_resume_memory(self, _arg) -> dict:
+        if self.sleeping:
+            self.cache.restore()
+            self.runner.forget_blocks()
+        return {"resumed": ["kv_cache"], "released": self._release_held() if self.paused is None else 0}
 
     def _do_abort_requests(self, rid: str | None) -> dict:
         """SGLang's /abort_request: one request (by id) or all, answered with what they have."""

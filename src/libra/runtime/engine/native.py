@@ -33,6 +33,7 @@ from libra.runtime.engine.protocol import (
     clip,
     last_version,
     parse,
+    refuse_unless_neutral,
     token_text,
 )
 from libra.runtime.engine.sequence import FinishReason, SamplingParams, TextOutput
@@ -63,13 +64,6 @@ NEUTRAL_REQUEST: dict[str, tuple] = {
     "session_params": (None,),
     "custom_logit_processor": (None,),
 }
-
-
-def _refuse(v: object, info: ValidationInfo, table: dict[str, tuple]) -> object:
-    if v not in table[info.field_name]:
-        allowed = " or ".join("absent" if x is None else repr(x) for x in table[info.field_name])
-        raise ValueError(f"{allowed}: the built-in engine does not implement {info.field_name}")
-    return v
 
 
 class GenerateSampling(BaseModel):
@@ -105,7 +99,7 @@ class GenerateSampling(BaseModel):
     @field_validator(*NEUTRAL_SAMPLING)
     @classmethod
     def _refused(cls, v: object, info: ValidationInfo) -> object:
-        return _refuse(v, info, NEUTRAL_SAMPLING)
+        return refuse_unless_neutral(v, info, NEUTRAL_SAMPLING)
 
     def as_openai(self) -> SamplingRequest:
         """The same options in the OpenAI request's vocabulary (one set of checks for both)."""
@@ -142,7 +136,7 @@ class GenerateRequest(BaseModel):
     @field_validator(*NEUTRAL_REQUEST)
     @classmethod
     def _refused(cls, v: object, info: ValidationInfo) -> object:
-        return _refuse(v, info, NEUTRAL_REQUEST)
+        return refuse_unless_neutral(v, info, NEUTRAL_REQUEST)
 
     @field_validator("input_ids")
     @classmethod

@@ -165,6 +165,15 @@ NEUTRAL: dict[str, tuple] = {
 }
 
 
+def refuse_unless_neutral(v: object, info: ValidationInfo, neutral: dict[str, tuple]) -> object:
+    """A field validator's check for an option the engine does not implement: only the values
+    that mean "off" pass; anything else is refused naming the option."""
+    if v not in neutral[info.field_name]:
+        allowed = " or ".join("absent" if x is None else repr(x) for x in neutral[info.field_name])
+        raise ValueError(f"{allowed}: the built-in engine does not implement {info.field_name}")
+    return v
+
+
 class SamplingRequest(_Model):
     """Fields shared by chat and completions requests."""
 
@@ -206,10 +215,7 @@ class SamplingRequest(_Model):
     @field_validator(*NEUTRAL)
     @classmethod
     def _refused(cls, v: object, info: ValidationInfo) -> object:
-        if v not in NEUTRAL[info.field_name]:
-            allowed = " or ".join("absent" if x is None else repr(x) for x in NEUTRAL[info.field_name])
-            raise ValueError(f"{allowed}: the built-in engine does not implement {info.field_name}")
-        return v
+        return refuse_unless_neutral(v, info, NEUTRAL)
 
     @field_validator("stop")
     @classmethod

@@ -171,6 +171,11 @@ class ModelRunner:
                 s.synced = len(s.blocks)
                 self._zero_fresh(new)
 
+    def forget_blocks(self) -> None:
+        """After the cache's memory was given back and taken anew: every block is fresh again."""
+        self._touched.zero_()
+        self._touched[NULL_BLOCK] = True
+
     def _zero_fresh(self, blocks: list[int]) -> None:
         """Zero blocks on their first use. Attention reads whole blocks and masks the unused
         tail; a masked score weighs 0, but 0 * NaN is NaN, so never-written memory (the cache is

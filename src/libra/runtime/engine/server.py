@@ -352,6 +352,7 @@ class EngineServer:
                 "tp_label": self.cfg.tp_label,
                 "weight_version": core.weight_version,
                 "paused": core.paused.value if core.paused else None,
+                "sleeping": core.sleeping,
                 "running": core.num_running,
                 "waiting": core.num_waiting,
                 "max_num_seqs": self.cfg.max_num_seqs,

@@ -63,6 +63,9 @@ OPS = {
         Op("update_weight_version"),
         Op("get_weight_version", method="GET"),
         Op("is_paused", method="GET", vllm="/is_paused"),
+        Op("release_memory_occupation", vllm="/sleep?level=1"),
+        Op("resume_memory_occupation", vllm="/wake_up"),
+        Op("is_sleeping", method="GET", vllm="/is_sleeping"),
     )
 }
 # vLLM's names, accepted by the gateway too: each is one of the operations above.
@@ -72,6 +75,8 @@ VLLM_NAMES = {
     "reset_prefix_cache": "flush_cache",
     "init_weight_transfer_engine": "init_weights_update_group",
     "update_weights": "update_weights_from_distributed",
+    "sleep": "release_memory_occupation",
+    "wake_up": "resume_memory_occupation",
 }
 
 

@@ -1,9 +1,12 @@
 """The gateway's HTTP server: the OpenAI API in front, the backend pool behind, the router between.
 
-Every `POST /v1/chat/completions` or `/v1/completions` is one turn of a session:
+Every `POST /v1/chat/completions`, `/v1/completions` or SGLang's `/generate` is one turn of a
+session:
 
-1. the session is found (`X-Session-ID` header, else the body's `user` field, else the request is
-   a one-turn session of its own) and the conversation is scanned for new tool returns;
+1. the session is found (a header: the configured one, `X-Session-ID`, slime's
+   `X-SMG-Routing-Key`; else a body field: the configured one, SkyRL's `trajectory_id`, `user`;
+   else the request is a one-turn session of its own), the conversation is scanned for new tool
+   returns, and a prompt sent as token ids is counted exactly;
 2. the router is asked, with the same `RouteRequest` and `InstanceView`s the simulator builds;
 3. the decision is carried out: the body is sent as is to the chosen instance, and the response is
    returned as is (streams pass through chunk by chunk). A change of instance is a migration: the
@@ -14,7 +17,8 @@ Every `POST /v1/chat/completions` or `/v1/completions` is one turn of a session:
    shared by every router), and the instance is taken out.
 
 The hot path does no policy work of its own and no JSON encoding: the request body is decoded once
-(to read the messages), and the response body is searched for `usage`, not decoded.
+(to read the messages), and the response body is searched for `usage` (or /generate's token
+counts), not decoded. Control calls are not routed but broadcast to every engine (`control`).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ log = logging.getLogger("libra.gateway")
 perf = time.perf_counter
 STEP = re.compile(r"[0-9]{1,9}")
 FAILOVER_POLL_S = 0.05
+UPSTREAM_S = web.RequestKey("upstream_s", float)  # time spent waiting on the backend
 # Where a session's name is found, after the configured header or field: the header Libra
 # documents, then SGLang's router's (slime sets it per sample); the body field SkyRL sets, then
 # OpenAI's `user`.
@@ -444,7 +449,7 @@ class Gateway:
             self.health.probe_soon(inst)
             s.failed_on = inst.id
             raise ApiError(502, f"backend {inst.id} failed mid-response ({type(e).__name__})", code="upstream_failed") from None  # fmt: skip
-        request["upstream_s"] = up = perf() - t_up
+        request[UPSTREAM_S] = up = perf() - t_up
         self.metrics.upstream_time(inst.view.bucket, up)
         if resp.status == 200:
             usage = upstream.generate_usage(out) if kind == "generate" else upstream.usage_in_body(out)
@@ -474,7 +479,7 @@ class Gateway:
             watch.feed(chunk)
             if not await _try_write(out, chunk):
                 return out  # the client left; releasing the response closes the backend connection
-        request["upstream_s"] = up = perf() - t_up
+        request[UPSTREAM_S] = up = perf() - t_up
         self.metrics.upstream_time(inst.view.bucket, up)
         if watch.usage is not None:
             self.tracker.metered(s, watch.usage)
@@ -510,7 +515,7 @@ class Gateway:
         endpoint = res.canonical if res is not None else "unmatched"
         elapsed = perf() - t0
         self.metrics.request(endpoint, resp.status, elapsed)
-        up = request.get("upstream_s")
+        up = request.get(UPSTREAM_S)
         if up is not None:
             self.metrics.overhead_of(endpoint, elapsed - up)
         return resp

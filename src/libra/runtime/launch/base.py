@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from libra.core.errors import ConfigError
-
 LISTENING = r"listening on (https?://[^\s,()]+)"
 
 
@@ -38,6 +36,7 @@ class ProcessSpec:
 class Handle(Protocol):
     name: str
     log: Path
+    offset: int  # the log's size when this process started (logs are appended across --resume)
 
     @property
     def pid(self) -> int: ...
@@ -62,13 +61,26 @@ class Launcher(Protocol):
     def shutdown(self) -> None: ...
 
 
+def log_size(path: Path) -> int:
+    return path.stat().st_size if path.exists() else 0
+
+
+def read_from(path: Path, offset: int) -> str:
+    """The log's text from `offset` on: this process's lines, not an earlier run's."""
+    if not path.exists():
+        return ""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
+
+
 def wait_for_line(h: Handle, pattern: str, timeout: float) -> re.Match:
     """The first match of `pattern` in the handle's log, waiting for it; LaunchError if the
     process exits first or `timeout` passes. Logs are files on every launcher, so this works the
     same for a subprocess and for a process a Ray actor owns."""
     rx, deadline = re.compile(pattern), time.monotonic() + timeout
     while True:
-        text = h.log.read_text(errors="replace") if h.log.exists() else ""
+        text = read_from(h.log, h.offset)
         m = rx.search(text)
         if m:
             return m
@@ -77,15 +89,3 @@ def wait_for_line(h: Handle, pattern: str, timeout: float) -> re.Match:
         if time.monotonic() > deadline:
             raise LaunchError(f"{h.name} was not ready within {timeout:g} s; the end of its log ({h.log}):\n{text[-1500:]}")  # fmt: skip
         time.sleep(0.05)
-
-
-def make_launcher(name: str, ray_address: str | None = None, cpus: float = 0.0) -> Launcher:
-    if name == "local":
-        from libra.runtime.launch.local import LocalLauncher
-
-        return LocalLauncher()
-    if name == "ray":
-        from libra.runtime.launch.ray import RayLauncher
-
-        return RayLauncher(ray_address, cpus)
-    raise ConfigError("--launcher", name, ["local", "ray"])

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 
-from libra.runtime.launch.base import ProcessSpec
+from libra.runtime.launch.base import ProcessSpec, log_size
 
 PR_SET_PDEATHSIG = 1
 
@@ -39,6 +39,7 @@ class LocalHandle:
     def __init__(self, spec: ProcessSpec):
         self.name, self.log = spec.name, spec.log
         spec.log.parent.mkdir(parents=True, exist_ok=True)
+        self.offset = log_size(spec.log)
         self.proc = popen(list(spec.args), str(spec.log), spec.env)
 
     @property

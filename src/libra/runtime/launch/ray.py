@@ -14,7 +14,7 @@ ask for (Ray's CPUs are a scheduling count, not a limit); with one, the run join
 from __future__ import annotations
 
 from libra.core.errors import ConfigError
-from libra.runtime.launch.base import ProcessSpec
+from libra.runtime.launch.base import ProcessSpec, log_size
 
 try:
     import ray
@@ -49,6 +49,7 @@ class RayHandle:
     def __init__(self, actor, spec: ProcessSpec):
         self.actor, self.name, self.log = actor, spec.name, spec.log
         spec.log.parent.mkdir(parents=True, exist_ok=True)
+        self.offset = log_size(spec.log)
         self._pid = ray.get(actor.start.remote(list(spec.args), str(spec.log), spec.env))
         self._code: int | None = None
 

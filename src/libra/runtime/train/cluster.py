@@ -64,6 +64,14 @@ class Cluster:
         rows = [{"name": p.handle.name, "role": p.role, "pid": p.handle.pid, "url": p.url, "bucket": p.bucket, "log": str(p.handle.log)} for p in self.procs]  # fmt: skip
         (self.run / "processes.json").write_text(json.dumps(rows, indent=1) + "\n")
 
+    def save_metrics(self) -> None:
+        """The gateway's Prometheus text at the end of the run (RUN/gateway-metrics.prom), best effort."""
+        try:
+            with urllib.request.urlopen(self.gateway_url + "/metrics", timeout=5) as r:
+                (self.run / "gateway-metrics.prom").write_bytes(r.read())
+        except (OSError, IndexError):
+            pass
+
     def stop(self) -> None:
         """Trainers and the gateway first (nothing new is asked of engines), then the rest."""
         order = {"trainer": 0, "gateway": 1, "engine": 2, "actions": 3}

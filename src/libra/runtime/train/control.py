@@ -51,8 +51,11 @@ class Trainers:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
 
     async def _post(self, url: str, path: str, body: dict) -> dict:
+        # The warm-start runs many steps in one call: no deadline (the driver watches the processes,
+        # and a replica whose peer died fails its collective within collective_timeout_s).
+        timeout = aiohttp.ClientTimeout(total=None) if path == "/warmstart" else self.timeout
         try:
-            async with self.http.post(url + path, json=body, timeout=self.timeout) as r:
+            async with self.http.post(url + path, json=body, timeout=timeout) as r:
                 data = await r.json(content_type=None)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             raise TrainerLost(f"trainer {url} did not answer {path} ({type(e).__name__}: {e})") from None

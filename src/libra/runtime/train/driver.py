@@ -63,6 +63,7 @@ async def train(cfg: TrainConfig, run: Path, launcher: Launcher, resume: bool, p
     except (TrainerLost, RolloutFailed, ActionsUnreachable, PublishFailed) as e:
         raise RunStopped(stop_message(e, run)) from None
     finally:
+        await asyncio.to_thread(cluster.save_metrics)
         await asyncio.to_thread(cluster.stop)
         summary = folder.finish(metrics.text())
     return summary
