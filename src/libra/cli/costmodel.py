@@ -278,34 +278,41 @@ def report(hardware, model, max_num_seqs, engine, as_json, catalogs, profile):
     show_default=True,
     help="Engine preset whose CPU terms --vllm-bench fits.",
 )
+@click.option("--train-data", type=click.Path(dir_okay=False), default=None,
+              help="JSONL of measured training steps (with or without one of the above): fit the training terms.")  # fmt: skip
 @click.option(
     "--out", required=True, type=click.Path(dir_okay=False), help="Where to write the profile YAML."
 )
 @json_option
 @catalog_option
 @profile_option
-def calibrate(data, vllm_bench, vidur, engine, out, as_json, catalogs, profile):
+def calibrate(data, vllm_bench, vidur, engine, train_data, out, as_json, catalogs, profile):
     """Fit efficiency terms to measurements; write a profile YAML.
 
-    Give one of --data (measured iteration times), --vllm-bench (a real serving trace, fitted
-    through the simulated engine) or --vidur (per-layer kernel and all-reduce times: the GPU terms
-    of every GPU type measured there).
+    Give at most one of --data (measured iteration times), --vllm-bench (a real serving trace,
+    fitted through the simulated engine) or --vidur (per-layer kernel and all-reduce times: the GPU
+    terms of every GPU type measured there), and --train-data (measured training steps) beside it
+    or alone.
     """
     given = [x for x in (data, ", ".join(vllm_bench) or None, vidur) if x is not None]
-    if len(given) != 1:
-        raise ConfigError(
-            "--data/--vllm-bench/--vidur", ", ".join(given) or "none", "exactly one of the three"
-        )
+    if len(given) > 1 or not (given or train_data):
+        raise ConfigError("--data/--vllm-bench/--vidur", ", ".join(given) or "none",
+                          "one of the three, or --train-data, or one of the three with --train-data")  # fmt: skip
     base, cat = load_profile(profile), load_catalog(catalogs)
     base.rollout.engine(engine, "--engine")
     writable_file(Path(out))  # before the fit, which takes a while
+    eff, note, fit = base.rollout, "", {}
     if data is not None:
         eff, note, fit = _fit_data(data, cat, base)
     elif vidur is not None:
         eff, note, fit = _fit_vidur(vidur, cat, base)
-    else:
+    elif vllm_bench:
         eff, note, fit = _fit_bench(vllm_bench, cat, base, engine)
-    save_profile(base.model_copy(update={"rollout": eff, "note": note}), out)
+    train = base.train
+    if train_data is not None:
+        train, train_note, fit["train"] = _fit_train_data(train_data, cat, base)
+        note = f"{note}; {train_note}" if note else train_note
+    save_profile(base.model_copy(update={"rollout": eff, "train": train, "note": note}), out)
     if as_json:
         emit_json({"profile": out, **fit})
         return
@@ -322,6 +329,15 @@ def _fit_data(data, cat: Catalog, base: Profile):
         f"fitted to {len(recs)} iterations from {data}; MAPE {mape:.3f}",
         {"records": len(recs), "mape": mape, "gpus": terms},
     )
+
+
+def _fit_train_data(path, cat: Catalog, base: Profile):
+    from libra.costmodel.calibrate import fit_train, read_train_measurements
+
+    recs = read_train_measurements(path)
+    eff, mape = fit_train(recs, cat, base.train)
+    terms = eff.model_dump(include={"mfu", "per_microbatch_overhead_s"})
+    return eff, f"training terms fitted to {len(recs)} steps from {path}; MAPE {mape:.3f}", {"records": len(recs), "mape": mape, **terms}  # fmt: skip
 
 
 def _fit_vidur(folder, cat: Catalog, base: Profile):
@@ -378,8 +394,9 @@ def profile(model, device, out, threads, quick, catalogs):
     """Time one layer of MODEL's shape with torch on this machine, for `calibrate --vidur OUT`.
 
     bf16 on a GPU; on the CPU the dtype of the model's weights (fp32 for the built-in engine's).
-    One device, so TP1 only. For the built-in engine's models on the CPU, the engine itself is also
-    timed step by step (OUT/builtin-MODEL-steps.jsonl, for `calibrate --data`)."""
+    One device, so TP1 only. For the built-in engine's models on the CPU, the engine and a trainer
+    replica are also timed step by step, in CPU seconds (OUT/builtin-MODEL-steps.jsonl for
+    `calibrate --data`, OUT/builtin-MODEL-train.jsonl for `calibrate --train-data`)."""
     import torch
 
     from libra.runtime.profiler import QUICK, Grid, Shape
@@ -395,7 +412,9 @@ def profile(model, device, out, threads, quick, catalogs):
     folder = run_profile(shape, device, writable_dir(Path(out)), QUICK if quick else Grid())
     console.print(f"{model}: layer kernels and attention timed on {device} -> {folder}")
     if device == "cpu" and model.startswith("builtin-"):
-        from libra.runtime.profiler import profile_builtin_engine
+        from libra.runtime.profiler import profile_builtin_engine, profile_builtin_trainer
 
         steps = profile_builtin_engine(model.removeprefix("builtin-"), Path(out), threads, quick)
-        console.print(f"the built-in engine's steps -> {steps} (for `calibrate --data`)")
+        console.print(f"the built-in engine's steps (CPU seconds) -> {steps} (for `calibrate --data`)")
+        train = profile_builtin_trainer(model.removeprefix("builtin-"), Path(out), threads, quick)
+        console.print(f"the built-in trainer's steps (CPU seconds) -> {train} (for `calibrate --train-data`)")

@@ -157,16 +157,27 @@ def print_list() -> None:
 @click.option(
     "--list", "list_only", is_flag=True, help="List the shipped scenarios and the systems, and exit."
 )
+@click.option("--live", "live_run", type=click.Path(file_okay=False), default=None,
+              help="Predict this `libra train` run folder (save_trajectories: true) instead of a scenario.")  # fmt: skip
+@click.option("--cores", type=click.FloatRange(min=1, max=4096), default=None,
+              help="With --live: the host's cores (default: RUN/host.json's, else no sharing).")  # fmt: skip
+@click.option("--background", type=click.FloatRange(min=0, max=1e5), default=None,
+              help="With --live: runnable processes of other work on the host (default: RUN/host.json's, else 0).")  # fmt: skip
 @set_option
 @profile_option
 @json_option
-def simulate(scenario, trace_file, systems, steps, seed, out_dir, list_only, overrides, profile, as_json):
+def simulate(scenario, trace_file, systems, steps, seed, out_dir, list_only, live_run, cores, background,
+             overrides, profile, as_json):  # fmt: skip
     """Simulate agentic RL post-training systems on a scenario and compare them.
 
-    Writes summary.json, steps.json, PNG plots and a Perfetto trace.json to --out.
+    Writes summary.json, steps.json, PNG plots and a Perfetto trace.json to --out. With --live RUN,
+    predicts a live `libra train` run's step, rollout and train time instead (docs/fidelity.md).
     """
     if list_only:
         print_list()
+        return
+    if live_run is not None:
+        predict_live_run(live_run, cores, background, profile, as_json)
         return
     sc = load_scenario(scenario, overrides)
     names = [s.strip() for s in systems.split(",") if s.strip()] if systems else None
@@ -201,6 +212,24 @@ def simulate(scenario, trace_file, systems, steps, seed, out_dir, list_only, ove
         f"simulated in {elapsed:.1f} s ({'compiled' if compiled else 'pure Python: ' + why}); "
         f"results in {out}/ (summary.json, steps.json, *.png, trace.json)"
     )
+
+
+def predict_live_run(run: str, cores, background, profile, as_json: bool) -> None:
+    """`--live RUN`: the run replayed on the simulated clock, measured against predicted."""
+    from libra.sim.rl.live import Host, load_host, predict_live
+
+    known = load_host(run) or Host()
+    host = Host(cores if cores is not None else known.cores,
+                background if background is not None else known.background)  # fmt: skip
+    errs = predict_live(run, profile, host).errors()
+    if as_json:
+        emit_json(errs)
+        return
+    rows = [[name, f"{errs['measured'][k]:.2f}", f"{errs['predicted'][k]:.2f}", f"{errs[e]:+.1%}"]
+            for name, k, e in (("step", "step_s", "step_err"), ("rollout (a batch)", "rollout_s", "rollout_err"),
+                               ("train", "train_s", "train_err"))]  # fmt: skip
+    shared = "no CPU sharing" if host.cores is None else f"{host.cores:g} cores, background {host.background:g}"
+    console.print(table(f"{run}: {errs['steps']} steps predicted ({shared})", ["mean", "measured s", "predicted s", "error"], rows))
 
 
 def _run_with_progress(sc, names, steps, seed, out, kwargs) -> dict:

@@ -8,6 +8,11 @@ engine preset (default vllm-v1). The fit minimises the mean squared log error wi
 search over the log of each coefficient, so every coefficient stays positive and fractions are
 clipped to (0, 1]. GPU terms (`bw`, `compute`, ...) are fitted for every GPU type in the data,
 CPU terms (`base_overhead_s`, ...) for the engine preset. No scipy: the core stays light.
+
+Training steps (`--train-data`) are JSONL too, one measured optimizer step of one replica a line:
+    {"hardware": "cpu-host", "model": "builtin-tiny", "seq_lens": [280, 280, ...],
+     "micro_batch_tokens": 8192, "step_time_s": 1.1}
+and fit the training cost model's `mfu` and `per_microbatch_overhead_s` the same way.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,8 +28,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from libra.core.errors import ConfigError
 from libra.core.trace import MAX_TOKENS, build_line, json_lines
 from libra.costmodel.catalog import Catalog
-from libra.costmodel.efficiency import DEFAULT_ENGINE, FRACTIONS, RolloutEfficiency
+from libra.costmodel.efficiency import DEFAULT_ENGINE, FRACTIONS, RolloutEfficiency, TrainEfficiency
 from libra.costmodel.rollout import RolloutCostModel
+from libra.costmodel.training import TrainCostModel, TrainParallel, sequences_per_micro_batch
 
 FIT_FIELDS = ("bw", "compute", "base_overhead_s", "per_seq_overhead_s")
 
@@ -73,10 +80,16 @@ def _with(base: RolloutEfficiency, fields: Sequence[str], logx: np.ndarray, hard
     return out
 
 
+# Where a term that is zero today starts its fit. The search runs on the log of each term with
+# steps of about 0.3, so a start at ~0 (a shipped per-sequence term of 0.0) would sit 10+ nats from
+# any real value and never leave: 10 us is the scale of every CPU and per-layer term we fit.
+START_FLOOR_S = 1e-5
+
+
 def start(base: RolloutEfficiency, fields: Sequence[str], hardware: str, engine: str) -> np.ndarray:
-    """The log of each field's current value: where a fit starts."""
+    """The log of each field's current value (at least START_FLOOR_S): where a fit starts."""
     gpu, eng = base.gpu(hardware), base.engine(engine)
-    return np.log(np.array([max(getattr(gpu if hasattr(gpu, f) else eng, f), 1e-9) for f in fields]))
+    return np.log(np.array([max(getattr(gpu if hasattr(gpu, f) else eng, f), START_FLOOR_S) for f in fields]))
 
 
 class Measurement(BaseModel):
@@ -146,3 +159,56 @@ def fit_rollout(
     pred = _predict(recs, catalog, best)
     mape = float(np.mean(np.abs(pred - np.exp(y)) / np.exp(y)))
     return best, mape
+
+
+# ---- training steps --------------------------------------------------------------------------------
+
+TRAIN_FIT = ("mfu", "per_microbatch_overhead_s")
+
+
+class TrainMeasurement(BaseModel):
+    """One line of `--train-data` (module docstring): one replica's optimizer step."""
+
+    model_config = ConfigDict(allow_inf_nan=False, extra="ignore")
+    hardware: str
+    model: str
+    seq_lens: list[Annotated[int, Field(ge=1, le=MAX_TOKENS)]] = Field(min_length=1, max_length=1 << 16)
+    micro_batch_tokens: int = Field(8192, ge=1, le=MAX_TOKENS)
+    step_time_s: float = Field(gt=0)
+
+
+def read_train_measurements(path: str | Path) -> list[TrainMeasurement]:
+    recs = [build_line(TrainMeasurement, r, path, n) for n, r in json_lines(Path(path))]
+    if not recs:
+        raise ConfigError("train-data", str(path), "a JSONL file with at least one training step")
+    return recs
+
+
+def predict_train(recs: Sequence[TrainMeasurement], catalog: Catalog, eff: TrainEfficiency) -> np.ndarray:
+    """The training cost model's step time for each measured step (one replica, no recompute)."""
+    out = []
+    for r in recs:
+        cm = TrainCostModel(catalog.hardware(r.hardware), catalog.model(r.model), eff)
+        par = TrainParallel(micro_batch=sequences_per_micro_batch(r.seq_lens, r.micro_batch_tokens), recompute=False)
+        out.append(cm.step(par, r.seq_lens).step_time_s)
+    return np.array(out)
+
+
+def fit_train(
+    recs: Sequence[TrainMeasurement], catalog: Catalog, base: TrainEfficiency | None = None
+) -> tuple[TrainEfficiency, float]:
+    """Fit `mfu` and the per-micro-batch overhead; return them and the MAPE after the fit."""
+    base = base or TrainEfficiency()
+    y = np.log(np.array([r.step_time_s for r in recs]))
+
+    def fitted(logx: np.ndarray) -> TrainEfficiency:
+        mfu, per_mb = (math.exp(v) for v in logx)
+        return base.model_copy(update={"mfu": min(mfu, 1.0), "per_microbatch_overhead_s": per_mb})
+
+    def loss(logx: np.ndarray) -> float:
+        return float(np.mean((np.log(np.maximum(predict_train(recs, catalog, fitted(logx)), 1e-12)) - y) ** 2))
+
+    x0 = np.log([base.mfu, max(base.per_microbatch_overhead_s, START_FLOOR_S)])
+    best = fitted(nelder_mead(loss, x0))
+    pred = predict_train(recs, catalog, best)
+    return best, float(np.mean(np.abs(pred - np.exp(y)) / np.exp(y)))

@@ -223,14 +223,19 @@ def main() -> None:
     print(folder)
 
 
-if __name__ == "__main__":
-    main()
-
-
-# ---- the built-in engine, step by step (CPU) -------------------------------------------------------
+# ---- the built-in engine and its trainer, step by step (CPU) -----------------------------------------
+#
+# Timed in CPU seconds of this process (time.process_time), not wall time: on a shared host the
+# wall time of a step depends on what else runs, which the live-run prediction models itself
+# (processor sharing, `libra.sim.rl.live`). One torch thread, as the engine and trainer run live.
 
 ENGINE_GRID = ((1, 32, 48), (4, 64, 48), (16, 128, 48), (32, 64, 32), (64, 200, 24), (8, 1500, 8))
 ENGINE_QUICK = ((1, 32, 8), (8, 64, 8))
+# (samples, tokens each) of one trainer replica's GRPO step; the live default splits 64 samples of
+# about 200-300 tokens over two replicas.
+TRAIN_GRID = ((4, 128), (8, 280), (16, 280), (32, 280), (32, 140), (48, 200), (16, 600), (4, 1500))
+TRAIN_QUICK = ((2, 64), (4, 96))
+TRAIN_REPEATS = 3
 
 
 def profile_builtin_engine(model: str, out: Path, threads: int = 1, quick: bool = False) -> Path:
@@ -252,7 +257,10 @@ def profile_builtin_engine(model: str, out: Path, threads: int = 1, quick: bool 
                          TextOutput(ignore_eos=True), None, cfg.preset.max_model_len) for i in range(n)]  # fmt: skip
         timed = _timed_steps(core, seqs, f"builtin-{model}")
         rows += timed if k else []  # the first batch warms torch up
-    path = out / f"builtin-{model}-steps.jsonl"
+    return _write_jsonl(out / f"builtin-{model}-steps.jsonl", rows)
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -271,9 +279,9 @@ def _timed_steps(core, seqs: list, model: str) -> list[dict]:
     core._apply("add", seqs)
     rows = []
     while core.sched.has_work:
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         core.step()
-        dt = time.perf_counter() - t0
+        dt = time.process_time() - t0
         plan = plans[-1]
         if plan.empty:
             continue
@@ -282,5 +290,51 @@ def _timed_steps(core, seqs: list, model: str) -> list[dict]:
                      "prefill_tokens": sum(c.n for c in pre),
                      "prefill_attn": float(sum(c.n * c.start + c.n * (c.n + 1) / 2 for c in pre)),
                      "decode_seqs": len(plan.decodes), "decode_ctx": float(sum(c.start + 1 for c in plan.decodes)),
-                     "step_time_s": dt})  # fmt: skip
+                     "step_time_s": max(dt, 1e-6)})  # fmt: skip
     return rows
+
+
+def profile_builtin_trainer(model: str, out: Path, threads: int = 1, quick: bool = False) -> Path:
+    """Time one trainer replica's GRPO step as `libra train` runs it (`Replica.train`: validate the
+    samples, forward and backward in micro-batches, the gradient all-reduce, AdamW, the checkpoint
+    and the fingerprint) over a grid of (samples, tokens each), in a one-rank gloo group, as the
+    JSONL `libra costmodel calibrate --train-data` reads."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from libra.runtime.train.config import load_train_config
+    from libra.runtime.train.worker import Replica
+
+    torch.set_num_threads(threads)
+    cfg = load_train_config(None, [f"engine.model={model}", f"trainer.threads={threads}"])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    rows: list[dict] = []
+    try:
+        with tempfile.TemporaryDirectory() as run:
+            replica = Replica(cfg, 0, 1, Path(run))
+            for k, (n, length) in enumerate(((2, 32),) + (TRAIN_QUICK if quick else TRAIN_GRID)):
+                body = _train_body(n, length, k)
+                for _ in range(1 if k == 0 else TRAIN_REPEATS):  # the first shape warms torch up
+                    t0 = time.process_time()
+                    replica.train(body)
+                    dt = time.process_time() - t0
+                    if k:
+                        rows.append({"hardware": "cpu-host", "model": f"builtin-{model}", "seq_lens": [length] * n,
+                                     "micro_batch_tokens": cfg.trainer.micro_batch_tokens, "step_time_s": dt})  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+    return _write_jsonl(out / f"builtin-{model}-train.jsonl", rows)
+
+
+def _train_body(n: int, length: int, seed: int) -> dict:
+    """`n` samples of `length` tokens, the last third sampled by the model (as a chat turn is)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (n, length), generator=g).tolist()
+    own = length // 3
+    mask = [0] * (length - own) + [1] * own
+    samples = [{"ids": x, "mask": mask, "logprobs": [-1.0] * length, "advantage": 0.5} for x in ids]
+    return {"step": 0, "global_tokens": n * own, "samples": samples}
+
+if __name__ == "__main__":
+    main()

@@ -3,21 +3,28 @@
 The run folder (`libra train --set save_trajectories=true`) holds every trained trajectory turn by
 turn (trajectories.jsonl: prompt and sampled token ids, and the engine instance that served each
 turn), the Perfetto timeline with each turn's wall-clock span (trace.json), the configuration
-(config.json) and the measured steps (steps.json). The prediction replays each batch's
-trajectories on simulated engines of the same layout: one engine per live instance, the built-in
-engine's model on `cpu-host` with the `libra-builtin` preset (fitted to the engine's own steps,
-`libra costmodel profile --model builtin-tiny --device cpu`), each turn on the instance that ran
-it live, a trajectory starting when it started live and waiting, between turns, as long as its
-tool call took live (the actions service is not simulated). The training step is priced by the
-training cost model on the same CPU, and a step by the asynchronous pipeline's rule
-(max(train + publish, rollout)). Of the run's own timings only its tool waits, its batches' start
-offsets and its weight-publication time (the broadcast to the engines, which the simulator does not
-model for the CPU) enter the prediction.
+(config.json) and the measured steps (steps.json).
+
+The prediction runs the run's whole pipeline on the simulated clock, with the pipeline's own
+policy (`libra.planner.staleness`: batch b starts once b - k steps are trained; a step trains the
+first whole groups to finish): one simulated engine per live instance, each turn on the instance
+that served it live, a trajectory waiting between turns as long as its tool call took live (the
+actions service is not simulated), the built-in engine's steps priced by the `libra-builtin`
+preset and the trainer replicas' steps by the training cost model, both fitted to the engine's and
+the trainer's own steps (`libra costmodel profile --model builtin-tiny --device cpu`, CPU seconds).
+
+The run's processes share one CPU host, so CPU seconds become wall seconds by processor sharing:
+a busy process gets cores / runnable of a core, where runnable counts the busy engines, the serving
+path that streams their tokens (driver, gateway, actions service: SERVING_PER_ENGINE), the trainer
+replicas while they train, and the host's other work (`Host.background`, measured before the run).
+
+Of the run's own timings only its tool waits and its weight-publication time enter the prediction.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,15 +32,68 @@ from pathlib import Path
 from libra.core.config import read_text_file
 from libra.core.errors import ConfigError
 from libra.costmodel.catalog import Catalog, load_catalog
-from libra.costmodel.efficiency import RolloutEfficiency, load_profile
+from libra.costmodel.efficiency import Profile, load_profile
 from libra.costmodel.rollout import RolloutCostModel
-from libra.costmodel.training import TrainCostModel, TrainParallel
+from libra.costmodel.training import TrainCostModel, TrainParallel, sequences_per_micro_batch
+from libra.planner.staleness import GroupQueue, StalenessGate
 from libra.sim.engine import Engine, KVPolicy, Seq
 from libra.sim.kernel import Kernel
 
 ENGINE = "libra-builtin"
 HARDWARE = "cpu-host"
 BUILTIN_MAX_BATCHED_TOKENS = 512  # the built-in engine's default max_num_batched_tokens
+# CPU the serving path spends per CPU second of a busy engine: the driver's agent loop, the
+# gateway's routing and the actions service's HTTP, all streaming every token. Measured by CPU
+# accounting of a 5-step default run (benchmarks/live_cpu.py: driver 8.6 s, gateway 3.2 s,
+# actions 3.3 s against the engines' 32 s).
+SERVING_PER_ENGINE = 0.47
+_TRAJ_ID = re.compile(r"^b(\d+)-g(\d+)-")
+
+
+@dataclass(frozen=True, slots=True)
+class Host:
+    """The CPU host the run shared: its cores (None: a core for every process, no sharing) and the
+    runnable processes of other work on it."""
+
+    cores: float | None = None
+    background: float = 0.0
+
+    def share(self, busy: float) -> float:
+        """One busy process's share of a core when `busy` of the run's processes are busy."""
+        if self.cores is None:
+            return 1.0
+        return min(1.0, self.cores / max(1.0, busy + self.background))
+
+
+@dataclass(frozen=True, slots=True)
+class RunLayout:
+    """What of the run's config.json the prediction needs."""
+
+    model: str
+    max_num_seqs: int
+    kv_cache_mb: int
+    replicas: int
+    micro_batch_tokens: int
+    groups_per_step: int
+    staleness: int
+    consume: str
+
+    @classmethod
+    def of(cls, cfg: dict) -> RunLayout:
+        try:
+            e, t, p = cfg["engine"], cfg["trainer"], cfg["pipeline"]
+            return cls(f"builtin-{e['model']}", int(e["max_num_seqs"]), int(e["kv_cache_mb"]), int(t["replicas"]),
+                       int(t["micro_batch_tokens"]), int(cfg["rollout"]["groups_per_step"]), int(p["staleness"]),
+                       str(p["consume"]))  # fmt: skip
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError("--live", "config.json", f"a libra train config (missing or bad {e})") from None
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredStep:
+    step_s: float
+    train_s: float
+    publish_s: float
 
 
 @dataclass(slots=True)
@@ -52,11 +112,20 @@ class LiveTraj:
     id: str
     turns: list[LiveTurn] = field(default_factory=list)
 
+    @property
+    def group(self) -> tuple[int, str]:
+        m = _TRAJ_ID.match(self.id)
+        return (self.batch, m.group(2) if m else self.id)
+
+    @property
+    def tokens(self) -> int:
+        return self.turns[-1].prompt + self.turns[-1].sampled
+
 
 @dataclass(slots=True)
 class LiveRun:
-    config: dict
-    steps: list[dict]
+    layout: RunLayout
+    steps: list[MeasuredStep]
     trajs: list[LiveTraj]
 
     def batches(self) -> dict[int, list[LiveTraj]]:
@@ -73,76 +142,182 @@ def _json(path: Path) -> object:
         raise ConfigError("--live", str(path), f"a libra train run folder with {path.name} ({e})") from None
 
 
-def load_run(folder: str | Path) -> LiveRun:
-    """Read the run folder; turns are timed from the timeline's spans of the same turn."""
-    folder = Path(folder)
+def _spans(folder: Path) -> dict[str, tuple[float, float]]:
     spans = {}
     for ev in _json(folder / "trace.json").get("traceEvents", []):  # type: ignore[union-attr]
         name = ev.get("name", "")
         if " turn " in name and ev.get("ph") == "X":
             spans[name] = (ev["ts"] / 1e6, (ev["ts"] + ev["dur"]) / 1e6)
-    trajs = []
+    return spans
+
+
+def _steps(folder: Path) -> list[MeasuredStep]:
+    try:
+        return [MeasuredStep(float(r["step_time_s"]), float(r["train_s"]), float(r["publish_s"]))
+                for r in _json(folder / "steps.json")]  # type: ignore[union-attr]  # fmt: skip
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError("--live", str(folder / "steps.json"), f"libra train's steps (bad {e})") from None
+
+
+def load_run(folder: str | Path) -> LiveRun:
+    """Read the run folder; turns are timed from the timeline's spans of the same turn."""
+    folder = Path(folder)
     path = folder / "trajectories.jsonl"
     if not path.is_file():
         raise ConfigError("--live", str(folder), "a run with trajectories.jsonl (save_trajectories: true)")
+    spans, trajs = _spans(folder), []
     for line in read_text_file(path).splitlines():
         rec = json.loads(line)
         t = LiveTraj(rec["step"], rec["batch"], rec["id"])
         for k, turn in enumerate(rec["turns"]):
             start, end = spans.get(f"{rec['id']} turn {k}", (0.0, 0.0))
-            t.turns.append(
-                LiveTurn(len(turn["prompt_ids"]), len(turn["token_ids"]), turn["instance"], start, end)
-            )
+            t.turns.append(LiveTurn(len(turn["prompt_ids"]), len(turn["token_ids"]), turn["instance"], start, end))
         if t.turns and all(x.end > 0 for x in t.turns):
             trajs.append(t)
     if not trajs:
         raise ConfigError("--live", str(folder), "a run with trajectories.jsonl (save_trajectories: true)")
-    return LiveRun(_json(folder / "config.json"), _json(folder / "steps.json"), trajs)  # type: ignore[arg-type]
+    return LiveRun(RunLayout.of(_json(folder / "config.json")), _steps(folder), trajs)  # type: ignore[arg-type]
 
 
-def _engines(run: LiveRun, k: Kernel, catalog: Catalog, eff: RolloutEfficiency) -> dict[str, Engine]:
-    ecfg = run.config["engine"]
-    model = catalog.model(f"builtin-{ecfg['model']}")
-    cost = RolloutCostModel(catalog.hardware(HARDWARE), model, 1, eff, 1.0, BUILTIN_MAX_BATCHED_TOKENS, ENGINE,
-                            ecfg["max_num_seqs"])  # fmt: skip
-    out = {}
-    for inst in sorted({x.instance for t in run.trajs for x in t.turns}):
-        eng = Engine(k, inst, cost, ecfg["max_num_seqs"], BUILTIN_MAX_BATCHED_TOKENS, KVPolicy.DROP)
-        eng.kv_cap = int(
-            ecfg["kv_cache_mb"] * 2**20 // model.kv_bytes_per_token
-        )  # the engine's --kv-cache-mb
-        out[inst] = eng
-    return out
-
-
-def batch_makespan(
-    trajs: list[LiveTraj], engines_of, catalog: Catalog, eff: RolloutEfficiency, run: LiveRun
-) -> float:
-    """Simulated seconds from the batch's first turn to its last, turns on their live instances."""
-    k = Kernel(0)
-    engines = engines_of(run, k, catalog, eff)
-    t0 = min(t.turns[0].start for t in trajs)
-    ends: list[float] = []
-
-    def submit(traj: LiveTraj, i: int) -> None:
-        turn = traj.turns[i]
-
-        def done(seq: Seq) -> None:
-            if i + 1 < len(traj.turns):
-                k.after(max(0.0, traj.turns[i + 1].start - turn.end), submit, traj, i + 1)
-            else:
-                ends.append(k.now)
-
-        engines[turn.instance].submit(Seq(traj.id, max(1, turn.prompt), max(1, turn.sampled), on_done=done))
-
-    for traj in trajs:
-        k.at(traj.turns[0].start - t0, submit, traj, 0)
-    k.run()
-    return max(ends)
+def load_host(folder: str | Path) -> Host | None:
+    """The host the run shared, as `benchmarks/live_cpu.py` measured it (RUN/host.json), or None."""
+    path = Path(folder) / "host.json"
+    if not path.is_file():
+        return None
+    d = _json(path)
+    try:
+        return Host(float(d["cores"]), float(d["background"]))  # type: ignore[index]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError("--live", str(path), f"live_cpu.py's host.json (bad {e})") from None
 
 
 def measured_makespan(trajs: list[LiveTraj]) -> float:
     return max(t.turns[-1].end for t in trajs) - min(t.turns[0].start for t in trajs)
+
+
+class SharedCpuCost(RolloutCostModel):
+    """The built-in engine's cost model with each step stretched by the engine's current share of
+    the host's cores (a subclass, so the compiled simulated engine takes it as its cost model)."""
+
+    __slots__ = ("share_now",)
+
+    def step_time(self, prefill_tokens, prefill_attn, decode_seqs, decode_ctx):  # type: ignore[override]
+        return super().step_time(prefill_tokens, prefill_attn, decode_seqs, decode_ctx) / self.share_now()
+
+    def decode_coeffs(self, n: int) -> tuple[float, float]:
+        a, b = super().decode_coeffs(n)
+        s = self.share_now()
+        return a / s, b / s
+
+
+@dataclass(slots=True)
+class Timeline:
+    """What the simulated run did: each batch's span, each step's end and training time."""
+
+    batch_span: dict[int, list[float]] = field(default_factory=dict)
+    step_end: list[float] = field(default_factory=list)
+    train_s: list[float] = field(default_factory=list)
+
+
+class LivePipeline:
+    """The run's pipeline on the simulated clock (module docstring)."""
+
+    def __init__(self, run: LiveRun, host: Host, profile: Profile, catalog: Catalog):
+        self.run, self.host, self.k, lay = run, host, Kernel(0), run.layout
+        self.gate = StalenessGate(lay.staleness, lay.consume)  # type: ignore[arg-type]
+        self.queue: GroupQueue[list[LiveTraj]] = GroupQueue(self.gate)
+        self.batches = run.batches()
+        self.publish_s = statistics.fmean(s.publish_s for s in run.steps)
+        model, hw = catalog.model(lay.model), catalog.hardware(HARDWARE)
+        self.train_cost = TrainCostModel(hw, model, profile.train)
+        self.engines = {inst: self._engine(inst, hw, model, profile) for inst in sorted(
+            {x.instance for t in run.trajs for x in t.turns})}  # fmt: skip
+        self.trained = self.next_batch = 0
+        self.training = False
+        self.left: dict[tuple[int, str], int] = {}
+        self.out = Timeline()
+
+    def _engine(self, inst: str, hw, model, profile: Profile) -> Engine:
+        lay = self.run.layout
+        cost = SharedCpuCost(hw, model, 1, profile.rollout, 1.0, BUILTIN_MAX_BATCHED_TOKENS, ENGINE, lay.max_num_seqs)
+        cost.share_now = self._engine_share
+        # One step at a time, so each step is priced at the share of its own moment.
+        eng = Engine(self.k, inst, cost, lay.max_num_seqs, BUILTIN_MAX_BATCHED_TOKENS, KVPolicy.DROP,
+                     max_segment_steps=1)  # fmt: skip
+        eng.kv_cap = int(lay.kv_cache_mb * 2**20 // model.kv_bytes_per_token)  # the engine's --kv-cache-mb
+        return eng
+
+    def _busy(self) -> float:
+        engines = sum(1 for e in self.engines.values() if e.outstanding)
+        return engines * (1 + SERVING_PER_ENGINE) + (self.run.layout.replicas if self.training else 0)
+
+    def _engine_share(self) -> float:
+        return self.host.share(self._busy())
+
+    def run_all(self) -> Timeline:
+        self._start_batches()
+        self.k.run()
+        return self.out
+
+    # ---- rollout ------------------------------------------------------------------------------------
+
+    def _start_batches(self) -> None:
+        while self.next_batch < len(self.run.steps) and self.gate.may_start(self.next_batch, self.trained):
+            b, self.next_batch = self.next_batch, self.next_batch + 1
+            self.out.batch_span[b] = [self.k.now, self.k.now]
+            for traj in self.batches.get(b, []):
+                self.left[traj.group] = self.left.get(traj.group, 0) + 1
+                self._submit(traj, 0)
+
+    def _submit(self, traj: LiveTraj, i: int) -> None:
+        turn = traj.turns[i]
+
+        def done(seq: Seq) -> None:
+            if i + 1 < len(traj.turns):
+                self.k.after(max(0.0, traj.turns[i + 1].start - turn.end), self._submit, traj, i + 1)
+            else:
+                self._traj_done(traj)
+
+        seq = Seq((traj.id, i), max(1, turn.prompt), max(1, turn.sampled), on_done=done)
+        self.engines[turn.instance].submit(seq)
+
+    def _traj_done(self, traj: LiveTraj) -> None:
+        span = self.out.batch_span[traj.batch]
+        span[1] = max(span[1], self.k.now)
+        self.left[traj.group] -= 1
+        if self.left[traj.group] == 0:
+            members = [t for t in self.batches[traj.batch] if t.group == traj.group]
+            self.queue.add(traj.batch, self.trained, members)
+            self._train_if_ready()
+
+    # ---- training -----------------------------------------------------------------------------------
+
+    def _train_if_ready(self) -> None:
+        if self.training or self.trained >= len(self.run.steps):
+            return
+        groups = self.queue.take(self.trained, self.run.layout.groups_per_step)
+        if groups is None:
+            return
+        lens = [t.tokens for g in groups for t in g.group]
+        self.training = True
+        cpu = self.train_cpu_s(lens)
+        wall = cpu / self.host.share(self._busy())
+        self.out.train_s.append(wall)
+        self.k.after(wall + self.publish_s, self._published)
+
+    def train_cpu_s(self, lens: list[int]) -> float:
+        """CPU seconds of one step: the slowest replica's share, as the driver splits by tokens."""
+        lay = self.run.layout
+        par = TrainParallel(dp=lay.replicas, micro_batch=sequences_per_micro_batch(lens, lay.micro_batch_tokens),
+                            recompute=False)  # fmt: skip
+        return self.train_cost.step(par, lens).compute_s
+
+    def _published(self) -> None:
+        self.trained += 1
+        self.training = False
+        self.out.step_end.append(self.k.now)
+        self._start_batches()
+        self._train_if_ready()
 
 
 @dataclass(slots=True)
@@ -151,35 +326,33 @@ class LivePrediction:
     train: tuple[float, float]  # mean training step
     step: tuple[float, float]  # mean step time
     steps: int
+    host: Host
 
     def errors(self) -> dict:
         err = lambda p: (p[1] - p[0]) / p[0]  # noqa: E731
         return {"step_err": err(self.step), "rollout_err": err(self.rollout), "train_err": err(self.train),
                 "measured": {"step_s": self.step[0], "rollout_s": self.rollout[0], "train_s": self.train[0]},
                 "predicted": {"step_s": self.step[1], "rollout_s": self.rollout[1], "train_s": self.train[1]},
-                "steps": self.steps}  # fmt: skip
+                "steps": self.steps, "host": {"cores": self.host.cores, "background": self.host.background}}  # fmt: skip
 
 
-def train_time(run: LiveRun, trajs: list[LiveTraj], catalog: Catalog, profile) -> float:
-    """One GRPO step of the batch's trajectories on the trainer replicas (data parallel)."""
-    model = catalog.model(f"builtin-{run.config['engine']['model']}")
-    lens = [t.turns[-1].prompt + t.turns[-1].sampled for t in trajs]
-    par = TrainParallel(dp=run.config["trainer"]["replicas"], recompute=False)
-    return TrainCostModel(catalog.hardware(HARDWARE), model, profile.train).step(par, lens).step_time_s
-
-
-def predict_live(folder: str | Path, profile_path: str | Path | None = None) -> LivePrediction:
+def predict_live(
+    folder: str | Path, profile_path: str | Path | None = None, host: Host | None = None
+) -> LivePrediction:
+    """Simulate the run in `folder` (module docstring); `host` defaults to what RUN/host.json
+    says, else no sharing."""
     run, catalog = load_run(folder), load_catalog()
-    profile = load_profile(profile_path)
+    host = host or load_host(folder) or Host()
+    sim = LivePipeline(run, host, load_profile(profile_path), catalog)
+    tl = sim.run_all()
+    if len(tl.step_end) < len(run.steps):
+        raise ConfigError("--live", str(folder), "a run whose saved trajectories fill every step's groups")
     batches = {b: ts for b, ts in run.batches().items() if b < len(run.steps)}
-    meas_roll = [measured_makespan(ts) for ts in batches.values()]
-    pred_roll = [batch_makespan(ts, _engines, catalog, profile.rollout, run) for ts in batches.values()]
-    pred_train = [train_time(run, ts, catalog, profile) for ts in batches.values()]
-    publish = statistics.fmean(r["publish_s"] for r in run.steps)
-    pred_step = [max(t + publish, r) for t, r in zip(pred_train, pred_roll, strict=True)]
+    pred_roll = [tl.batch_span[b][1] - tl.batch_span[b][0] for b in batches]
     return LivePrediction(
-        (statistics.fmean(meas_roll), statistics.fmean(pred_roll)),
-        (statistics.fmean(r["train_s"] for r in run.steps), statistics.fmean(pred_train)),
-        (statistics.fmean(r["step_time_s"] for r in run.steps), statistics.fmean(pred_step)),
+        (statistics.fmean(measured_makespan(ts) for ts in batches.values()), statistics.fmean(pred_roll)),
+        (statistics.fmean(s.train_s for s in run.steps), statistics.fmean(tl.train_s)),
+        (statistics.fmean(s.step_s for s in run.steps), tl.step_end[-1] / len(run.steps)),
         len(run.steps),
+        host,
     )
