@@ -73,10 +73,16 @@ def _with(base: RolloutEfficiency, fields: Sequence[str], logx: np.ndarray, hard
     return out
 
 
+# Where a term that is zero today starts its fit. The search runs on the log of each term with
+# steps of about 0.3, so a start at ~0 (a shipped per-sequence term of 0.0) would sit 10+ nats from
+# any real value and never leave: 10 us is the scale of every CPU and per-layer term we fit.
+START_FLOOR_S = 1e-5
+
+
 def start(base: RolloutEfficiency, fields: Sequence[str], hardware: str, engine: str) -> np.ndarray:
-    """The log of each field's current value: where a fit starts."""
+    """The log of each field's current value (at least START_FLOOR_S): where a fit starts."""
     gpu, eng = base.gpu(hardware), base.engine(engine)
-    return np.log(np.array([max(getattr(gpu if hasattr(gpu, f) else eng, f), 1e-9) for f in fields]))
+    return np.log(np.array([max(getattr(gpu if hasattr(gpu, f) else eng, f), START_FLOOR_S) for f in fields]))
 
 
 class Measurement(BaseModel):
