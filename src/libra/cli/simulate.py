@@ -74,7 +74,8 @@ def ladder_table(summary: dict):
 
     systems = summary.get("systems", {})
     rows, prev = [], None
-    for k, (name, adds) in enumerate(LADDER):
+    for k, rung in enumerate(LADDER):
+        name, adds = rung.system, rung.adds
         if name not in systems:
             continue
         tput = systems[name]["throughput_tokens_per_s"]
@@ -82,7 +83,7 @@ def ladder_table(summary: dict):
         if prev is not None:
             change = f"{100 * (tput / prev[1] - 1):+.1f}%"
             if prev[0] != k - 1:
-                change += f" (vs {LADDER[prev[0]][0]})"
+                change += f" (vs {LADDER[prev[0]].system})"
         rows.append([name, adds, f"{tput:,.0f}", change])
         prev = (k, tput)
     if len(rows) < 2:
@@ -110,7 +111,8 @@ def ladder_notes(summary: dict) -> list[str]:
     from libra.sim.rl.planned import BUCKETED, LADDER
 
     systems, notes = summary.get("systems", {}), []
-    single = [n for n, _ in LADDER if n in BUCKETED and n in systems and "routing" not in systems[n]]
+    single = [r.system for r in LADDER if r.system in BUCKETED and r.system in systems]
+    single = [n for n in single if "routing" not in systems[n]]
     if single:
         notes.append(
             f"{', '.join(single)}: the planner chose one bucket (it predicted no split by length would be faster), so nothing was routed"
