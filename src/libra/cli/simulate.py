@@ -37,12 +37,16 @@ COLUMNS = [
     ("rollout tok/s", ("rollout_throughput_tokens_per_s",)),
     ("step s", ("mean_step_time_s",)),
     ("rollout s", ("mean_rollout_makespan_s",)),
+    ("limit s", ("makespan_lower_bound_s",)),
+    ("to limit", ("distance_to_limit",)),
     ("train s", ("mean_train_time_s",)),
     ("GPU util", ("gpu_utilization",)),
     ("route acc", ("routing", "accuracy")),
     ("migrated", ("routing", "migrated_token_ratio")),
     ("mean ACT s", ("actions", "mean_act_s")),
     ("p99 ACT s", ("actions", "p99_act_s")),
+    ("ideal ACT s", ("actions", "ideal_mean_act_s")),
+    ("to limit", ("actions", "distance_to_limit")),
 ]
 
 

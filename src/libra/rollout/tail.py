@@ -7,13 +7,14 @@ decode several times slower than they would alone, and the training step waits f
 The tail lane reserves a few engines of the largest TP for them, so they decode at near batch-1
 speed:
 
-- **Who is a straggler.** A trajectory whose batch has finished at least `drain` of its GRPO
-  groups. The policy counts each batch's groups from the turns it routes (every trajectory's first
-  turn) and the trajectories that finish; it needs no clock.
-- **The lanes.** While stragglers are running, `ceil(stragglers / lane_cap)` engines of the
-  largest TP, at most `max_share` of them, the least loaded when the lane opens; a lane stays
-  until no straggler needs it. Stragglers move there at their next turn (KV transfer or
-  re-prefill, whichever the cost model prices lower), the lane with the fewest of them first.
+- **Who is a straggler.** A trajectory of a batch that has drained so far that all its running
+  trajectories fit on the lanes (`lane_cap` each, on at most `max_share` of the engines of the
+  largest TP). The policy counts each batch's trajectories from the turns it routes (every
+  trajectory's first turn) and the trajectories that finish; it needs no clock.
+- **The lanes.** While stragglers are running, `ceil(stragglers / lane_cap)` of those engines,
+  the least loaded when a lane opens; a lane stays until no straggler needs it. Stragglers move
+  there at their next turn (KV transfer or re-prefill, whichever the cost model prices lower),
+  the lane with the fewest of them first.
 - **The cost, carried out and measured by the mechanism.** Other trajectories do not start turns
   on a lane: those it held move out at their next turn (the same migration), and new work goes
   to the remaining engines, so the lane's capacity is lost to the rest of the batch while it is
@@ -46,9 +47,6 @@ class TailConfig(BaseModel):
     """The scenario's `tail:` mapping (used by systems that run the tail lane)."""
 
     model_config = ConfigDict(allow_inf_nan=False, extra="forbid", frozen=True)
-    drain: float = Field(
-        0.75, gt=0, le=1, description="share of a batch's groups done before its rest are stragglers"
-    )
     lane_cap: int = Field(8, ge=1, le=256, description="stragglers per lane engine")
     max_share: float = Field(0.25, gt=0, le=1, description="most of the largest-TP engines that may be lanes")
 
@@ -68,9 +66,6 @@ class _Batch:
     done_groups: int = 0
     alive: int = 0  # trajectories started and not finished
 
-    def drained(self) -> float:
-        return self.done_groups / len(self.members) if self.members else 0.0
-
 
 class TailLane:
     """Wraps a router: stragglers to the lanes, everyone else to the other engines."""
@@ -83,6 +78,7 @@ class TailLane:
         self.batches: dict[int, _Batch] = {}
         self.alive: dict[str, int] = {}  # trajectory -> its batch, while it runs
         self.lanes: list[str] = []
+        self.room = 0  # stragglers the lanes can hold: lane_cap x the most lanes there may be
 
     @property
     def buckets(self):
@@ -102,26 +98,26 @@ class TailLane:
             self.alive[req.traj_id] = req.step
 
     def stragglers(self) -> int:
-        return sum(b.alive for b in self.batches.values() if b.drained() >= self.cfg.drain)
+        return sum(b.alive for b in self.batches.values() if 0 < b.alive <= self.room)
 
     def _draining(self, step: int) -> bool:
         b = self.batches.get(step)
-        return b is not None and b.drained() >= self.cfg.drain
+        return b is not None and 0 < b.alive <= self.room
 
     # ---- the lanes --------------------------------------------------------------------------------
 
     def _lanes(self, instances: Sequence[InstanceView]) -> list[str]:
         """Open or close lanes for the stragglers running now; the ids of the open ones."""
+        healthy = [i for i in instances if i.healthy]
+        top = max((i.tp for i in healthy), default=0)
+        pool = [i for i in healthy if i.tp == top]
+        most = max(1, int(self.cfg.max_share * len(pool))) if len(pool) > 1 else 0  # leave the rest one
+        self.room = most * self.cfg.lane_cap
         n = self.stragglers()
         if n == 0:
             self.lanes = []
             return self.lanes
-        healthy = [i for i in instances if i.healthy]
-        top = max((i.tp for i in healthy), default=0)
-        pool = [i for i in healthy if i.tp == top]
-        want = min(math.ceil(n / self.cfg.lane_cap), max(1, int(self.cfg.max_share * len(pool))))
-        if len(pool) < 2:  # a lane must leave the rest of the batch an engine
-            want = 0
+        want = min(math.ceil(n / self.cfg.lane_cap), most)
         ids = {i.id for i in pool}
         self.lanes = [x for x in self.lanes if x in ids][:want]
         free = sorted((i for i in pool if i.id not in self.lanes), key=lambda i: (i.outstanding, i.id))
