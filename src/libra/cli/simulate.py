@@ -110,6 +110,22 @@ def libra_ratios(summary: dict) -> str | None:
     return f"libra: {', '.join(parts)}" if parts else None
 
 
+def trade_off_lines(summary: dict) -> list[str]:
+    """Below the ladder: where each mechanism pays on the shipped map, and libra's distance to the
+    limit in this run (its rollout makespan over the makespan's lower bound)."""
+    from libra.sim.explore.atlas import load_map, pays_lines
+
+    systems = summary.get("systems", {})
+    atlas = load_map()
+    lines = pays_lines(atlas) if atlas is not None else []
+    for name in ("libra", "libra+tail"):
+        m = systems.get(name)
+        if m is not None and "distance_to_limit" in m:
+            lines.append(f"{name}: rollout makespan {m['mean_rollout_makespan_s']:.0f} s, "
+                         f"{m['distance_to_limit']:.0%} above its lower bound ({m['makespan_lower_bound_s']:.0f} s)")  # fmt: skip
+    return lines
+
+
 def ladder_notes(summary: dict) -> list[str]:
     """Why a rung may add nothing: the planner chose one bucket, or the pool lent nothing."""
     from libra.sim.rl.planned import BUCKETED, LADDER
@@ -199,6 +215,8 @@ def simulate(scenario, trace_file, systems, steps, seed, out_dir, list_only, ove
         console.print(ladder)
         for note in ladder_notes(result):
             console.print(note, soft_wrap=True)
+        for line in trade_off_lines(result):
+            console.print(line, soft_wrap=True)
     if ratios is not None:
         console.print(ratios, soft_wrap=True)
     compiled = native.active()
