@@ -83,8 +83,8 @@ class Limit:
                  default_tool_s: float):  # fmt: skip
         """`rollout`: the scenario's rollout section (memory settings and the engine's limits)."""
         self.default_tool_s = default_tool_s
-        costs = [RolloutCostModel(hw, model, tp, eff, rollout.gpu_memory_utilization, rollout.max_num_batched_tokens)
-                 for tp in _tps(hw, model)]  # fmt: skip
+        costs = [RolloutCostModel(hw, model, tp, eff, rollout.gpu_memory_utilization, rollout.max_num_batched_tokens,
+                                  rollout.engine, rollout.max_num_seqs) for tp in _tps(hw, model)]  # fmt: skip
         costs = [c for c in costs if c.fits()]
         if not costs:
             raise ValueError(f"no rollout engine of {model.name} fits on {hw.name}")
