@@ -63,6 +63,7 @@ def test_no_system_beats_its_bound(catalog, consume):
             m["mean_rollout_makespan_s"] / m["makespan_lower_bound_s"] - 1
         )
         assert m["distance_to_limit"] >= 0
+    assert set(out["systems"]["libra+tail"]["tail"]) == {"lane_turns", "evictions"}
 
 
 def test_tangram_ideal_is_the_best_dop_and_below_every_system():

@@ -5,10 +5,11 @@ path as `libra simulate` (`load_scenario` with the cell's overrides, then `run_s
 cell's figures are exactly what `libra simulate` prints for the same settings.
 
 What a mechanism gains in a cell:
-- `gain`: its rung over the rung below (what turning it on adds to everything under it); the
-  planner's rung is compared with the *best static configuration*, the faster of the scenario's
-  own split (`static-uniform`) and the planner's one-shot homogeneous plan (`static-optimal`);
-- `vs_static`: its rung over that best static configuration (the mechanisms up to it together).
+- `gain`: its rung over the rung below, as in the ladder (the planner's over `static-uniform`,
+  the scenario's own split, what a user would set by hand): what turning it on adds to
+  everything under it;
+- `vs_static`: its rung over the *best static configuration*, the faster of `static-uniform` and
+  the planner's one-shot homogeneous plan (`static-optimal`): the mechanisms up to it together.
 
 Cells run in parallel: one process per cell on local cores (each simulates its systems one after
 another, in forked children as `libra simulate` does), or, given a `map` function, anywhere
@@ -28,14 +29,12 @@ from libra.sim.rl.planned import LADDER
 
 STATIC = ("static-uniform", "static-optimal")
 # What each rung adds, by a short name for tables and plots: (mechanism, its rung, the rung below).
-MECHANISMS = tuple(
-    (r.mechanism, r.system, LADDER[i - 1].system if i > 1 else None) for i, r in enumerate(LADDER) if i
-)
+MECHANISMS = tuple((r.mechanism, r.system, LADDER[i - 1].system) for i, r in enumerate(LADDER) if i)
 
 
 def cell_systems() -> list[str]:
     """The systems every cell runs: the static configurations, then the ladder above its base."""
-    return [*STATIC, *(system for _, system, _ in MECHANISMS)]
+    return [*STATIC, *(system for _, system, _ in MECHANISMS if system not in STATIC)]
 
 
 @dataclass(slots=True)
@@ -61,11 +60,8 @@ def gains_of(throughput: dict[str, float]) -> tuple[str, dict[str, float], dict[
     """(best static system, gain per mechanism over the rung below, gain over the best static)."""
     best = max(STATIC, key=lambda s: throughput[s])
     base = throughput[best]
-    gains, vs = {}, {}
-    for mech, system, below in MECHANISMS:
-        under = base if below is None else throughput[below]
-        gains[mech] = throughput[system] / under - 1
-        vs[mech] = throughput[system] / base - 1
+    gains = {m: throughput[system] / throughput[below] - 1 for m, system, below in MECHANISMS}
+    vs = {m: throughput[system] / base - 1 for m, system, _ in MECHANISMS}
     return best, gains, vs
 
 
