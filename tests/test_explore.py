@@ -99,6 +99,8 @@ def test_cli_writes_json_and_a_heatmap_per_mechanism(tmp_path):
     for m, _, _ in MECHANISMS:
         assert (out / f"gain_{m}.png").stat().st_size > 0
     assert (out / "distance_to_limit.png").exists() and (out / "explore.json").exists()
+    logged = [json.loads(line) for line in (out / "cells.jsonl").read_text().splitlines()]
+    assert logged == result["cells"]
 
 
 def test_an_impossible_cell_is_reported_not_fatal():

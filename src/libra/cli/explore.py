@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -44,7 +45,8 @@ EXECUTORS = ("auto", "local", "ray")
 def explore(scenario, grid_name, steps, workers, executor, out_dir, as_json):
     """Sweep a grid of regimes; per cell, each mechanism's gain and the distance to the limit.
 
-    Writes explore.json and a heatmap PNG per mechanism to --out.
+    Writes explore.json and a heatmap PNG per mechanism to --out, and each cell to cells.jsonl
+    as it finishes.
     """
     grid = load_grid(grid_name)
     updates = {k: v for k, v in (("scenario", scenario), ("steps", steps)) if v is not None}
@@ -52,7 +54,7 @@ def explore(scenario, grid_name, steps, workers, executor, out_dir, as_json):
     out = writable_dir(Path(out_dir or Path("runs") / f"explore-{grid.name}"))
     mapper = _mapper(executor, workers)
     t0 = time.perf_counter()
-    result = _run_with_progress(grid, mapper)
+    result = _run_with_progress(grid, mapper, out / "cells.jsonl")
     elapsed = time.perf_counter() - t0
     from libra.sim.explore.report import write_outputs
 
@@ -78,11 +80,17 @@ def _mapper(executor: str, workers: int | None):
     return ray_map() if ray_available(require_address=True) else local_map(workers)
 
 
-def _run_with_progress(grid, mapper) -> dict:
+def _run_with_progress(grid, mapper, log: Path) -> dict:
     cols = [TextColumn("cells"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    log.write_text("", encoding="utf-8")
+
+    def keep(cell) -> None:
+        with log.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(cell.as_dict()) + "\n")
+
     with Progress(*cols, console=err_console, transient=True) as bar:
         task = bar.add_task("cells", total=len(grid.cells()))
-        return sweep(grid, mapper, lambda done, total: bar.update(task, completed=done))
+        return sweep(grid, mapper, lambda done, total: bar.update(task, completed=done), keep)
 
 
 def cells_table(result: dict):
