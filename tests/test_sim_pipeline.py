@@ -147,6 +147,11 @@ def test_cli_prints_the_ladder_and_libras_ratios(small_yaml, tmp_path):
     pool = s["libra"]["elastic"]
     assert f"libra's hybrid pool: {pool['hybrid_replicas']} replicas, {pool['joins']} joins" in r.stdout
     assert ("nothing was routed" in r.stdout) == ("routing" not in s["libra"])
+    assert f"{s['libra']['distance_to_limit']:.0%} above its lower bound" in r.stdout
+    from libra.sim.explore.atlas import load_map
+
+    for mech in load_map()["mechanisms"]:  # where each mechanism pays, from the shipped map
+        assert f"\n{mech}: " in r.stdout
 
 
 def test_replays_a_real_trace(shared_data, tmp_path):
