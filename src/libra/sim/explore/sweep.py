@@ -105,13 +105,20 @@ def local_map(workers: int | None = None) -> Mapper:
 
 
 def sweep(
-    grid: Grid, mapper: Mapper | None = None, progress: Callable[[int, int], None] | None = None
+    grid: Grid,
+    mapper: Mapper | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    on_cell: Callable[[CellResult], None] | None = None,
 ) -> dict:
-    """Run every cell; return {"grid", "systems", "cells", "best_gain"} (see `best_gain`)."""
+    """Run every cell; return {"grid", "systems", "cells", "best_gain"} (see `best_gain`).
+    `on_cell` sees each cell as it finishes (the CLI appends it to cells.jsonl, so a long sweep
+    that is stopped keeps what it measured)."""
     cells = grid.cells()
     done: list[CellResult] = []
     for r in (mapper or local_map())(run_cell, grid, cells):
         done.append(r)
+        if on_cell is not None:
+            on_cell(r)
         if progress is not None:
             progress(len(done), len(cells))
     done.sort(key=lambda r: r.index)
