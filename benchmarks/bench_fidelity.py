@@ -85,18 +85,21 @@ def traces(cat) -> dict:
     return {"shipped_traces": shipped, "held_out_traces": held_out, "kv_capacity_error": kv}
 
 
-def live(folder: str | None) -> dict:
+def live(folder: str | None, profile: str | None) -> dict:
     if folder is None:
         return {"step_err": None, "rollout_err": None, "train_err": None, "note": "give --live DIR"}
     from libra.sim.rl.live import predict_live
 
-    return predict_live(folder).errors()
+    return predict_live(folder, profile).errors()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print only the JSON line")
     ap.add_argument("--live", default=None, help="a `libra train` output folder to predict")
+    ap.add_argument(
+        "--live-profile", default=None, help="the CPU profile YAML (calibrate of the built-in engine's steps)"
+    )
     ap.add_argument(
         "--fit", choices=["vllm-v0"], default=None, help="fit a preset's CPU terms and print them"
     )
@@ -108,7 +111,7 @@ def main() -> None:
         return
     figures = {**public_figures(cat), "public_mape_leave_one_source_out": leave_one_source_out(cat)}
     figures.update(traces(cat))
-    figures["live"] = live(args.live)
+    figures["live"] = live(args.live, args.live_profile)
     figures["goals"] = {"public_mape": 0.12, "shipped_traces": 0.12, "live": 0.15}
     if not args.json:
         _print_tables(figures)

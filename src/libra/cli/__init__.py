@@ -30,6 +30,7 @@ LISTED = {
     "native": ("libra.cli.native:native", "Build or check the compiled simulator modules."),
     "serve": ("libra.cli.serve:serve", "Run a live service: gateway, engine or actions."),
     "route": ("libra.cli.route:route", "Score routers offline on a trajectory trace."),
+    "train": ("libra.cli.train:train", "Train live: agentic GRPO through the gateway and actions service."),
 }
 
 

@@ -15,6 +15,7 @@ from libra.cli.common import (
     profile_option,
     set_option,
     table,
+    writable_dir,
     writable_file,
 )
 from libra.core.config import load_model
@@ -358,3 +359,43 @@ def _flat(d: dict, prefix: str = "") -> list[list]:
         else:
             rows.append([f"{prefix}{k}", v])
     return rows
+
+
+@costmodel.command()
+@click.option(
+    "--model",
+    required=True,
+    help="A catalog model (its layer shape is timed), e.g. qwen3-8b or builtin-tiny.",
+)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--out", type=click.Path(file_okay=False), default="profiles", show_default=True,
+              help="Folder to write compute/<device>/<org>/<model>/{mlp,attention}.csv into.")  # fmt: skip
+@click.option("--threads", type=click.IntRange(1, 256), default=1, show_default=True,
+              help="torch CPU threads (the built-in engine's --threads).")  # fmt: skip
+@click.option("--quick", is_flag=True, help="A small grid of sizes (seconds instead of minutes).")
+@catalog_option
+def profile(model, device, out, threads, quick, catalogs):
+    """Time one layer of MODEL's shape with torch on this machine, for `calibrate --vidur OUT`.
+
+    bf16 on a GPU; on the CPU the dtype of the model's weights (fp32 for the built-in engine's).
+    One device, so TP1 only. For the built-in engine's models on the CPU, the engine itself is also
+    timed step by step (OUT/builtin-MODEL-steps.jsonl, for `calibrate --data`)."""
+    import torch
+
+    from libra.runtime.profiler import QUICK, Grid, Shape
+    from libra.runtime.profiler import profile as run_profile
+
+    m = load_catalog(catalogs).model(model)
+    org, _, name = (m.source or f"libra/{m.name}").rpartition("/")
+    bpp = 2 if device == "cuda" else m.bytes_per_param
+    shape = Shape(
+        org or "libra", name, m.hidden, m.heads, m.kv_heads, m.head_dim, m.intermediate, m.vocab, bpp
+    )
+    torch.set_num_threads(threads)
+    folder = run_profile(shape, device, writable_dir(Path(out)), QUICK if quick else Grid())
+    console.print(f"{model}: layer kernels and attention timed on {device} -> {folder}")
+    if device == "cpu" and model.startswith("builtin-"):
+        from libra.runtime.profiler import profile_builtin_engine
+
+        steps = profile_builtin_engine(model.removeprefix("builtin-"), Path(out), threads, quick)
+        console.print(f"the built-in engine's steps -> {steps} (for `calibrate --data`)")

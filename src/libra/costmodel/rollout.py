@@ -43,7 +43,7 @@ class RolloutCostModel:
         "hw", "model", "tp", "ep", "eff", "gpu", "overhead", "engine", "gpu_memory_utilization",
         "max_num_batched_tokens", "max_num_seqs", "_lw_s", "_lf_s", "_ew_s", "_ef_s", "_local_experts",
         "_k", "_k_over_e", "_p", "_layer_s", "_norm_s", "_hw_s", "_hf_s", "_kv_s", "_attn_flop_s",
-        "_fixed_s", "_seq_s", "_ar", "_ar_custom", "_ar_ep", "_ar_bytes", "_lin_cache", "_layers", "_attn_fixed_s",
+        "_fixed_s", "_seq_s", "_ar", "_ar_custom", "_ar_ep", "_ar_bytes", "_lin_cache", "_comm_cache", "_layers", "_attn_fixed_s",
     )  # fmt: skip
 
     def __init__(
@@ -64,6 +64,7 @@ class RolloutCostModel:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self._lin_cache: dict[int, float] = {}
+        self._comm_cache: dict[int, float] = {}
         self._linear_terms()
         self._attention_terms()
         self._comm_terms()
@@ -153,6 +154,16 @@ class RolloutCostModel:
         return latency + 2 * (group - 1) / group * nbytes / link
 
     def _comm(self, tokens: int) -> float:
+        """All-reduces of a step of `tokens` tokens (cached like `_linear`: the band lookup is slow)."""
+        hit = self._comm_cache.get(tokens)
+        if hit is not None:
+            return hit
+        t = self._comm_uncached(tokens)
+        if len(self._comm_cache) < 65536:
+            self._comm_cache[tokens] = t
+        return t
+
+    def _comm_uncached(self, tokens: int) -> float:
         t = 0.0
         if self.tp > 1:
             t += 2 * self._layers * self.allreduce_time(tokens * self._ar_bytes)

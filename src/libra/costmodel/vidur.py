@@ -27,8 +27,9 @@ from libra.costmodel.calibrate import nelder_mead
 from libra.costmodel.catalog import Catalog
 from libra.costmodel.efficiency import AllReduceBand, AllReduceTerms, GpuTerms
 
-# Vidur's folder names for the GPUs it measured, and the catalog entries they are.
-GPU_NAMES = {"a100": "a100-80g", "h100": "h100-80g"}
+# Vidur's folder names for the GPUs it measured (and `libra costmodel profile`'s for the local CPU),
+# and the catalog entries they are.
+GPU_NAMES = {"a100": "a100-80g", "h100": "h100-80g", "cpu": "cpu-host"}
 # Catalog GPUs with the same chip as a measured one: same kernel terms, all-reduce bandwidth scaled
 # by their NVLink bandwidth (the A800 is an A100 with NVLink capped at 400 GB/s).
 SAME_CHIP = {"a800-80g": "a100-80g", "h200-141g": "h100-80g"}
@@ -47,6 +48,7 @@ class LayerSample:
     model: str
     hidden: int
     params: int  # matmul parameters of the layer (attention + gated MLP), whole model
+    bytes_per_param: int
     tp: int
     tokens: int
     seconds: float
@@ -92,7 +94,10 @@ def read_layers(path: Path) -> list[LayerSample]:
                 for op in LAYER_OPS
                 if f"time_stats.{op}.median" in row
             )
-            out.append(LayerSample(path.parent.name, h, params, tp, tokens, ms * 1e-3))
+            bpp = (
+                int(_float(row, "bytes_per_param", where)) if row.get("bytes_per_param") else 2
+            )  # Vidur: fp16
+            out.append(LayerSample(path.parent.name, h, params, bpp, tp, tokens, ms * 1e-3))
     return out
 
 
@@ -114,22 +119,25 @@ def read_allreduce(path: Path) -> list[AllReduceSample]:
 # ---- the linear layers ----------------------------------------------------------------------------
 
 
-def predict_layers(terms: GpuTerms, hw: HardwareSpec, hidden, params, tp, tokens) -> np.ndarray:
+def predict_layers(terms: GpuTerms, hw: HardwareSpec, hidden, params, tp, tokens, bpp=2) -> np.ndarray:
     """Per-layer linear time, vectorised: the formula of `RolloutCostModel.layer_time`."""
     bw = hw.memory_bw_gbps * 1e9 * terms.bw
     flops = hw.bf16_tflops * 1e12 * terms.compute
-    a, b, p = 2.0 * params / tp / bw, 2.0 * params * tokens / tp / flops, terms.roofline_p
+    a, b, p = bpp * params / tp / bw, 2.0 * params * tokens / tp / flops, terms.roofline_p
     return (a**p + b**p) ** (1.0 / p) + terms.layer_fixed_s + terms.norm_s * hidden * tokens
 
 
 def _columns(samples: list[LayerSample]) -> tuple[np.ndarray, ...]:
-    cols = zip(*((s.hidden, s.params, s.tp, s.tokens, s.seconds) for s in samples), strict=True)
+    """hidden, params, tp, tokens, bytes per param, seconds."""
+    cols = zip(
+        *((s.hidden, s.params, s.tp, s.tokens, s.bytes_per_param, s.seconds) for s in samples), strict=True
+    )
     return tuple(np.array(c, dtype=float) for c in cols)
 
 
 def fit_layer_terms(samples: list[LayerSample], hw: HardwareSpec, base: GpuTerms) -> GpuTerms:
     """Least squares in log space over bw, compute, layer_fixed_s and norm_s."""
-    h, p, tp, n, y = _columns(samples)
+    h, p, tp, n, bpp, y = _columns(samples)
 
     def terms(x: np.ndarray) -> GpuTerms:
         v = [float(e) for e in np.exp(x)]
@@ -137,15 +145,15 @@ def fit_layer_terms(samples: list[LayerSample], hw: HardwareSpec, base: GpuTerms
                                        "layer_fixed_s": v[2], "norm_s": v[3]})  # fmt: skip
 
     def loss(x: np.ndarray) -> float:
-        return float(np.mean(np.log(predict_layers(terms(x), hw, h, p, tp, n) / y) ** 2))
+        return float(np.mean(np.log(predict_layers(terms(x), hw, h, p, tp, n, bpp) / y) ** 2))
 
     x0 = np.log([0.8, 0.7, 40e-6, 5e-12])
     return terms(nelder_mead(loss, nelder_mead(loss, x0, iters=1500), iters=1500))
 
 
 def layer_errors(terms: GpuTerms, hw: HardwareSpec, samples: list[LayerSample]) -> dict[int, float]:
-    h, p, tp, n, y = _columns(samples)
-    err = np.abs(predict_layers(terms, hw, h, p, tp, n) / y - 1)
+    h, p, tp, n, bpp, y = _columns(samples)
+    err = np.abs(predict_layers(terms, hw, h, p, tp, n, bpp) / y - 1)
     return {int(t): float(np.median(err[tp == t])) for t in sorted(set(tp))}
 
 
@@ -232,30 +240,27 @@ def fit_vidur(
     folder: str | Path, catalog: Catalog, base: GpuTerms | None = None
 ) -> tuple[dict[str, GpuTerms], FitReport]:
     folder = Path(folder)
-    if not (folder / "compute").is_dir() or not (folder / "network").is_dir():
-        raise ConfigError("--vidur", str(folder), "a Vidur profiles folder with compute/ and network/")
+    if not (folder / "compute").is_dir():
+        raise ConfigError("--vidur", str(folder), "a Vidur profiles folder with compute/ (and network/)")
     base = base or GpuTerms()
     gpus: dict[str, GpuTerms] = {}
     lerr: dict[str, dict[int, float]] = {}
     aerr: dict[str, dict[int, dict[str, float]]] = {}
     counts: dict[str, int] = {}
-    h100 = catalog.hardware("h100-80g")
     for short, name in GPU_NAMES.items():
         files = sorted((folder / "compute" / short).glob("*/*/mlp.csv"))
-        net = folder / "network" / f"{short}_dgx" / "all_reduce.csv"
-        if not files or not net.is_file():
+        if not files:
             continue
         hw = catalog.hardware(name)
         layers = [s for f in files for s in read_layers(f)]
-        ar = read_allreduce(net)
         terms = fit_layer_terms(layers, hw, base)
-        nccl = fit_allreduce(ar)
-        custom = custom_allreduce_terms(hw.intra_node_bw_gbps / h100.intra_node_bw_gbps)
-        terms = terms.model_copy(
-            update={"nccl": nccl, "custom": custom, "source": _source(folder, short, layers, ar)}
-        )
-        gpus[name] = terms
-        lerr[name], aerr[name] = layer_errors(terms, hw, layers), allreduce_errors(nccl, ar)
+        net = folder / "network" / f"{short}_dgx" / "all_reduce.csv"
+        ar = read_allreduce(net) if net.is_file() else []  # one device profiled: no all-reduce
+        if ar:
+            terms = terms.model_copy(update={"nccl": fit_allreduce(ar), "custom": _custom_for(hw, catalog)})
+            aerr[name] = allreduce_errors(terms.nccl, ar)
+        gpus[name] = terms.model_copy(update={"source": _source(folder, short, layers, ar)})
+        lerr[name] = layer_errors(terms, hw, layers)
         counts[name] = len(layers) + len(ar)
     if not gpus:
         raise ConfigError("--vidur", str(folder), f"measurements for at least one of {sorted(GPU_NAMES)}")
@@ -263,11 +268,17 @@ def fit_vidur(
     return gpus, FitReport(lerr, aerr, counts)
 
 
+def _custom_for(hw: HardwareSpec, catalog: Catalog) -> dict[int, AllReduceTerms]:
+    return custom_allreduce_terms(hw.intra_node_bw_gbps / catalog.hardware("h100-80g").intra_node_bw_gbps)
+
+
 def _source(folder: Path, short: str, layers: Iterable[LayerSample], ar: list[AllReduceSample]) -> str:
-    models = sorted({s.model for s in layers})
-    return (f"fitted by `libra costmodel calibrate --vidur {folder.name}` to {short} layer kernels of "
-            f"{', '.join(models)} and {len(ar)} NCCL all-reduce sizes; custom all-reduce from "
-            "sglang PR 2904 (H100, scaled by NVLink bandwidth)")  # fmt: skip
+    models = ", ".join(sorted({s.model for s in layers}))
+    net = f" and {len(ar)} NCCL all-reduce sizes; custom all-reduce from sglang PR 2904 (H100, scaled by NVLink bandwidth)"
+    return (
+        f"fitted by `libra costmodel calibrate --vidur {folder.name}` to {short} layer kernels of {models}"
+        + (net if ar else "")
+    )
 
 
 def _same_chip(gpus: dict[str, GpuTerms], catalog: Catalog) -> dict[str, GpuTerms]:

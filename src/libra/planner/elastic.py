@@ -8,11 +8,14 @@ replica joins or leaves *whole*, the core TP/PP groups never change.
 **Roles.** `Role.CORE_TRAIN`, `Role.CORE_ROLLOUT` and `Role.HYBRID` GPUs.
 
 **Join state machine** (`HybridReplica`): ROLLOUT -> REQUESTED -> FETCHING_STATE -> ZERO_SYNC ->
-ACTIVE, and ACTIVE -> RELEASING -> ROLLOUT to give it back.
+ACTIVATING -> ACTIVE, and ACTIVE -> RELEASING -> ROLLOUT to give it back.
 - FETCHING_STATE: the replica fetches a snapshot of weights and optimizer in the background;
 - ZERO_SYNC: it takes part in the gradient all-reduce sending zeros while it restores and catches
   up. Core replicas add what they receive to their own gradients, so zeros change nothing and
   training never waits for the joiner;
+- ACTIVATING: a two-phase handshake: a core replica proposes the step from which the joiner's
+  gradients count, the joiner acknowledges, and the core commits the new membership at a step
+  boundary (the live mechanism, `libra.runtime.elastic`; the simulator passes through at once);
 - only ACTIVE contributes gradients.
 Cancel (before ACTIVE) or failure (any time) rolls the *whole* replica back to ROLLOUT. Every
 join and every rollback bumps the replica's generation; a transition carrying an older generation
@@ -48,11 +51,12 @@ class JoinState(IntEnum):
     REQUESTED = 1
     FETCHING_STATE = 2
     ZERO_SYNC = 3
-    ACTIVE = 4
-    RELEASING = 5  # giving the GPUs back: the inference engine restarts
+    ACTIVATING = 4  # proposed a step to count from; waiting for the acknowledgement and the commit
+    ACTIVE = 5
+    RELEASING = 6  # giving the GPUs back: the inference engine restarts
 
 
-JOINING = (JoinState.REQUESTED, JoinState.FETCHING_STATE, JoinState.ZERO_SYNC)
+JOINING = (JoinState.REQUESTED, JoinState.FETCHING_STATE, JoinState.ZERO_SYNC, JoinState.ACTIVATING)
 
 
 class TransitionError(RuntimeError):
@@ -76,7 +80,7 @@ class HybridReplica:
 
     @property
     def sends_zero_gradients(self) -> bool:
-        return self.state == JoinState.ZERO_SYNC
+        return self.state in (JoinState.ZERO_SYNC, JoinState.ACTIVATING)
 
     @property
     def serves_rollout(self) -> bool:
@@ -99,8 +103,13 @@ class HybridReplica:
     def state_fetched(self, generation: int) -> bool:
         return self._move(generation, (JoinState.FETCHING_STATE,), JoinState.ZERO_SYNC, "state_fetched")
 
+    def propose_activation(self, generation: int) -> bool:
+        """ZERO_SYNC -> ACTIVATING: the core proposed the step from which this replica counts."""
+        return self._move(generation, (JoinState.ZERO_SYNC,), JoinState.ACTIVATING, "propose_activation")
+
     def activate(self, generation: int) -> bool:
-        return self._move(generation, (JoinState.ZERO_SYNC,), JoinState.ACTIVE, "activate")
+        """ACTIVATING -> ACTIVE: the joiner acknowledged and the core committed the membership."""
+        return self._move(generation, (JoinState.ACTIVATING,), JoinState.ACTIVE, "activate")
 
     def release(self, generation: int) -> bool:
         return self._move(generation, (JoinState.ACTIVE,), JoinState.RELEASING, "release")

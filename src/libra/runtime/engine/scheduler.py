@@ -112,6 +112,11 @@ class Scheduler:
             (plan.decodes if n == 1 else plan.prefills).append(Chunk(seq, 0, n))
             budget -= n
 
+    def retract(self, seq: Sequence) -> None:
+        """A pause in mode `retract`: like a preemption, asked for rather than forced."""
+        self._preempt(seq)
+        self.preemptions -= 1
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._rows.append(seq.row)

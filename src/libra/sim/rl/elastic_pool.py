@@ -5,7 +5,8 @@ they give them back; this mechanism drives each replica's join state machine:
 
 - join: the replica's engines stop taking new turns (their running turns finish), then the
   replica fetches the weight/optimizer snapshot (FETCHING_STATE, `snapshot_s`), restores and
-  sends zero gradients (ZERO_SYNC, `restore_s`), and is ACTIVE from the next training step on.
+  sends zero gradients (ZERO_SYNC, `restore_s`), passes the activation handshake (ACTIVATING, no
+  modelled time) and is ACTIVE from the next training step on.
   Training never waits for it: a step that starts before ACTIVE runs without it.
 - release: the replica leaves training at the next step boundary and its engines serve rollout
   again after `train_to_rollout_s` (the engine restart).
@@ -101,7 +102,12 @@ class ElasticPool:
 
     def _fetched(self, r, gen: int) -> None:
         if r.state_fetched(gen):
-            self.k.after(self.cfg.restore_s, r.activate, gen)
+            self.k.after(self.cfg.restore_s, self._activate, r, gen)
+
+    def _activate(self, r, gen: int) -> None:
+        """The two-phase activation costs no modelled time: both messages ride on a step boundary."""
+        if r.propose_activation(gen):
+            r.activate(gen)
 
     def _release(self, r, gen: int) -> None:
         if not r.release(gen):
