@@ -251,7 +251,13 @@ def test_planned_family_is_the_hetero_rung_with_another_router():
     can spill down at its first turn and move up later: placement, not prediction.)"""
     workload = {**SMALL["workload"], "prompts_per_step": 8, "samples_per_prompt": 8}  # several buckets
     rollout = {**SMALL.get("rollout", {}), "router_params": {"spill": "saturated"}}
-    cfg = {**SMALL, "workload": workload, "rollout": rollout, "planner": {"interval_steps": 1}}
+    # split_margin 0: this checks the family on split layouts, whatever the planner would prefer
+    cfg = {
+        **SMALL,
+        "workload": workload,
+        "rollout": rollout,
+        "planner": {"interval_steps": 1, "split_margin": 0},
+    }
     names = ["ablation:hetero-tp", "planned:least-loaded", "planned:oracle"]
     res = run(cfg, names, 3, 0, None, _quiet)["systems"]
     assert res["planned:least-loaded"] == res["ablation:hetero-tp"]
