@@ -144,7 +144,7 @@ class RLSim:
 
     # ---- construction -------------------------------------------------------------------------
 
-    def _build_driver(self, setup: Setup, router=None) -> RolloutDriver:
+    def _build_driver(self, setup: Setup) -> RolloutDriver:
         engines = make_engines(
             self.k, setup.instances, self.hw, self.model, self.sc, self.profile.rollout, self.tracer
         )
@@ -325,13 +325,9 @@ class RLSim:
         retiring = self.driver.engines.values()
         self.retired_tokens += sum(e.prefill_tokens + e.decode_tokens for e in retiring)
         self.retired_preemptions += sum(e.preemptions for e in retiring)
-        old = self.driver.router
-        keep = (
-            old if len(new.buckets) == len(self.setup.buckets) and new.router == self.setup.router else None
-        )
-        if keep is not None:
-            keep.buckets = list(new.buckets)
-        self.setup, self.driver = new, self._build_driver(new, keep)
+        # A new layout gets a new router: its cost model is the new engines', so nothing a router
+        # learned of the old layout (queue levels, per-bucket costs) carries over.
+        self.setup, self.driver = new, self._build_driver(new)
         self.next_batch_delay += new.reconfig_s
         self.replans += 1
         if self.pool is not None:  # the new layout's hybrid replicas; the counts run on
