@@ -55,6 +55,15 @@ class RunSpec(BaseModel):
     joins: list[JoinSpec] = Field(default_factory=list)
     runtime: ElasticRuntimeConfig = Field(default_factory=ElasticRuntimeConfig)
     timeout_s: float = Field(600.0, gt=0)
+    # A core step takes at least this long (the rest is slept). The tiny model's steps take
+    # milliseconds, a real trainer's seconds; fault tests pace the core so that a join's messages
+    # (and their injected delays) land within the run on a loaded machine too. Results unchanged.
+    step_min_s: float = Field(0.0, ge=0)
+
+
+def ready_key(index: int) -> str:
+    """Set by prestarted joiner INDEX once its model is built; the core starts after all of them."""
+    return f"elastic/ready/{index}"
 
 
 def wait_step(store: dist.Store, step: int, ended: Callable[[], bool], deadline: float) -> bool:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from libra.planner import JoinState
 from libra.runtime.elastic.joiner import Faults, Joiner, default_update
 from libra.runtime.elastic.reducer import ElasticReducer
-from libra.runtime.elastic.spec import STEP_KEY, JoinSpec, RunSpec, wait_step
+from libra.runtime.elastic.spec import STEP_KEY, JoinSpec, RunSpec, ready_key, wait_step
 from libra.runtime.elastic.wire import Kind
 from libra.runtime.elastic.workload import SyntheticLM
 from libra.runtime.engine.config import PRESETS
@@ -71,11 +71,15 @@ def run_core(spec: RunSpec, store: dist.Store, rank: int, out: IO[str], workdir:
         recompute=lambda idx: work.backward(model, reducer.step, idx), config=spec.runtime,
     )  # fmt: skip
     active_for = [0] * spec.slots
+    # Prestarted joiners are up before step 0, as trainers already started in drained engines'
+    # slots would be: a join's timing then does not depend on how long a process takes to start.
+    store.wait([ready_key(i) for i, j in enumerate(spec.joins) if j.prestart], timeout)
     for step in range(spec.steps):
         t0 = time.time()
         work.backward(model, step, reducer.begin_step(step, work.tokens(step)))
         reducer.reduce(model)
         default_update(model, optimizer)
+        time.sleep(max(0.0, spec.step_min_s - (time.time() - t0)))
         row = {
             "step": step,
             "t0": t0,
@@ -113,6 +117,9 @@ def run_joiner(spec: RunSpec, store: dist.Store, index: int, out: IO[str]) -> No
         kill_at=js.kill_at, after=js.kill_after, delay_s={Kind[k]: v for k, v in js.delay_s.items()},
         delay_times=js.delay_times, duplicate=frozenset(Kind[k] for k in js.duplicate),
     )  # fmt: skip
+
+    if js.prestart:
+        store.set(ready_key(index), "1")
 
     def on_step(step: int) -> None:
         row = {"step": step, "t1": time.time(), "rss_mb": peak_rss_mb()}

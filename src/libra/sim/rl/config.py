@@ -21,6 +21,7 @@ from libra.costmodel.catalog import Catalog
 from libra.costmodel.efficiency import DEFAULT_ENGINE, EngineName, Profile
 from libra.planner.config import ElasticConfig, PlannerConfig, SelectorConfig
 from libra.planner.problem import PlanningProblem
+from libra.rollout.tail import TailConfig
 from libra.sim.workloads.base import WorkloadConfig
 
 
@@ -115,6 +116,7 @@ class RLScenario(_Strict):
     planner: PlannerConfig = PlannerConfig()
     elastic: ElasticConfig = ElasticConfig()
     selector: SelectorConfig = SelectorConfig()
+    tail: TailConfig = TailConfig()
     trace_step: int | None = Field(None, ge=0, description="the step drawn in trace.json")
 
     def check(self, catalog: Catalog, split: bool = True) -> None:
