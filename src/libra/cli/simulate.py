@@ -243,8 +243,9 @@ def predict_live_run(run: str, cores, background, profile, as_json: bool) -> Non
     from libra.sim.rl.live import Host, load_host, predict_live
 
     known = load_host(run) or Host()
-    host = Host(cores if cores is not None else known.cores,
-                background if background is not None else known.background)  # fmt: skip
+    # Either figure given replaces what live_cpu.py measured (its share table included).
+    host = known if cores is None and background is None else Host(
+        cores if cores is not None else known.cores, background if background is not None else known.background)  # fmt: skip
     errs = predict_live(run, profile, host).errors()
     if as_json:
         emit_json(errs)
@@ -252,8 +253,15 @@ def predict_live_run(run: str, cores, background, profile, as_json: bool) -> Non
     rows = [[name, f"{errs['measured'][k]:.2f}", f"{errs['predicted'][k]:.2f}", f"{errs[e]:+.1%}"]
             for name, k, e in (("step", "step_s", "step_err"), ("rollout (a batch)", "rollout_s", "rollout_err"),
                                ("train", "train_s", "train_err"))]  # fmt: skip
-    shared = "no CPU sharing" if host.cores is None else f"{host.cores:g} cores, background {host.background:g}"
-    console.print(table(f"{run}: {errs['steps']} steps predicted ({shared})", ["mean", "measured s", "predicted s", "error"], rows))
+    other = "other work as measured during the run" if host.shares else f"background {host.background:g}"
+    shared = "no CPU sharing" if host.cores is None else f"{host.cores:g} cores, {other}"
+    console.print(
+        table(
+            f"{run}: {errs['steps']} steps predicted ({shared})",
+            ["mean", "measured s", "predicted s", "error"],
+            rows,
+        )
+    )
 
 
 def _run_with_progress(sc, names, steps, seed, out, kwargs) -> dict:

@@ -189,7 +189,9 @@ def predict_train(recs: Sequence[TrainMeasurement], catalog: Catalog, eff: Train
     out = []
     for r in recs:
         cm = TrainCostModel(catalog.hardware(r.hardware), catalog.model(r.model), eff)
-        par = TrainParallel(micro_batch=sequences_per_micro_batch(r.seq_lens, r.micro_batch_tokens), recompute=False)
+        par = TrainParallel(
+            micro_batch=sequences_per_micro_batch(r.seq_lens, r.micro_batch_tokens), recompute=False
+        )
         out.append(cm.step(par, r.seq_lens).step_time_s)
     return np.array(out)
 
@@ -206,7 +208,9 @@ def fit_train(
         return base.model_copy(update={"mfu": min(mfu, 1.0), "per_microbatch_overhead_s": per_mb})
 
     def loss(logx: np.ndarray) -> float:
-        return float(np.mean((np.log(np.maximum(predict_train(recs, catalog, fitted(logx)), 1e-12)) - y) ** 2))
+        return float(
+            np.mean((np.log(np.maximum(predict_train(recs, catalog, fitted(logx)), 1e-12)) - y) ** 2)
+        )
 
     x0 = np.log([base.mfu, max(base.per_microbatch_overhead_s, START_FLOOR_S)])
     best = fitted(nelder_mead(loss, x0))

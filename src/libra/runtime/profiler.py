@@ -336,5 +336,6 @@ def _train_body(n: int, length: int, seed: int) -> dict:
     samples = [{"ids": x, "mask": mask, "logprobs": [-1.0] * length, "advantage": 0.5} for x in ids]
     return {"step": 0, "global_tokens": n * own, "samples": samples}
 
+
 if __name__ == "__main__":
     main()

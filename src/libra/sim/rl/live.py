@@ -26,11 +26,15 @@ from __future__ import annotations
 import json
 import re
 import statistics
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from libra.core.config import read_text_file
 from libra.core.errors import ConfigError
+from libra.core.trace import build_line, json_lines
 from libra.costmodel.catalog import Catalog, load_catalog
 from libra.costmodel.efficiency import Profile, load_profile
 from libra.costmodel.rollout import RolloutCostModel
@@ -50,19 +54,47 @@ SERVING_PER_ENGINE = 0.47
 _TRAJ_ID = re.compile(r"^b(\d+)-g(\d+)-")
 
 
+def fair_share(cores: float, own: float, others: Sequence[float]) -> float:
+    """One of `own` busy processes' share of a core, when the kernel shares `cores` fairly between
+    process groups (Linux's autogroup: one per session; the run's processes are one session) and
+    each other group has `others[i]` runnable threads. Water-filling: no group gets more than it
+    can run, the rest is split evenly."""
+    if own <= 0:
+        return 1.0
+    demands, left, level = sorted([own, *(d for d in others if d > 0)]), cores, 0.0
+    for i, d in enumerate(demands):
+        level = left / (len(demands) - i)
+        if d > level:
+            break
+        left -= d
+        level = d
+    else:
+        return 1.0
+    return min(1.0, min(own, level) / own)
+
+
 @dataclass(frozen=True, slots=True)
 class Host:
     """The CPU host the run shared: its cores (None: a core for every process, no sharing) and the
-    runnable processes of other work on it."""
+    other work on it, as a busy process's share of a core by how many of the run's processes are
+    busy (`shares[n - 1]`: n busy; `benchmarks/live_cpu.py` measures it during the run), or else
+    `background` other sessions of one runnable thread each."""
 
     cores: float | None = None
     background: float = 0.0
+    shares: tuple[float, ...] = ()
 
     def share(self, busy: float) -> float:
         """One busy process's share of a core when `busy` of the run's processes are busy."""
         if self.cores is None:
             return 1.0
-        return min(1.0, self.cores / max(1.0, busy + self.background))
+        if not self.shares:
+            return fair_share(self.cores, busy, [1.0] * round(self.background))
+        n = min(max(busy, 1.0), len(self.shares))
+        lo = int(n)
+        s = self.shares[lo - 1] if lo == len(self.shares) else (
+            self.shares[lo - 1] + (n - lo) * (self.shares[lo] - self.shares[lo - 1]))  # fmt: skip
+        return min(1.0, s * n / max(busy, 1.0))  # past the table, the run's group keeps its cores
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,12 +174,45 @@ def _json(path: Path) -> object:
         raise ConfigError("--live", str(path), f"a libra train run folder with {path.name} ({e})") from None
 
 
+class _Turn(BaseModel):
+    """One turn of a trajectories.jsonl line: what the prediction reads of it."""
+
+    model_config = ConfigDict(extra="ignore")
+    prompt_ids: list[int] = Field(min_length=1)
+    token_ids: list[int]
+    instance: str = Field(min_length=1, max_length=200)
+
+
+class _Traj(BaseModel):
+    """One line of trajectories.jsonl (libra.runtime.train.report)."""
+
+    model_config = ConfigDict(extra="ignore")
+    step: int = Field(ge=0)
+    batch: int = Field(ge=0)
+    id: str = Field(min_length=1, max_length=200)
+    turns: list[_Turn] = Field(min_length=1)
+
+
+class _Span(BaseModel):
+    """One complete event of trace.json (Perfetto's "X"), in microseconds."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    name: str
+    ts: float = Field(ge=0)
+    dur: float = Field(ge=0)
+
+
 def _spans(folder: Path) -> dict[str, tuple[float, float]]:
-    spans = {}
-    for ev in _json(folder / "trace.json").get("traceEvents", []):  # type: ignore[union-attr]
-        name = ev.get("name", "")
-        if " turn " in name and ev.get("ph") == "X":
-            spans[name] = (ev["ts"] / 1e6, (ev["ts"] + ev["dur"]) / 1e6)
+    """Each turn's (start, end) in seconds of the run's timeline, by the span's name."""
+    path, spans = folder / "trace.json", {}
+    events = _json(path)
+    events = events.get("traceEvents") if isinstance(events, dict) else None
+    if not isinstance(events, list):
+        raise ConfigError("--live", str(path), "a Perfetto trace with a traceEvents list (libra train's)")
+    for n, ev in enumerate(events):
+        if isinstance(ev, dict) and ev.get("ph") == "X" and " turn " in str(ev.get("name", "")):
+            span = build_line(_Span, ev, path, n)
+            spans[span.name] = (span.ts / 1e6, (span.ts + span.dur) / 1e6)
     return spans
 
 
@@ -160,22 +225,27 @@ def _steps(folder: Path) -> list[MeasuredStep]:
 
 
 def load_run(folder: str | Path) -> LiveRun:
-    """Read the run folder; turns are timed from the timeline's spans of the same turn."""
+    """Read the run folder; turns are timed from the timeline's spans of the same turn (a
+    trajectory with a turn the timeline lacks is left out)."""
     folder = Path(folder)
     path = folder / "trajectories.jsonl"
     if not path.is_file():
-        raise ConfigError("--live", str(folder), "a run with trajectories.jsonl (save_trajectories: true)")
+        raise ConfigError(
+            "--live", str(folder), "a run folder with trajectories.jsonl (save_trajectories: true)"
+        )
     spans, trajs = _spans(folder), []
-    for line in read_text_file(path).splitlines():
-        rec = json.loads(line)
-        t = LiveTraj(rec["step"], rec["batch"], rec["id"])
-        for k, turn in enumerate(rec["turns"]):
-            start, end = spans.get(f"{rec['id']} turn {k}", (0.0, 0.0))
-            t.turns.append(LiveTurn(len(turn["prompt_ids"]), len(turn["token_ids"]), turn["instance"], start, end))
-        if t.turns and all(x.end > 0 for x in t.turns):
+    for n, rec in json_lines(path):
+        r = build_line(_Traj, rec, path, n)
+        t = LiveTraj(r.step, r.batch, r.id)
+        for k, turn in enumerate(r.turns):
+            start, end = spans.get(f"{r.id} turn {k}", (0.0, 0.0))
+            t.turns.append(LiveTurn(len(turn.prompt_ids), len(turn.token_ids), turn.instance, start, end))
+        if all(x.end > 0 for x in t.turns):
             trajs.append(t)
     if not trajs:
-        raise ConfigError("--live", str(folder), "a run with trajectories.jsonl (save_trajectories: true)")
+        raise ConfigError(
+            "--live", str(path), "trajectories whose turns trace.json times (libra train's own)"
+        )
     return LiveRun(RunLayout.of(_json(folder / "config.json")), _steps(folder), trajs)  # type: ignore[arg-type]
 
 
@@ -186,7 +256,32 @@ def load_host(folder: str | Path) -> Host | None:
         return None
     d = _json(path)
     try:
-        return Host(float(d["cores"]), float(d["background"]))  # type: ignore[index]
+        return Host(float(d["cores"]), float(d["background"]), tuple(float(x) for x in d.get("shares", ())))  # type: ignore[union-attr]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError("--live", str(path), f"live_cpu.py's host.json (bad {e})") from None
+
+
+@dataclass(frozen=True, slots=True)
+class RunCpu:
+    """CPU seconds of the run's processes during its RL steps: engines, trainer replicas, and the
+    serving path (driver, gateway, actions service)."""
+
+    engine: float
+    trainer: float
+    serving: float | None = None
+
+
+def load_run_cpu(folder: str | Path) -> RunCpu | None:
+    """What `benchmarks/live_cpu.py` measured of the run's CPU (RUN/host.json), or None."""
+    path = Path(folder) / "host.json"
+    if not path.is_file():
+        return None
+    d = _json(path)
+    try:
+        c = d["cpu_s_in_rl_phase"]  # type: ignore[index]
+        return RunCpu(
+            float(c["engine"]), float(c["trainer"]), float(c["driver"] + c["gateway"] + c["actions"])
+        )
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError("--live", str(path), f"live_cpu.py's host.json (bad {e})") from None
 
@@ -197,15 +292,20 @@ def measured_makespan(trajs: list[LiveTraj]) -> float:
 
 class SharedCpuCost(RolloutCostModel):
     """The built-in engine's cost model with each step stretched by the engine's current share of
-    the host's cores (a subclass, so the compiled simulated engine takes it as its cost model)."""
+    the host's cores (a subclass, so the compiled simulated engine takes it as its cost model).
+    `cpu_s` adds up the CPU seconds it priced: the engine steps one at a time (max_segment_steps=1),
+    so a decode step is A + B * ctx_sum of the engine's context now (`ctx_now`)."""
 
-    __slots__ = ("share_now",)
+    __slots__ = ("share_now", "ctx_now", "cpu_s")
 
     def step_time(self, prefill_tokens, prefill_attn, decode_seqs, decode_ctx):  # type: ignore[override]
-        return super().step_time(prefill_tokens, prefill_attn, decode_seqs, decode_ctx) / self.share_now()
+        t = super().step_time(prefill_tokens, prefill_attn, decode_seqs, decode_ctx)
+        self.cpu_s += t
+        return t / self.share_now()
 
     def decode_coeffs(self, n: int) -> tuple[float, float]:
         a, b = super().decode_coeffs(n)
+        self.cpu_s += a + b * self.ctx_now()
         s = self.share_now()
         return a / s, b / s
 
@@ -217,6 +317,7 @@ class Timeline:
     batch_span: dict[int, list[float]] = field(default_factory=dict)
     step_end: list[float] = field(default_factory=list)
     train_s: list[float] = field(default_factory=list)
+    train_cpu_s: float = 0.0  # all replicas
 
 
 class LivePipeline:
@@ -239,13 +340,18 @@ class LivePipeline:
 
     def _engine(self, inst: str, hw, model, profile: Profile) -> Engine:
         lay = self.run.layout
-        cost = SharedCpuCost(hw, model, 1, profile.rollout, 1.0, BUILTIN_MAX_BATCHED_TOKENS, ENGINE, lay.max_num_seqs)
-        cost.share_now = self._engine_share
+        cost = SharedCpuCost(
+            hw, model, 1, profile.rollout, 1.0, BUILTIN_MAX_BATCHED_TOKENS, ENGINE, lay.max_num_seqs
+        )
         # One step at a time, so each step is priced at the share of its own moment.
         eng = Engine(self.k, inst, cost, lay.max_num_seqs, BUILTIN_MAX_BATCHED_TOKENS, KVPolicy.DROP,
                      max_segment_steps=1)  # fmt: skip
         eng.kv_cap = int(lay.kv_cache_mb * 2**20 // model.kv_bytes_per_token)  # the engine's --kv-cache-mb
+        cost.share_now, cost.ctx_now, cost.cpu_s = self._engine_share, lambda: eng.ctx_sum, 0.0
         return eng
+
+    def engine_cpu_s(self) -> float:
+        return sum(e.cost.cpu_s for e in self.engines.values())  # type: ignore[attr-defined]
 
     def _busy(self) -> float:
         engines = sum(1 for e in self.engines.values() if e.outstanding)
@@ -301,6 +407,7 @@ class LivePipeline:
         lens = [t.tokens for g in groups for t in g.group]
         self.training = True
         cpu = self.train_cpu_s(lens)
+        self.out.train_cpu_s += cpu * self.run.layout.replicas
         wall = cpu / self.host.share(self._busy())
         self.out.train_s.append(wall)
         self.k.after(wall + self.publish_s, self._published)
@@ -327,13 +434,16 @@ class LivePrediction:
     step: tuple[float, float]  # mean step time
     steps: int
     host: Host
+    cpu: tuple[RunCpu | None, RunCpu]  # (measured by live_cpu.py if it was, predicted) over the RL steps
 
     def errors(self) -> dict:
         err = lambda p: (p[1] - p[0]) / p[0]  # noqa: E731
+        measured, pred = self.cpu
         return {"step_err": err(self.step), "rollout_err": err(self.rollout), "train_err": err(self.train),
                 "measured": {"step_s": self.step[0], "rollout_s": self.rollout[0], "train_s": self.train[0]},
                 "predicted": {"step_s": self.step[1], "rollout_s": self.rollout[1], "train_s": self.train[1]},
-                "steps": self.steps, "host": {"cores": self.host.cores, "background": self.host.background}}  # fmt: skip
+                "cpu_s": {"measured": measured and asdict(measured), "predicted": asdict(pred)},
+                "steps": self.steps, "host": asdict(self.host)}  # fmt: skip
 
 
 def predict_live(
@@ -355,4 +465,8 @@ def predict_live(
         (statistics.fmean(s.step_s for s in run.steps), tl.step_end[-1] / len(run.steps)),
         len(run.steps),
         host,
+        (
+            load_run_cpu(folder),
+            RunCpu(sim.engine_cpu_s(), tl.train_cpu_s, SERVING_PER_ENGINE * sim.engine_cpu_s()),
+        ),
     )
