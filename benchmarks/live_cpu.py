@@ -3,8 +3,8 @@
     python benchmarks/live_cpu.py [--before 15] -- libra train --out RUN --steps 5 ...
 
 The prediction takes the host's other work as an input (`libra.sim.rl.live.Host`). Linux shares
-the cores fairly between sessions (autogroup), not threads, and the run's processes are one
-session: so every half second of the run's RL steps it counts the runnable threads of every other
+the cores fairly between sessions (autogroup), not threads, and the run is started in a session of
+its own: so every half second of the run's RL steps it counts the runnable threads of every other
 session (less the run's own tool sandboxes) and records the share of a core one of the run's
 processes would get with 1..8 of them busy (`libra.sim.rl.live.fair_share`); `shares`, their
 mean, is what the prediction reads. `background` is the mean count of those threads, and
@@ -63,7 +63,10 @@ def runnable_by_session(skip: set[int]) -> list[int]:
     scheduled one by one, so each counts as its own."""
     by_sid: dict[int, int] = {}
     kernel = 0
+    me = str(os.getpid())  # this sampler, runnable while it looks
     for pid in filter(str.isdigit, os.listdir("/proc")):
+        if pid == me:
+            continue
         try:
             tasks = os.listdir(f"/proc/{pid}/task")
         except OSError:
@@ -115,7 +118,7 @@ class Accounting:
 
     def sample(self, root: int, t: float) -> None:
         pids = descendants(root)
-        self.others.append((t, runnable_by_session(sessions(pids) | {os.getsid(0)})))
+        self.others.append((t, runnable_by_session(sessions(pids))))
         for pid in pids:
             got = cpu_and_role(pid)
             if got is None:
@@ -167,10 +170,10 @@ def main() -> None:
     run = Path(cmd[cmd.index("--out") + 1])
     runnable = []
     for _ in range(max(1, int(a.before * 2))):
-        runnable.append(sum(runnable_by_session({os.getsid(0)})))
+        runnable.append(sum(runnable_by_session(set())))
         time.sleep(0.5)
     acc, t0, busy0, first_write = Accounting(), time.time(), host_sample()[0], None
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, start_new_session=True)  # the run's own session: one autogroup
     while proc.poll() is None:
         acc.sample(proc.pid, time.time())
         first_write = first_write or mtime(run / "steps.json")

@@ -97,3 +97,30 @@ def test_a_bad_value_in_a_measurement_names_line_and_field(tmp_path, field, valu
     f.write_text(json.dumps(rec) + "\n")
     r = run_cli("costmodel", "calibrate", "--data", str(f), "--out", str(tmp_path / "p.yaml"))
     assert r.returncode == 2 and f"m.jsonl:1: field '{field}'" in r.stderr, r.stderr
+
+
+def test_the_training_fit_recovers_known_coefficients(catalog):
+    """Training steps made by the training cost model with known `mfu` and per-micro-batch
+    overhead (a CPU replica's shapes) are fitted back."""
+    from libra.costmodel.calibrate import TrainMeasurement, fit_train, predict_train
+    from libra.costmodel.efficiency import TrainEfficiency
+
+    truth = TrainEfficiency(mfu=0.03, per_microbatch_overhead_s=0.04)
+    shapes = [(4, 128), (8, 280), (32, 280), (32, 140), (48, 200), (16, 600), (4, 1500)]
+    recs = [TrainMeasurement(hardware="cpu-host", model="builtin-tiny", seq_lens=[n] * k, micro_batch_tokens=1024,
+                             step_time_s=1.0) for k, n in shapes]  # fmt: skip
+    recs = [
+        r.model_copy(update={"step_time_s": float(t)})
+        for r, t in zip(recs, predict_train(recs, catalog, truth), strict=True)
+    ]
+    got, mape = fit_train(recs, catalog)
+    assert mape < 0.01
+    assert got.mfu == pytest.approx(0.03, rel=0.05)
+    assert got.per_microbatch_overhead_s == pytest.approx(0.04, rel=0.05)
+
+
+def test_bad_train_data_is_one_line(tmp_path):
+    bad = tmp_path / "t.jsonl"
+    bad.write_text('{"hardware": "cpu-host", "model": "builtin-tiny", "seq_lens": [], "step_time_s": 1}\n')
+    r = run_cli("costmodel", "calibrate", "--train-data", str(bad), "--out", str(tmp_path / "p.yaml"))
+    assert r.returncode == 2 and "t.jsonl:1" in r.stderr and "seq_lens" in r.stderr, r.stderr

@@ -151,6 +151,17 @@ def test_simulate_live_on_a_bad_folder_exits_2(tmp_path, files, says):
         predict_live(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "host", ['{"cores": 0, "background": 1}', '{"cores": 2, "background": 1, "shares": [2]}', "[]"]
+)
+def test_a_bad_host_json_exits_2(tmp_path, host):
+    for name in ("config.json", "steps.json", "trace.json", "trajectories.jsonl"):
+        shutil.copy(LIVE / name, tmp_path / name)
+    (tmp_path / "host.json").write_text(host)
+    r = run_cli("simulate", "--live", str(tmp_path))
+    assert r.returncode == 2 and "host.json" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_simulate_live_prints_the_three_errors(cpu_profile):
     r = run_cli("simulate", "--live", str(LIVE), "--profile", str(cpu_profile), "--json")
     assert r.returncode == 0, r.stderr

@@ -26,9 +26,10 @@ from __future__ import annotations
 import json
 import re
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -51,6 +52,7 @@ BUILTIN_MAX_BATCHED_TOKENS = 512  # the built-in engine's default max_num_batche
 # accounting of a 5-step default run (benchmarks/live_cpu.py: driver 8.6 s, gateway 3.2 s,
 # actions 3.3 s against the engines' 32 s).
 SERVING_PER_ENGINE = 0.47
+T = TypeVar("T")
 _TRAJ_ID = re.compile(r"^b(\d+)-g(\d+)-")
 
 
@@ -249,16 +251,27 @@ def load_run(folder: str | Path) -> LiveRun:
     return LiveRun(RunLayout.of(_json(folder / "config.json")), _steps(folder), trajs)  # type: ignore[arg-type]
 
 
-def load_host(folder: str | Path) -> Host | None:
-    """The host the run shared, as `benchmarks/live_cpu.py` measured it (RUN/host.json), or None."""
+def _host_json(folder: str | Path, read: Callable[[dict], T]) -> T | None:
+    """What `benchmarks/live_cpu.py` wrote of the run (RUN/host.json) read by `read`, or None."""
     path = Path(folder) / "host.json"
     if not path.is_file():
         return None
-    d = _json(path)
     try:
-        return Host(float(d["cores"]), float(d["background"]), tuple(float(x) for x in d.get("shares", ())))  # type: ignore[union-attr]
-    except (KeyError, TypeError, ValueError) as e:
+        return read(_json(path))  # type: ignore[arg-type]
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ConfigError("--live", str(path), f"live_cpu.py's host.json (bad {e})") from None
+
+
+def _host(d: dict) -> Host:
+    host = Host(float(d["cores"]), float(d["background"]), tuple(float(x) for x in d.get("shares", ())))
+    if not (1 <= host.cores < 1e5 and 0 <= host.background < 1e5 and all(0 < x <= 1 for x in host.shares)):
+        raise ValueError("cores >= 1, background >= 0 and shares in (0, 1]")
+    return host
+
+
+def load_host(folder: str | Path) -> Host | None:
+    """The host the run shared, as live_cpu.py measured it, or None."""
+    return _host_json(folder, _host)
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,18 +285,15 @@ class RunCpu:
 
 
 def load_run_cpu(folder: str | Path) -> RunCpu | None:
-    """What `benchmarks/live_cpu.py` measured of the run's CPU (RUN/host.json), or None."""
-    path = Path(folder) / "host.json"
-    if not path.is_file():
-        return None
-    d = _json(path)
-    try:
-        c = d["cpu_s_in_rl_phase"]  # type: ignore[index]
+    """The run's CPU seconds as live_cpu.py measured them, or None."""
+
+    def read(d: dict) -> RunCpu:
+        c = d["cpu_s_in_rl_phase"]
         return RunCpu(
             float(c["engine"]), float(c["trainer"]), float(c["driver"] + c["gateway"] + c["actions"])
         )
-    except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError("--live", str(path), f"live_cpu.py's host.json (bad {e})") from None
+
+    return _host_json(folder, read)
 
 
 def measured_makespan(trajs: list[LiveTraj]) -> float:
