@@ -13,10 +13,12 @@ actions service is not simulated), the built-in engine's steps priced by the `li
 preset and the trainer replicas' steps by the training cost model, both fitted to the engine's and
 the trainer's own steps (`libra costmodel profile --model builtin-tiny --device cpu`, CPU seconds).
 
-The run's processes share one CPU host, so CPU seconds become wall seconds by processor sharing:
-a busy process gets cores / runnable of a core, where runnable counts the busy engines, the serving
-path that streams their tokens (driver, gateway, actions service: SERVING_PER_ENGINE), the trainer
-replicas while they train, and the host's other work (`Host.background`, measured before the run).
+The run's processes share one CPU host, so CPU seconds become wall seconds by processor sharing.
+Linux shares the cores fairly between sessions (autogroup) and the run is one session, so a busy
+process's share of a core depends on how many of the run's processes are busy (the busy engines,
+the serving path that streams their tokens: SERVING_PER_ENGINE each, the trainer replicas while
+they train) and on the other sessions' runnable threads, which `benchmarks/live_cpu.py` measures
+during the run (`Host.shares`; `fair_share` water-fills the cores between sessions).
 
 Of the run's own timings only its tool waits and its weight-publication time enter the prediction.
 """
@@ -50,7 +52,7 @@ BUILTIN_MAX_BATCHED_TOKENS = 512  # the built-in engine's default max_num_batche
 # CPU the serving path spends per CPU second of a busy engine: the driver's agent loop, the
 # gateway's routing and the actions service's HTTP, all streaming every token. Measured by CPU
 # accounting of a 5-step default run (benchmarks/live_cpu.py: driver 8.6 s, gateway 3.2 s,
-# actions 3.3 s against the engines' 32 s).
+# actions 3.3 s against the engines' 32 s; the 10-step run of docs/fidelity.md measured 0.34).
 SERVING_PER_ENGINE = 0.47
 T = TypeVar("T")
 _TRAJ_ID = re.compile(r"^b(\d+)-g(\d+)-")
