@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from libra.core.config import apply_overrides, build, load_yaml
 from libra.core.errors import ConfigError
+from libra.planner.config import ElasticConfig
+from libra.runtime.elastic.config import ElasticRuntimeConfig
 from libra.runtime.engine.config import PRESETS
 
 CONFIGS = "libra.runtime.train.configs"
@@ -118,6 +120,16 @@ class PublishConfig(_Strict):
     admin_token: str | None = Field(None, description="Bearer token of the engines' control endpoints.")
 
 
+class ElasticSettings(_Strict):
+    """The hybrid pool live: rollout engines that may become trainer replicas and back."""
+
+    enabled: bool = Field(False, description="Let the planner's controller borrow rollout engines for training.")  # fmt: skip
+    hybrid: int = Field(1, ge=1, le=16, description="Engines (of buckets with more than one) that may be borrowed.")  # fmt: skip
+    policy: ElasticConfig = Field(default_factory=ElasticConfig, description="The controller's thresholds.")
+    runtime: ElasticRuntimeConfig = Field(default_factory=ElasticRuntimeConfig, description="Join timeouts.")
+    drain_timeout_s: float = Field(120.0, gt=0, le=3600, description="A drained engine's requests must end within this.")  # fmt: skip
+
+
 class TrainConfig(_Strict):
     seed: int = Field(0, ge=0, le=2**31 - 1)
     steps: int = Field(100, ge=1, le=100_000)
@@ -137,6 +149,7 @@ class TrainConfig(_Strict):
     trainer: TrainerConfig = TrainerConfig()
     warmstart: WarmStartConfig = WarmStartConfig()
     publish: PublishConfig = PublishConfig()
+    elastic: ElasticSettings = ElasticSettings()
     metrics_port: int = Field(0, ge=-1, le=65535, description="The driver's Prometheus port (0: any free one, -1: none).")  # fmt: skip
     save_trajectories: bool = Field(False, description="Write every trained trajectory's tokens to RUN/trajectories.jsonl.")  # fmt: skip
     ray_address: str | None = Field(None, description="With --launcher ray: a cluster address (default: start a local one).")  # fmt: skip

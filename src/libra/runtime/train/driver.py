@@ -8,7 +8,8 @@ for each step:
     samples <- advantages, one token sequence and loss mask per trajectory
     train the replicas on them (gradients summed over the gloo group), checkpoint
     publish the new weights through the gateway (pause, update, continue)
-    record the step (steps.json, timeline, metrics)
+    decision <- the planner's controller on the step's report; carry it out (elastic pool)
+    record the step and the decision (steps.json, timeline, metrics)
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from libra.runtime.train.agent import AgentEnv, make_agent_loop
 from libra.runtime.train.chat import GatewayChat, Sampling
 from libra.runtime.train.config import TrainConfig
 from libra.runtime.train.control import Publisher, PublishFailed, TrainerLost, Trainers
+from libra.runtime.train.gateway_admin import GatewayAdmin
 from libra.runtime.train.metrics import DriverMetrics
+from libra.runtime.train.planning import decide, decision_log, make_controller, step_report
 from libra.runtime.train.report import RunFolder
 from libra.runtime.train.rollout import RolloutFailed, Rollouts, RolloutShape
 from libra.runtime.train.samples import to_samples
@@ -84,6 +87,8 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
     start = await _guard(cluster, _prepare(cfg, trainers, folder, resume))
     await publisher.publish(str(Path(start.checkpoint) / ckpt.MODEL), start.version)
     rollouts = _rollouts(cfg, cluster, http, start.step)
+    admin = GatewayAdmin(cluster.gateway_url, http, cfg.publish.admin_token)
+    controller = make_controller(cfg.elastic.policy if cfg.elastic.enabled else None)
     rollouts.start()
     try:
         for step in range(start.step, cfg.steps):
@@ -97,7 +102,11 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
             rollouts.mark_trained(step + 1)
             await publisher.end_step()
             clock.mark("publish")
+            pressure = await admin.pressure(cfg.engine.max_num_seqs)
+            report = step_report(step, groups, clock.seconds("train"), pressure)
+            decision = decide(controller, report, None)
             rec = step_record(step, groups, samples, result, pub, clock, rollouts.drops.take())
+            rec.planner = decision_log(decision, report)
             folder.record(rec)
             if cfg.save_trajectories:
                 folder.save_trajectories(step, groups)
