@@ -31,6 +31,8 @@ class TaskConfig(_Strict):
     hi: int = Field(99, ge=0, le=9999, description="Largest operand.")
     ops: str = Field("+-*", pattern=r"^[-+*]{1,3}$", description="Operators to draw from.")
     tool: Literal["sandbox", "in_process"] = Field("sandbox", description="Where calc runs.")
+    slow_tool_s: float = Field(0.0, ge=0, le=600, description="A workload shift: each tool call waits this long ...")  # fmt: skip
+    slow_tool_from: int = Field(0, ge=0, description="... once this many steps have trained.")
 
     @model_validator(mode="after")
     def _range(self) -> TaskConfig:
@@ -175,8 +177,19 @@ def load_train_config(path: str | None, overrides: list[str], base: dict | None 
     if base:
         data = _merge(data, base)
     if path:
-        data = _merge(data, load_yaml(path))
+        data = _merge(data, load_yaml(_named(path)))
     return build(TrainConfig, apply_overrides(data, overrides))
+
+
+def _named(path: str) -> Path | str:
+    """`--config elastic-demo`: an embedded config by name, when no such file exists."""
+    if (
+        not Path(path).exists()
+        and path.replace("-", "_").replace("_", "").isalnum()
+        and embedded(path).exists()
+    ):
+        return embedded(path)
+    return path
 
 
 def _merge(a: dict, b: dict) -> dict:

@@ -267,3 +267,35 @@ def _choose(cfg: TrainConfig, cluster: procs.Cluster) -> list[Slot]:
         backend = {"bucket": bucket, "tp": b.tp, "max_context": b.max_context, "name": name}
         out.append(Slot(k, spec, backend, HybridReplica(f"hybrid-{k}", gpus=b.tp)))
     return out
+
+
+class StaticPool:
+    """`elastic.enabled: false`: no hybrid replica; the same calls do nothing."""
+
+    def view(self) -> None:
+        return None
+
+    def carry_out(self, dec: ElasticDecision | None) -> None:
+        return None
+
+    def take_releases(self) -> list[int]:
+        return []
+
+    async def feed(self, step: int, samples: list[TrainSample], total: int) -> None:
+        return None
+
+    def sync(self, status: dict | None) -> None:
+        return None
+
+    async def boundary(self, model_path: str, version: int) -> None:
+        return None
+
+    def record(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+
+def make_pool(cfg: TrainConfig, cluster: procs.Cluster, admin: GatewayAdmin, http: aiohttp.ClientSession) -> HybridPool | StaticPool:  # fmt: skip
+    return HybridPool(cfg, cluster, admin, http) if cfg.elastic.enabled else StaticPool()

@@ -40,6 +40,7 @@ class StepRecord:
     loss: dict
     replicas_equal: bool
     planner: dict | None = None
+    elastic: dict | None = None  # the hybrid pool: joins, releases, rollbacks, hybrid_active, states
 
     def as_dict(self) -> dict:
         return asdict(self)
