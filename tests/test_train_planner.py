@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import pytest
 
+from libra.core.errors import InfeasibleError
 from libra.planner import ElasticConfig, HybridReplica, JoinState, PoolView
 from libra.planner.staleness import Finished
+from libra.runtime.train.batch import TrainSample
 from libra.runtime.train.config import load_train_config
 from libra.runtime.train.planning import (
+    StageLayout,
     decide,
     decision_log,
     make_controller,
@@ -107,3 +110,17 @@ def test_the_elastic_demo_config_is_embedded():
     assert cfg.elastic.enabled and cfg.rollout.groups_per_step % (cfg.trainer.replicas + 1) == 0
     off = load_train_config("elastic-demo", ["elastic.enabled=false"])
     assert not off.elastic.enabled
+
+
+def _sample(n: int) -> TrainSample:
+    return TrainSample(ids=[1] * n, mask=[1] * n, logprobs=[0.0] * n)
+
+
+def test_the_selector_picks_what_fits_and_logs_what_it_refused():
+    layout = StageLayout(load_train_config(None, ["trainer.memory_budget_mb=100"]))
+    packing, log = layout.before([_sample(100), _sample(120)])
+    assert log["longest"] == 120 and log["context_bound"] == 256 and packing == log["micro_batch_tokens"]
+    assert packing < 8192 and log["refused"] and all("> budget 100 MiB" in r for r in log["refused"])
+    assert log["mib"] <= 100
+    with pytest.raises(InfeasibleError, match="4096-token"):
+        StageLayout(load_train_config(None, ["trainer.memory_budget_mb=8"])).before([_sample(3000)])

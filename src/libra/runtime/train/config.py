@@ -106,6 +106,8 @@ class TrainerConfig(_Strict):
         True, description="Divide advantages by the group's std (GRPO); false: Dr. GRPO."
     )
     micro_batch_tokens: int = Field(8192, ge=256)
+    memory_budget_mb: int = Field(512, ge=1, le=1 << 24, description="A replica's training memory; EARL's selector packs micro-batches within it.")  # fmt: skip
+    context_edges: list[int] = Field([256, 512, 1024, 2048, 4096, 8192], min_length=1, description="The selector's context ranges.")  # fmt: skip
     threads: int = Field(1, ge=1, le=256)
     collective_timeout_s: float = Field(120.0, gt=0, le=3600, description="A replica waiting longer on its peers fails.")  # fmt: skip
     keep_checkpoints: int = Field(3, ge=1, le=1000)

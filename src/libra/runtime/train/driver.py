@@ -21,6 +21,7 @@ from pathlib import Path
 
 import aiohttp
 
+from libra.core.errors import InfeasibleError
 from libra.planner.staleness import StalenessGate
 from libra.runtime.launch.base import Launcher, LaunchError
 from libra.runtime.train import checkpoint as ckpt
@@ -31,7 +32,7 @@ from libra.runtime.train.config import TrainConfig
 from libra.runtime.train.control import Publisher, PublishFailed, TrainerLost, Trainers, TrainResult
 from libra.runtime.train.gateway_admin import GatewayAdmin
 from libra.runtime.train.metrics import DriverMetrics
-from libra.runtime.train.planning import decide, decision_log, make_controller, step_report
+from libra.runtime.train.planning import StageLayout, decide, decision_log, make_controller, step_report
 from libra.runtime.train.pool import make_pool
 from libra.runtime.train.report import RunFolder
 from libra.runtime.train.rollout import RolloutFailed, Rollouts, RolloutShape
@@ -90,7 +91,7 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
     rollouts = _rollouts(cfg, cluster, http, start.step)
     admin = GatewayAdmin(cluster.gateway_url, http, cfg.publish.admin_token)
     controller = make_controller(cfg.elastic.policy if cfg.elastic.enabled else None)
-    pool = make_pool(cfg, cluster, admin, http)
+    pool, layout = make_pool(cfg, cluster, admin, http), StageLayout(cfg)
     rollouts.start()
     try:
         for step in range(start.step, cfg.steps):
@@ -98,7 +99,10 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
             groups = await _guard(cluster, rollouts.take(step))  # rollouts and rewards
             clock.mark("rollout")
             samples = to_samples(groups, cfg.trainer.normalize_std)  # advantages
-            result = await _guard(cluster, _train(cfg, trainers, pool, step, samples))  # train, checkpoint
+            packing, selected = _select(layout, samples)  # EARL: the layout for this context range
+            result = await _guard(
+                cluster, _train(cfg, trainers, pool, step, samples, packing)
+            )  # train, checkpoint
             clock.mark("train")
             model = str(Path(result.checkpoint) / ckpt.MODEL)
             pub = await publisher.publish(model, result.version)
@@ -111,7 +115,7 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
             decision = decide(controller, report, pool.view())
             pool.carry_out(decision.elastic)  # borrow / release in the background
             rec = step_record(step, groups, samples, result, pub, clock, rollouts.drops.take())
-            rec.planner, rec.elastic = decision_log(decision, report), pool.record()
+            rec.planner, rec.elastic, rec.selector = decision_log(decision, report), pool.record(), selected
             folder.record(rec)
             if cfg.save_trajectories:
                 folder.save_trajectories(step, groups)
@@ -125,10 +129,20 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
         await pool.stop()
 
 
-async def _train(cfg: TrainConfig, trainers: Trainers, pool, step: int, samples) -> TrainResult:
+def _select(layout: StageLayout, samples) -> tuple[int, dict]:
+    try:
+        return layout.before(samples)
+    except InfeasibleError as e:
+        raise RunStopped(f"the selector refused this step: {e} (trainer.memory_budget_mb)") from None
+
+
+async def _train(cfg: TrainConfig, trainers: Trainers, pool, step: int, samples, packing: int) -> TrainResult:
     """The core replicas train the step; hybrid replicas get it too (their share is decided by
     the elastic membership on the core); the pool then mirrors the core's view of each join."""
-    extra = {"release": pool.take_releases()} if cfg.elastic.enabled else {}
+    extra = {
+        "micro_batch_tokens": packing,
+        **({"release": pool.take_releases()} if cfg.elastic.enabled else {}),
+    }
     total = sum(s.n_model_tokens for s in samples)
     result, _ = await asyncio.gather(trainers.train(step, samples, cfg.elastic.enabled, extra), pool.feed(step, samples, total))  # fmt: skip
     pool.sync(result.replicas[0].get("elastic"))

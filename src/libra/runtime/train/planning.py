@@ -19,8 +19,13 @@ from libra.core.trajectory import ToolStatus
 from libra.core.trajectory import Trajectory as PlanTrajectory
 from libra.core.trajectory import Turn as PlanTurn
 from libra.planner import ElasticConfig, ElasticController, PlanController, PoolView, StepReport
+from libra.planner.config import SelectorConfig
 from libra.planner.controller import ControlDecision
+from libra.planner.cpu_fit import MIB, CpuFitSelector, DenseDims
 from libra.planner.staleness import Finished
+from libra.runtime.engine.config import PRESETS
+from libra.runtime.train.batch import TrainSample
+from libra.runtime.train.config import TrainConfig
 from libra.runtime.train.rollout import Group
 from libra.runtime.train.trajectory import Trajectory, TrajState
 
@@ -70,3 +75,28 @@ def decision_log(dec: ControlDecision, report: StepReport) -> dict:
     measured = {"t_train_s": report.t_train_s, "t_rollout_s": report.t_rollout_s, "ratio": ratio,
                 "rollout_pressure": report.rollout_pressure, "trajectories": len(report.trajectories)}  # fmt: skip
     return {**dec.log(), "report": measured}
+
+
+class StageLayout:
+    """EARL's selector before each training stage: the micro-batch packing for the step's context
+    range (`planner.cpu_fit`, the built-in model's memory model against `trainer.memory_budget_mb`).
+    Packings that would not fit are refused and logged with the reason; if none fits, the step is
+    refused (`InfeasibleError`), never truncated."""
+
+    def __init__(self, cfg: TrainConfig):
+        t = cfg.trainer
+        dims = DenseDims.of(PRESETS[cfg.engine.model])
+        # `trainer.micro_batch_tokens` is the largest packing it may choose (the default run's).
+        packings = tuple(p for p in (1 << k for k in range(8, 18)) if p <= t.micro_batch_tokens) or (
+            t.micro_batch_tokens,
+        )
+        self.selector = CpuFitSelector(dims, t.memory_budget_mb * MIB, packings, SelectorConfig(edges=list(t.context_edges)))  # fmt: skip
+
+    def before(self, samples: Sequence[TrainSample]) -> tuple[int, dict]:
+        """(tokens per micro-batch, the log entry) for this step's longest sample."""
+        longest = max((len(s.ids) for s in samples), default=1)
+        fit = self.selector.choose(longest)
+        changed = self.selector.observe(longest) is not None
+        log = {"longest": longest, "context_bound": fit.context_bound, "micro_batch_tokens": fit.packed_tokens,
+               "mib": round(fit.bytes / MIB, 1), "changed": changed, "reason": fit.reason, "refused": list(fit.refused)}  # fmt: skip
+        return fit.packed_tokens, log
