@@ -37,12 +37,16 @@ COLUMNS = [
     ("rollout tok/s", ("rollout_throughput_tokens_per_s",)),
     ("step s", ("mean_step_time_s",)),
     ("rollout s", ("mean_rollout_makespan_s",)),
+    ("limit s", ("makespan_lower_bound_s",)),
+    ("to limit", ("distance_to_limit",)),
     ("train s", ("mean_train_time_s",)),
     ("GPU util", ("gpu_utilization",)),
     ("route acc", ("routing", "accuracy")),
     ("migrated", ("routing", "migrated_token_ratio")),
     ("mean ACT s", ("actions", "mean_act_s")),
     ("p99 ACT s", ("actions", "p99_act_s")),
+    ("ideal ACT s", ("actions", "ideal_mean_act_s")),
+    ("to limit", ("actions", "distance_to_limit")),
 ]
 
 
@@ -74,7 +78,8 @@ def ladder_table(summary: dict):
 
     systems = summary.get("systems", {})
     rows, prev = [], None
-    for k, (name, adds) in enumerate(LADDER):
+    for k, rung in enumerate(LADDER):
+        name, adds = rung.system, rung.adds
         if name not in systems:
             continue
         tput = systems[name]["throughput_tokens_per_s"]
@@ -82,7 +87,7 @@ def ladder_table(summary: dict):
         if prev is not None:
             change = f"{100 * (tput / prev[1] - 1):+.1f}%"
             if prev[0] != k - 1:
-                change += f" (vs {LADDER[prev[0]][0]})"
+                change += f" (vs {LADDER[prev[0]].system})"
         rows.append([name, adds, f"{tput:,.0f}", change])
         prev = (k, tput)
     if len(rows) < 2:
@@ -105,12 +110,29 @@ def libra_ratios(summary: dict) -> str | None:
     return f"libra: {', '.join(parts)}" if parts else None
 
 
+def trade_off_lines(summary: dict) -> list[str]:
+    """Below the ladder: where each mechanism pays on the shipped map, and libra's distance to the
+    limit in this run (its rollout makespan over the makespan's lower bound)."""
+    from libra.sim.explore.atlas import load_map, pays_lines
+
+    systems = summary.get("systems", {})
+    atlas = load_map()
+    lines = pays_lines(atlas) if atlas is not None else []
+    for name in ("libra", "libra+tail"):
+        m = systems.get(name)
+        if m is not None and "distance_to_limit" in m:
+            lines.append(f"{name}: rollout makespan {m['mean_rollout_makespan_s']:.0f} s, "
+                         f"{m['distance_to_limit']:.0%} above its lower bound ({m['makespan_lower_bound_s']:.0f} s)")  # fmt: skip
+    return lines
+
+
 def ladder_notes(summary: dict) -> list[str]:
     """Why a rung may add nothing: the planner chose one bucket, or the pool lent nothing."""
     from libra.sim.rl.planned import BUCKETED, LADDER
 
     systems, notes = summary.get("systems", {}), []
-    single = [n for n, _ in LADDER if n in BUCKETED and n in systems and "routing" not in systems[n]]
+    single = [r.system for r in LADDER if r.system in BUCKETED and r.system in systems]
+    single = [n for n in single if "routing" not in systems[n]]
     if single:
         notes.append(
             f"{', '.join(single)}: the planner chose one bucket (it predicted no split by length would be faster), so nothing was routed"
@@ -193,6 +215,8 @@ def simulate(scenario, trace_file, systems, steps, seed, out_dir, list_only, ove
         console.print(ladder)
         for note in ladder_notes(result):
             console.print(note, soft_wrap=True)
+        for line in trade_off_lines(result):
+            console.print(line, soft_wrap=True)
     if ratios is not None:
         console.print(ratios, soft_wrap=True)
     compiled = native.active()
