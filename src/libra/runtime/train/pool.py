@@ -224,7 +224,8 @@ class HybridPool:
             "joins": c.joins,
             "releases": c.releases,
             "rollbacks": c.rollbacks,
-            "hybrid_active": sum(1 for s in self.slots if s.replica.state == JoinState.ACTIVE),
+            # the core's count: a replica being released still trains until the step boundary
+            "hybrid_active": int(self.core_status.get("hybrid_active", 0)),
             "states": {s.replica.id: s.replica.state.name for s in self.slots},
             "core": self.core_status,
             "events": events,
