@@ -27,8 +27,7 @@ import httpx  # noqa: E402
 
 from benchmarks.common import report  # noqa: E402
 from libra.runtime.sandbox.client import ServiceProcess  # noqa: E402
-from libra.runtime.sandbox.config import SandboxConfig  # noqa: E402
-from libra.runtime.sandbox.sandbox import probe  # noqa: E402
+from libra.runtime.sandbox.sandbox import host_problem  # noqa: E402
 
 
 def latencies(c: httpx.Client, body: dict, n: int, gap_s: float = 0.0) -> list[float]:
@@ -56,9 +55,8 @@ async def burst(url: str, n: int) -> float:
 
 
 def main() -> None:
-    iso = probe(SandboxConfig())
-    if not iso.sandboxed:
-        report("actions_service", {"skipped": iso.reason})
+    if reason := host_problem():
+        report("actions_service", {"skipped": reason})
         return
     cfg = Path(tempfile.mkdtemp()) / "actions.yaml"
     cfg.write_text(json.dumps({"warm_pool": 4}))

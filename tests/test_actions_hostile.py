@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 
 import httpx
 import pytest
 
 from libra.runtime.sandbox.client import ServiceProcess
-from libra.runtime.sandbox.config import SandboxConfig
 from libra.runtime.sandbox.sandbox import processes_of
 from tests.test_actions_service import needs_sandbox, sandbox_available
 
-UIDS = range(SandboxConfig().uid_base, SandboxConfig().uid_base + SandboxConfig().uid_count)
 SOURCE = __import__("libra.runtime.sandbox.service", fromlist=["x"]).__file__
 
 HOSTILE = {
@@ -73,11 +73,16 @@ def run_all(url: str, codes: dict[str, tuple[str, float]]) -> dict[str, dict]:
     return asyncio.run(main())
 
 
-def leftovers() -> list[str]:
-    """Command lines of sandbox-uid processes, except the warm pool's idle zygotes (pre-started
-    for future requests, they belong to no action yet)."""
+def uid_range(url: str) -> range:
+    lo, hi = httpx.get(f"{url}/health").json()["uids"]
+    return range(lo, hi + 1)
+
+
+def leftovers(uids: range) -> list[str]:
+    """Command lines of the service's sandbox-uid processes, except the warm pool's idle zygotes
+    (pre-started for future requests, they belong to no action yet)."""
     out = []
-    for pid in processes_of(UIDS):
+    for pid in processes_of(uids):
         try:
             cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
@@ -87,10 +92,11 @@ def leftovers() -> list[str]:
     return out
 
 
-def settle(deadline_s: float = 10.0) -> list[str]:
+def settle(url: str, deadline_s: float = 10.0) -> list[str]:
     """Leftovers, after giving the kernel a moment to tear namespaces down."""
     end = time.monotonic() + deadline_s
-    while (left := leftovers()) and time.monotonic() < end:
+    uids = uid_range(url)
+    while (left := leftovers(uids)) and time.monotonic() < end:
         time.sleep(0.1)
     return left
 
@@ -128,7 +134,7 @@ def test_hostile_programs_are_contained_and_reported(service):
         assert r[name]["status"] == "Success" and r[name]["run_result"]["stdout"] == "parent done\n"
         assert r[name]["run_result"]["execution_time"] < 30  # nobody waited for the 600 s sleeper
     assert elapsed < 90
-    assert settle() == []  # no process outlives its action
+    assert settle(service.url) == []  # no process outlives its action
     health = httpx.get(f"{service.url}/health").json()
     assert health["status"] == "ok" and health["running"] == 0 and health["cores_busy"] == 0
     ok = httpx.post(f"{service.url}/run_code", json={"code": "print('still serving')"}).json()
@@ -154,4 +160,38 @@ def test_500_concurrent_requests_are_all_answered(service):
     assert time.monotonic() - t0 < 60
     metrics = httpx.get(f"{service.url}/metrics").text
     assert "libra_actions_queue_length 0.0" in metrics
-    assert settle() == []
+    assert settle(service.url) == []
+
+
+@needs_sandbox
+def test_two_services_side_by_side_never_touch_each_others_sandboxes(tmp_path):
+    """Each service owns its uid range (a lock per block of uids), so the leftovers one kills after
+    a run are never the other's programs: 300 + 300 correct programs, all answered correctly. A
+    service told to use a range another one holds refuses to start, naming the holder."""
+    cfg = tmp_path / "actions.yaml"
+    cfg.write_text(json.dumps({"warm_pool": 2, "sandbox": {"uid_count": 128}}))
+    with ServiceProcess(str(cfg)) as a, ServiceProcess(str(cfg)) as b:
+        ra, rb = uid_range(a.url), uid_range(b.url)
+        assert not set(ra) & set(rb), (ra, rb)
+
+        async def burst(url: str, tag: int):
+            limits = httpx.Limits(max_connections=300, max_keepalive_connections=300)
+            async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as c:
+                code = "import time, sys\ntime.sleep(0.05)\nprint(int(sys.stdin.read()) * 7)"
+                return await asyncio.gather(
+                    *[c.post("/run_code", json={"code": code, "stdin": f"{tag + i}"}) for i in range(300)]
+                )
+
+        async def both():
+            return await asyncio.gather(burst(a.url, 0), burst(b.url, 1000))
+
+        for tag, results in zip((0, 1000), asyncio.run(both()), strict=True):
+            bodies = [r.json() for r in results]
+            bad = [x for x in bodies if x["status"] != "Success"]
+            assert not bad, bad[:3]
+            assert [x["run_result"]["stdout"] for x in bodies] == [f"{(tag + i) * 7}\n" for i in range(300)]
+        r = subprocess.run([sys.executable, "-m", "libra", "serve", "actions", "--port", "0",
+                            "--set", f"sandbox.uid_base={ra.start}"],
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert r.returncode == 2 and "sandbox.uid_base" in r.stderr and "held by pid" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr

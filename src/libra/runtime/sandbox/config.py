@@ -29,7 +29,9 @@ class SandboxConfig(BaseModel):
     )
     default_timeout_s: float = Field(10.0, gt=0)
     max_timeout_s: float = Field(900.0, gt=0)
-    uid_base: int = Field(61000, ge=1000, description="First uid of the range sandboxes run under.")
+    uid_base: int | None = Field(
+        None, ge=1000, description="First uid of the range sandboxes run under (default: a free range)."
+    )
     uid_count: int = Field(4096, ge=2, description="Uids in the range (sessions plus concurrent runs).")
     workdir_root: str | None = Field(
         None, description="Where sandboxes' work dirs live (default: a temp dir)."

@@ -83,8 +83,8 @@ class Isolation:
     static_args: list[str] = field(default_factory=list)
 
 
-def probe(cfg: SandboxConfig) -> Isolation:
-    """Check that bubblewrap isolation really works here; say why when it does not."""
+def host_problem() -> str | None:
+    """Why this host cannot sandbox at all (a missing tool, not root), or None."""
     missing = [t for t in TOOLS if shutil.which(t) is None]
     if missing:
         pkg = {
@@ -94,16 +94,22 @@ def probe(cfg: SandboxConfig) -> Isolation:
             "taskset": "util-linux",
         }
         need = sorted({pkg[m] for m in missing})
-        return Isolation(
-            False, f"missing {', '.join(missing)} (install the Debian package(s) {', '.join(need)})"
-        )
+        return f"missing {', '.join(missing)} (install the Debian package(s) {', '.join(need)})"
     if os.geteuid() != 0:
-        return Isolation(False, "the sandbox runs actions under their own uids, which needs root")
+        return "the sandbox runs actions under their own uids, which needs root"
+    return None
+
+
+def probe(cfg: SandboxConfig, uid: int) -> Isolation:
+    """Check that bubblewrap isolation really works here, as `uid` (one the caller owns); say why
+    when it does not."""
+    if problem := host_problem():
+        return Isolation(False, problem)
     iso = Isolation(True, static_args=bwrap_args(cfg))
     try:
         r = subprocess.run(
-            ["bwrap", *iso.static_args, "--", "setpriv", "--reuid", str(cfg.uid_base), "--regid",
-             str(cfg.uid_base), "--clear-groups", "--", "/bin/true"],
+            ["bwrap", *iso.static_args, "--", "setpriv", "--reuid", str(uid), "--regid",
+             str(uid), "--clear-groups", "--", "/bin/true"],
             capture_output=True, text=True, timeout=20,
         )  # fmt: skip
     except (OSError, subprocess.TimeoutExpired) as e:

@@ -34,6 +34,7 @@ from libra.runtime.sandbox.dispatch import Dispatcher, Outcome
 from libra.runtime.sandbox.metrics import ServiceMetrics
 from libra.runtime.sandbox.sandbox import ExecResult, Isolation, Limits, RunStatus, execute, python_executable
 from libra.runtime.sandbox.tools import call_http_tool, parse_summary, python_tests_argv
+from libra.runtime.sandbox.uidrange import UidRange
 from libra.runtime.sandbox.warm import WarmPool
 from libra.runtime.sandbox.workspace import UidPool, Workspaces, decode_files
 
@@ -105,14 +106,17 @@ def _cpulist(text: str) -> list[int]:
 
 
 class ActionsService:
-    def __init__(self, cfg: ServiceConfig, isolation: Isolation):
+    def __init__(self, cfg: ServiceConfig, isolation: Isolation, uids: UidRange | None = None):
         self.cfg, self.iso = cfg, isolation
         node = local_cores(cfg)
         self.cores = sorted(c for d in node.numa for c in d)
         self.orch = Orchestrator(cpu=CpuManager([node]), quota=QuotaManager(cfg.quotas))
         self.metrics = ServiceMetrics(len(self.cores))
         self.dispatch = Dispatcher(self.orch, self._gauges)
-        self.uids = UidPool(cfg.sandbox.uid_base, cfg.sandbox.uid_count)
+        # Sandboxed, the uids are a range this process holds the locks of (uidrange.py), so the
+        # leftovers it kills after a run can only be its own. Unsandboxed, they are never used.
+        base = uids.base if uids is not None else (cfg.sandbox.uid_base or 0)
+        self.uids = UidPool(base, cfg.sandbox.uid_count)
         self.ws = Workspaces(cfg.sandbox.workdir_root, chown=isolation.sandboxed)
         self.sessions: dict[str, Session] = {}
         self.python = python_executable(cfg.sandbox)
@@ -414,6 +418,7 @@ class ActionsService:
             "status": "ok", "isolation": "bwrap" if self.iso.sandboxed else "none",
             "cores": len(self.cores), "cores_busy": self.orch.cpu.busy_count(), "queue": self.orch.waiting,
             "running": self.orch.running, "sessions": len(self.sessions),
+            "uids": [self.uids.range.start, self.uids.range.stop - 1],
         })  # fmt: skip
 
     async def metrics_page(self, request: web.Request) -> web.Response:
