@@ -299,7 +299,7 @@ def test_bad_requests_get_4xx_with_json(http):
         assert r.status_code == status, (r.request.url, r.text[:200])
         assert "error" in r.json()
     detail = cases[2][0].json()["detail"][0]
-    assert "cobol" in detail["allowed"] and "python" in detail["allowed"]
+    assert detail["field"] == "language" and detail["value"] == "cobol" and "python" in detail["allowed"]
     assert http.get("/health").json()["status"] == "ok"
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -23,13 +24,15 @@ def isolation(cfg: ServiceConfig, insecure_no_sandbox: bool) -> tuple[Isolation,
     """bubblewrap when the host allows it, under a uid range this service owns alone; without it,
     only on the caller's explicit opt-out."""
     from libra.runtime.sandbox import uidrange
-    from libra.runtime.sandbox.sandbox import Isolation, host_problem, probe
+    from libra.runtime.sandbox.sandbox import Isolation, contain, host_problem, probe
 
     reason = host_problem()
     if reason is None:
         uids = uidrange.acquire(cfg.sandbox.uid_base, cfg.sandbox.uid_count)
         iso = probe(cfg.sandbox, uids.base)
         if iso.sandboxed:
+            cores = sorted(cfg.cores if cfg.cores is not None else os.sched_getaffinity(0))
+            contain(iso, cfg.sandbox, f"libra-actions-{uids.base}", cores)
             return iso, uids
         uids.release()
         reason = iso.reason
@@ -67,6 +70,11 @@ async def serve(cfg: ServiceConfig, iso: Isolation, uids: UidRange | None) -> No
     port = site._server.sockets[0].getsockname()[1]
     kind = "bwrap" if iso.sandboxed else "NONE"
     owned = f", uids: {uids.base}-{uids.base + uids.count - 1}" if uids is not None else ""
+    limits = "".join(f"\n  {k}: {v}" for k, v in iso.notes.items())
+    found = service.toolchains
+    missing = "".join(f"\n  {k}: {v}" for k, v in found.missing.items())
+    print(f"languages: {', '.join(found.available)}" + (f"\nmissing languages:{missing}" if missing else "")
+          + (f"\nlimits:{limits}" if limits else ""), file=sys.stderr)  # fmt: skip
     print(f"libra actions service listening on http://{cfg.host}:{port} "
           f"(isolation: {kind}, cores: {len(service.cores)}{owned})", file=sys.stderr, flush=True)  # fmt: skip
     await serve_until_signalled(runner)

@@ -141,3 +141,21 @@ def _named_in_passwd(base: int, count: int) -> str | None:
         if base <= p.pw_uid < base + count:
             return p.pw_name
     return None
+
+
+class UidPool:
+    """The uids of an owned range, handed out one per sandbox and returned when it is gone."""
+
+    def __init__(self, base: int, count: int):
+        self._free = list(range(base + count - 1, base - 1, -1))
+        self.range = range(base, base + count)
+
+    def acquire(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def release(self, uid: int) -> None:
+        self._free.append(uid)
+
+    @property
+    def available(self) -> int:
+        return len(self._free)
