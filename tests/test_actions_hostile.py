@@ -65,6 +65,7 @@ def service(tmp_path_factory):
                     "max_memory_mb": 512,
                     "nproc": 64,
                     "output_limit_bytes": 64_000,
+                    "disk_mb": 64,
                 },
             }
         )
@@ -73,11 +74,13 @@ def service(tmp_path_factory):
         yield svc
 
 
-def run_all(url: str, codes: dict[str, tuple[str, float]]) -> dict[str, dict]:
+def run_all(
+    url: str, codes: dict[str, tuple[str, float]], extra: dict[str, dict] | None = None
+) -> dict[str, dict]:
     async def main():
         async with httpx.AsyncClient(base_url=url, timeout=120) as c:
-            rs = await asyncio.gather(*[c.post("/run_code", json={"code": code, "run_timeout": t})
-                                        for code, t in codes.values()])  # fmt: skip
+            rs = await asyncio.gather(*[c.post("/run_code", json={"code": code, "run_timeout": t, **(extra or {}).get(k, {})})
+                                        for k, (code, t) in codes.items()])  # fmt: skip
             return {name: r.json() for name, r in zip(codes, rs, strict=True)}
 
     return asyncio.run(main())
@@ -151,6 +154,136 @@ def test_hostile_programs_are_contained_and_reported(service):
     assert health["status"] == "ok" and health["running"] == 0 and health["cores_busy"] == 0
     ok = httpx.post(f"{service.url}/run_code", json={"code": "print('still serving')"}).json()
     assert ok["run_result"]["stdout"] == "still serving\n"
+
+
+# Programs that attack the service through its file handling and the sandbox's limits. `fetch` is the
+# request's fetch_files.
+FILE_ATTACKS = {
+    "fifo": ("import os\nos.mkfifo('out.txt')", ["out.txt"]),
+    "socket": ("import socket\ns = socket.socket(socket.AF_UNIX)\ns.bind('sock')", ["sock"]),
+    "symlink to a secret": ("import os\nos.symlink('/etc/shadow', 'out')", ["out"]),
+    "fifo in /tmp": ("import os\nos.mkfifo('/tmp/p')", ["/tmp/p"]),
+    "fifo on the way": ("import os\nos.mkfifo('d')", ["d/x"]),
+}
+FILL_DISK = """import os
+total = 0
+block = b'x' * 2**20
+try:
+    for d in ('/workspace', '/tmp'):
+        for i in range(10**6):
+            with open(f'{d}/fill{i}', 'wb') as f:
+                f.write(block)
+            total += len(block)
+except OSError as e:
+    print(total // 2**20, e.errno)
+"""
+MANY_FILES = """import os
+try:
+    for i in range(10**7):
+        open(f'/tmp/f{i}', 'w').close()
+except OSError as e:
+    print(i, e.errno)
+"""
+WIDEN = """import os
+granted = sorted(os.sched_getaffinity(0))
+try:
+    os.sched_setaffinity(0, range(os.cpu_count()))
+    outcome = 'allowed'
+except PermissionError:
+    outcome = 'refused'
+print(granted == sorted(os.sched_getaffinity(0)), len(granted), outcome)
+"""
+
+
+def assert_healthy(url: str) -> None:
+    health = httpx.get(f"{url}/health", timeout=10).json()
+    assert health["status"] == "ok" and health["running"] == 0 and health["cores_busy"] == 0, health
+    ok = httpx.post(f"{url}/run_code", json={"code": "print('still serving')"}, timeout=60).json()
+    assert ok["run_result"]["stdout"] == "still serving\n", ok
+
+
+@needs_sandbox
+def test_files_that_are_not_regular_never_hang_the_service(tmp_path):
+    """Bug 1: a FIFO asked for in fetch_files (or left where a session's next `files` writes) blocked
+    the event loop in open(): /health stopped, SIGTERM did nothing. Now file I/O runs in worker
+    threads and opens only regular files, non-blocking; anything else is named in the answer, and
+    the service stays responsive and stops on SIGTERM."""
+    cfg = tmp_path / "actions.yaml"
+    cfg.write_text(json.dumps({"warm_pool": 1, "sandbox": {"uid_count": 64}}))
+    with ServiceProcess(str(cfg)) as svc:
+        bodies = {k: (c, 5) for k, (c, _) in FILE_ATTACKS.items()}
+        r = run_all(svc.url, bodies, {k: {"fetch_files": f} for k, (_, f) in FILE_ATTACKS.items()})
+        for name, (_, fetch) in FILE_ATTACKS.items():
+            body = r[name]
+            assert body["status"] == "Success" and body["files"] == {}, (name, body)
+            assert f"{fetch[0]}:" in body["message"], (name, body["message"])
+        assert "a FIFO" in r["fifo"]["message"] and "a socket" in r["socket"]["message"]
+        assert "a symbolic link" in r["symlink to a secret"]["message"]
+        t0 = time.monotonic()
+        assert httpx.get(f"{svc.url}/health", timeout=5).json()["status"] == "ok"
+        assert time.monotonic() - t0 < 5
+        sid = httpx.post(f"{svc.url}/sessions", json={}).json()["session_id"]
+        made = httpx.post(
+            f"{svc.url}/sessions/{sid}/actions", json={"command": "mkfifo x; mkdir -p /tmp/d"}
+        ).json()
+        assert made["status"] == "Success", made
+        for name in ("x", "/dev/null", "/dev/sda", "/proc/1/mem"):
+            bad = httpx.post(
+                f"{svc.url}/sessions/{sid}/actions", json={"command": "true", "files": {name: "eA=="}}
+            )
+            assert bad.status_code == 422 and bad.json()["field"] == f"files.{name}", (name, bad.text[:300])
+        bad = httpx.post(f"{svc.url}/run_code", json={"code": "pass", "fetch_files": ["/dev/zero"]})
+        assert bad.status_code == 422 and bad.json()["field"] == "fetch_files./dev/zero", bad.text[:300]
+        httpx.delete(f"{svc.url}/sessions/{sid}")
+        assert_healthy(svc.url)
+        svc.proc.terminate()
+        assert svc.proc.wait(timeout=30) == 0  # SIGTERM stops it (it was SIGKILL only)
+
+
+@needs_sandbox
+def test_disk_and_cores_are_bounded(service):
+    """Items 10 and 11: everything a sandbox writes (/workspace, /tmp) shares one bound (disk_mb, 64
+    here; it wrote 1.2 GB in 3.3 s before), files too (inodes), and a program cannot widen its CPU
+    affinity beyond the cores it was granted (a cpuset, or seccomp where there is none)."""
+    r = run_all(service.url, {"fill": (FILL_DISK, 60), "files": (MANY_FILES, 60), "widen": (WIDEN, 10)})
+    mb, err = r["fill"]["run_result"]["stdout"].split()
+    assert int(mb) <= 64 and int(err) == 28, r["fill"]  # ENOSPC
+    count, err = r["files"]["run_result"]["stdout"].split()
+    assert int(count) < 10**6 and int(err) == 28, r["files"]
+    same, n, _ = r["widen"]["run_result"]["stdout"].split()
+    assert same == "True" and n == "1", r["widen"]
+    cold = httpx.post(f"{service.url}/run_code", json={"code": WIDEN, "fetch_files": ["/cold/x"]}).json()
+    assert cold["run_result"]["stdout"].split()[:2] == ["True", "1"], cold
+    assert_healthy(service.url)
+    assert settle(service.url) == []
+
+
+@pytest.fixture(scope="module")
+def fallback(tmp_path_factory):
+    """The same service with cgroups off: what a host without cgroup delegation gets."""
+    if sandbox_available():
+        pytest.skip(sandbox_available())
+    cfg = tmp_path_factory.mktemp("fallback") / "actions.yaml"
+    cfg.write_text(json.dumps({"warm_pool": 1, "sandbox": {"memory_mb": 256, "max_memory_mb": 512, "nproc": 64,
+                                                           "disk_mb": 64, "cgroups": "off", "uid_count": 64}}))  # fmt: skip
+    with ServiceProcess(str(cfg)) as svc:
+        yield svc
+
+
+@needs_sandbox
+def test_without_cgroups_the_fallbacks_still_contain(fallback):
+    """Where the host gives no cgroup: memory is an address-space limit (MemoryError), and the
+    seccomp filter refuses sched_setaffinity, warm and cold, so the granted core still holds."""
+    limits = httpx.get(f"{fallback.url}/health").json()["limits"]
+    assert limits["memory"].startswith("address space") and "seccomp" in limits["cores"], limits
+    bomb = "chunks = []\nwhile True:\n    chunks.append(bytearray(50 * 2**20))"
+    r = run_all(fallback.url, {"bomb": (bomb, 10), "widen": (WIDEN, 10), "fill": (FILL_DISK, 60)})
+    assert r["bomb"]["status"] == "Failed" and "MemoryError" in r["bomb"]["run_result"]["stderr"], r["bomb"]
+    assert r["widen"]["run_result"]["stdout"].split() == ["True", "1", "refused"], r["widen"]
+    cold = httpx.post(f"{fallback.url}/run_code", json={"code": WIDEN, "fetch_files": ["/cold/x"]}).json()
+    assert cold["run_result"]["stdout"].split() == ["True", "1", "refused"], cold
+    assert int(r["fill"]["run_result"]["stdout"].split()[0]) <= 64
+    assert_healthy(fallback.url)
 
 
 @needs_sandbox

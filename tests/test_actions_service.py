@@ -83,7 +83,7 @@ def service(tmp_path_factory, judge):
     cfg = tmp_path_factory.mktemp("svc") / "actions.yaml"
     cfg.write_text(json.dumps({
         "warm_pool": 2, "max_body_bytes": 2**20, "max_code_bytes": 2**18,
-        "sandbox": {"default_timeout_s": 5, "max_timeout_s": 30, "output_limit_bytes": 100_000, "max_memory_mb": 4096,
+        "sandbox": {"default_timeout_s": 5, "max_timeout_s": 30, "max_memory_mb": 4096,
                     "uid_count": 64},  # few, so a leaked uid shows (test_files_the_work_dir_...)
         "quotas": {"judge": {"max_concurrency": 2, "tokens_per_period": 6, "period_s": 2}},
         "http_tools": {"judge": {"url": f"http://127.0.0.1:{judge.port}/score", "quota": "judge"}},
@@ -141,6 +141,147 @@ def test_run_code_timeout_is_reported(http):
     r = http.post("/run_code", json={"code": "import time; time.sleep(30)", "run_timeout": 1}).json()
     assert r["status"] == "Failed" and r["run_result"]["status"] == "TimeLimitExceeded"
     assert r["run_result"]["return_code"] is None and 1 <= r["run_result"]["execution_time"] < 8
+
+
+def cold(body: dict) -> dict:
+    """The same request, on the cold path: naming an absolute area other than /workspace and /tmp
+    needs binds made at sandbox start, which a warm sandbox does not have."""
+    return {**body, "fetch_files": [*body.get("fetch_files", []), "/cold/none"]}
+
+
+# Programs whose output shows how they were run: the warm zygote must print exactly what
+# `python _libra_main.py` does (the cold path runs exactly that).
+PYTHON_PROBES = {
+    "syntax error": "int a = 1",
+    "indentation": "def f():\nreturn 1",
+    "deep traceback": "def f(n):\n    return 1 / n if n == 0 else f(n - 1)\nf(3)",
+    "exit message": "import sys\nsys.exit('bye')",
+    "exit code": "raise SystemExit(3)",
+    "excepthook": "import sys\nsys.excepthook = lambda *a: print('hooked', a[0].__name__)\nraise KeyError(1)",
+    "identity": "import sys, os\nprint(__name__, __file__, sys.argv, sys.path[0], os.getcwd())",
+    "chained": "try:\n    1 / 0\nexcept ZeroDivisionError as e:\n    raise ValueError('x') from e",
+}
+
+
+@needs_sandbox
+def test_python_output_is_what_plain_python_prints_on_every_path(http, tmp_path):
+    """Bug 3: a syntax error showed the service's own frames (`_libra_zygote`) on the warm path only,
+    so the model saw different output depending on memory_limit_MB. Warm, cold and any memory limit
+    now print the same, and a syntax error is exactly what `python3 file.py` prints."""
+    for name, code in PYTHON_PROBES.items():
+        warm = http.post("/run_code", json={"code": code}).json()["run_result"]
+        limited = http.post("/run_code", json={"code": code, "memory_limit_MB": 512}).json()["run_result"]
+        coldr = http.post("/run_code", json=cold({"code": code})).json()["run_result"]
+        for other in (limited, coldr):
+            assert (other["stdout"], other["stderr"], other["return_code"]) == (
+                warm["stdout"], warm["stderr"], warm["return_code"]), name  # fmt: skip
+        assert "_libra_zygote" not in warm["stderr"] and "<string>" not in warm["stderr"], (name, warm)
+    script = tmp_path / "_libra_main.py"
+    script.write_text(PYTHON_PROBES["syntax error"])
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path)
+    got = http.post("/run_code", json={"code": PYTHON_PROBES["syntax error"]}).json()["run_result"]
+    assert got["stderr"] == plain.stderr.replace(str(script), "/workspace/_libra_main.py")
+
+
+@needs_sandbox
+def test_absolute_paths_map_inside_the_sandbox(http):
+    """Item 6: SandboxFusion's own test writes `/mnt/b` and fetches it back; `files` may name
+    /tmp and other absolute paths too, and `files: {"x": null}` is skipped, as there."""
+    r = http.post("/run_code", json={
+        "code": "open('a.txt', 'w').write('secret'); open('/mnt/b', 'w').write('sauce')\n"
+                "print(open('/data/in/x.txt').read(), open('/tmp/t.txt').read(), __import__('os').path.exists('skip'))",
+        "files": {"/data/in/x.txt": b64("dx"), "/tmp/t.txt": b64("tx"), "skip": None},
+        "fetch_files": ["a.txt", "/mnt/b", "/workspace/a.txt"],
+    }).json()  # fmt: skip
+    assert r["status"] == "Success", r
+    assert r["run_result"]["stdout"] == "dx tx False\n"
+    assert {k: base64.b64decode(v) for k, v in r["files"].items()} == {
+        "a.txt": b"secret", "/mnt/b": b"sauce", "/workspace/a.txt": b"secret"}  # fmt: skip
+    # Nothing maps outside: not the system, not the interpreter's tree, not /proc or /dev.
+    top = sys.prefix.split("/")[1]
+    for name in (
+        "/etc/passwd",
+        "/usr/x",
+        f"/{top}/x",
+        "/proc/self/environ",
+        "/dev/zero",
+        "/",
+        "/mnt",
+        "/a/../b",
+    ):
+        for body in ({"code": "pass", "files": {name: b64("x")}}, {"code": "pass", "fetch_files": [name]}):
+            bad = http.post("/run_code", json=body)
+            assert bad.status_code == 422, (name, bad.text[:300])
+            assert name[:50] in json.dumps(bad.json()), bad.text[:300]
+    # A session keeps its absolute areas from action to action.
+    sid = http.post("/sessions", json={"files": {"/opt/app/cfg": b64("v1")}}).json()["session_id"]
+    a = http.post(
+        f"/sessions/{sid}/actions", json={"command": "cat /opt/app/cfg; echo v2 > /opt/app/out"}
+    ).json()
+    b = http.post(
+        f"/sessions/{sid}/actions", json={"command": "cat /opt/app/out", "fetch_files": ["/opt/app/out"]}
+    )
+    assert a["run_result"]["stdout"] == "v1" and b.json()["run_result"]["stdout"] == "v2\n", (a, b.text)
+    assert base64.b64decode(b.json()["files"]["/opt/app/out"]) == b"v2\n"
+    http.delete(f"/sessions/{sid}")
+
+
+@needs_sandbox
+def test_output_is_whole_by_default_and_a_cut_is_reported(http):
+    """Item 7: a 5 MB answer comes back whole (SandboxFusion's default: the whole output); a request
+    may ask for less, never for more than the service allows, and a cut says so."""
+    code = "import sys\nsys.stdout.write('y' * (5 * 2**20))"
+    whole = http.post("/run_code", json={"code": code}).json()
+    assert whole["status"] == "Success" and len(whole["run_result"]["stdout"]) == 5 * 2**20
+    assert "truncated" not in whole["message"]
+    cut = http.post("/run_code", json={"code": code, "output_limit_bytes": 1000}).json()
+    assert cut["run_result"]["stdout"].startswith("y" * 1000) and len(cut["run_result"]["stdout"]) < 1100
+    assert f"{5 * 2**20 - 1000} bytes dropped" in cut["message"]
+    over = http.post("/run_code", json={"code": code, "output_limit_bytes": 2**40})
+    assert over.status_code == 422 and over.json()["field"] == "output_limit_bytes"
+
+
+@needs_sandbox
+def test_memory_is_resident_and_minus_one_means_no_limit_of_its_own(http):
+    """Item 8: 32 threads start at verl's 1 GB (an address-space limit allowed about 22, each thread
+    reserving a malloc arena); a program over its limit is killed and told so; -1 runs up to the
+    service's ceiling, as SandboxFusion's -1 means no limit."""
+    threads = ("from concurrent.futures import ThreadPoolExecutor\nimport threading\nb = threading.Barrier(33)\n"
+               "with ThreadPoolExecutor(32) as p:\n    fs = [p.submit(b.wait) for _ in range(32)]\n    b.wait()\n"
+               "    print(len(threading.enumerate()))")  # fmt: skip
+    r = http.post("/run_code", json={"code": threads, "memory_limit_MB": 1024}).json()
+    assert r["status"] == "Success" and r["run_result"]["stdout"] == "33\n", r
+    hog = "x = bytearray(300 * 2**20)\nx[::4096] = b'1' * len(x[::4096])\nprint('survived')"
+    health = http.get("/health").json()
+    killed = http.post("/run_code", json={"code": hog, "memory_limit_MB": 100}).json()
+    assert killed["status"] == "Failed" and "survived" not in killed["run_result"]["stdout"], killed
+    if health["limits"]["memory"].startswith("resident"):
+        assert "over its memory limit" in killed["message"]
+    free = http.post("/run_code", json={"code": hog, "memory_limit_MB": -1}).json()
+    assert free["status"] == "Success" and free["run_result"]["stdout"] == "survived\n", free
+
+
+@needs_sandbox
+def test_ping_answers_as_sandboxfusion_does(http):
+    r = http.get("/v1/ping")
+    assert r.status_code == 200 and r.json() == "pong"
+
+
+@needs_sandbox
+def test_errors_quote_a_short_prefix_never_the_request(http):
+    """Bug 4: an unsupported language in a 4.2 MB request got a 4.2 MB error (field `body`, value the
+    whole request). Now the field is named, with what is allowed, and at most a short prefix."""
+    big = "x" * (2**18 - 100)
+    for body in ({"code": big, "language": "cobol"}, {"code": big, "language": "z" * 10_000},
+                 {"code": big, "memory_limit_MB": "lots"}, {"code": big, "files": {"a": 1}}):  # fmt: skip
+        r = http.post("/run_code", json=body)
+        assert r.status_code == 422 and len(r.content) < 3000, (r.status_code, r.text[:300])
+    r = http.post("/run_code", json={"code": big, "language": "cobol"}).json()["detail"][0]
+    assert r["field"] == "language" and r["value"] == "cobol" and "cpp" in r["allowed"]
+    sid = http.post("/sessions", json={}).json()["session_id"]
+    r = http.post(f"/sessions/{sid}/actions", json={"command": big, "tool": "python_tests"})
+    assert r.status_code == 422 and len(r.content) < 3000, r.text[:300]
+    http.delete(f"/sessions/{sid}")
 
 
 # ---- sessions --------------------------------------------------------------------------------------

@@ -52,19 +52,19 @@ class Boxes:
         self.sandboxed = sandboxed
         self._removing: set[asyncio.Task] = set()
 
-    async def create(self, areas: set[str] = frozenset()) -> Box | None:
+    async def create(self, areas: set[str] = frozenset(), caches=()) -> Box | None:
         """A new box, or None when every uid of the range is in use."""
         uid = self.uids.acquire()
         if uid is None:
             return None
         try:
-            return await asyncio.to_thread(self._make, uid, areas)
+            return await asyncio.to_thread(self._make, uid, areas, caches)
         except BaseException:
             self.uids.release(uid)
             raise
 
-    def _make(self, uid: int, areas: set[str]) -> Box:
-        st = self.storages.create(uid, areas)
+    def _make(self, uid: int, areas: set[str], caches) -> Box:
+        st = self.storages.create(uid, areas, caches)
         try:
             cg = self.tree.make(str(uid), self.cores) if self.tree is not None else None
         except BaseException:

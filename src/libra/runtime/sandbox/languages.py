@@ -63,6 +63,7 @@ class Language:
     needs: tuple[str, ...] = ()  # programs on the sandbox's PATH, or absolute paths of files
     package: str = ""  # what provides them (Debian)
     env: tuple[tuple[str, str], ...] = ()
+    cache: str | None = None  # a shared build cache it uses (caches.py)
 
 
 LANGUAGES = {
@@ -77,9 +78,10 @@ LANGUAGES = {
         Language("rust", "main.rs", ("./main",), ("rustc", "{src}", "-o", "main"), needs=("rustc", "cc"),
                  package="rustc"),
         Language("go", "main.go", ("./main",), ("go", "build", "-o", "main", "{src}"), needs=("go",),
-                 package="golang-go", env=GO_ENV),
+                 package="golang-go", env=GO_ENV, cache="go"),
         Language("go_test", "main_test.go", ("go", "test", "{src}"), needs=("go",),
-                 package="golang-go (and golang-github-stretchr-testify-dev for testify)", env=GO_ENV),
+                 package="golang-go (and golang-github-stretchr-testify-dev for testify)", env=GO_ENV,
+                 cache="go"),
         Language("java", "Main.java", ("java", "-XX:MaxRAM={maxram}", "-cp", "{classpath}", "-ea", "Main"),
                  ("javac", *JAVAC_FLAGS, "-cp", "{classpath}", "{src}"), needs=("javac", "java"),
                  package="default-jdk-headless"),

@@ -58,3 +58,12 @@ def mount_tmpfs(path: Path, size_bytes: int, inodes: int, mode: int = 0o711) -> 
 
 def unmount(path: Path) -> None:
     _check(_c().umount2(str(path).encode(), MNT_DETACH), f"umount {path}")
+
+
+def mount_overlay(lower: Path, upper: Path, work: Path, target: Path) -> None:
+    """A writable view of the read-only `lower`: writes land in `upper`, `lower` never changes."""
+    opts = f"lowerdir={lower},upperdir={upper},workdir={work}".encode()
+    _check(
+        _c().mount(b"overlay", str(target).encode(), b"overlay", MS_NOSUID | MS_NODEV, opts),
+        f"mount overlay {target}",
+    )

@@ -120,7 +120,8 @@ class OneShot:
 
     async def _ensure_box(self) -> Box | None:
         if self.box is None:
-            self.box = await self.svc.boxes.create(self.job.areas)
+            cache = self.svc.caches.get(self.job.lang.cache or "")
+            self.box = await self.svc.boxes.create(self.job.areas, [cache] if cache else [])
             if self.box is not None:
                 await asyncio.to_thread(self.svc.boxes.storages.write, self.box.storage, self.job.files)
         return self.box
@@ -154,6 +155,8 @@ class OneShot:
         if box is None:
             return ExecResult(RunStatus.ERROR, None, "", "", 0.0, message="no free sandbox uid; retry later")
         env = dict(self.job.lang.env)
+        for path in box.storage.overlays:
+            env["GOCACHE"] = path  # the shared Go build cache (the only one so far), seen privately
         return await execute(self.svc.iso, self._argv(step, lim), box, start.cores, lim, stdin, env)
 
 

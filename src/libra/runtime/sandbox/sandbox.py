@@ -193,13 +193,17 @@ def _mirror_root(args: list[str]) -> None:
 def _ro_bind_with_parents(args: list[str], path: str, made: set[str]) -> None:
     """Bind `path` read-only, first creating its parents world-traversable: bwrap would copy the
     host's modes (root's 0700 home would hide a pyenv interpreter from the sandbox uid)."""
+    _parents_traversable(args, path, made)
+    args += ["--ro-bind", path, path]
+
+
+def _parents_traversable(args: list[str], path: str, made: set[str]) -> None:
     parts = Path(path).parts
     for i in range(2, len(parts)):
         parent = str(Path(*parts[:i]))
         if parent not in made and not parent.startswith("/usr"):
             args += ["--perms", "0755", "--dir", parent]
             made.add(parent)
-    args += ["--ro-bind", path, path]
 
 
 def interpreter_paths() -> list[str]:
@@ -266,6 +270,10 @@ def build_command(iso: Isolation, argv: Sequence[str], box: Box, cores: Sequence
     binds = []
     for area in box.storage.areas():
         binds += ["--bind", str(box.storage.host_dir(area)), area]
+    made: set[str] = set()
+    for path, host in box.storage.overlays.items():
+        _parents_traversable(binds, path, made)  # bwrap would make them 0700: root's, unreadable
+        binds += ["--bind", str(host), path]
     extra = [a for k, v in (env or {}).items() for a in ("--setenv", k, v)]
     if seccomp_fd is not None:
         extra += ["--seccomp", str(seccomp_fd)]

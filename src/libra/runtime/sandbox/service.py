@@ -31,6 +31,7 @@ from libra.core.errors import ConfigError, LibraError
 from libra.runtime.jsonbody import BodyError, parse_body
 from libra.runtime.sandbox import languages, runcode, schemas
 from libra.runtime.sandbox.boxes import Box, Boxes
+from libra.runtime.sandbox.caches import SharedCache, build_go_cache
 from libra.runtime.sandbox.config import ServiceConfig
 from libra.runtime.sandbox.dispatch import Dispatcher, Outcome
 from libra.runtime.sandbox.metrics import ServiceMetrics
@@ -124,6 +125,8 @@ class ActionsService:
         self.sessions: dict[str, Session] = {}
         self.python = python_executable(cfg.sandbox)
         self.toolchains = languages.detect(sandbox_path(cfg.sandbox), self.python)
+        self.caches: dict[str, SharedCache] = {}  # filled in the background at start (caches.py)
+        self._go_cache: asyncio.Task | None = None
         self.profile = load_profile("parallel", cfg.parallel_profile, "parallel_profile")
         self.http = None
         for name, tool in cfg.http_tools.items():
@@ -176,8 +179,20 @@ class ActionsService:
 
         self.http = aiohttp.ClientSession()
         self.warm.refill()
+        if self.iso.tmpfs and {"go", "go_test"} & set(self.toolchains.available):
+            self._go_cache = asyncio.get_running_loop().create_task(self._build_go_cache())
+
+    async def _build_go_cache(self) -> None:
+        try:
+            self.caches["go"] = await build_go_cache(sandbox_path(self.cfg.sandbox))
+        except Exception:  # Go still works, with a cold cache per run
+            log.exception("the shared Go build cache could not be built")
 
     async def _cleanup(self, app: web.Application) -> None:
+        if self._go_cache is not None:
+            self._go_cache.cancel()
+            with contextlib.suppress(BaseException):
+                await self._go_cache
         await self.dispatch.close()
         await self.warm.close()
         if self.http is not None:

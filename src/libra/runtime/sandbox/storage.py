@@ -29,7 +29,7 @@ import errno
 import os
 import shutil
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from libra.core.errors import ConfigError
@@ -125,6 +125,7 @@ class Storage:
     root: Path
     uid: int
     bounded: bool  # a tmpfs of its own (else a plain directory: bounded per file only)
+    overlays: dict[str, Path] = field(default_factory=dict)  # sandbox path -> its view of a shared cache
 
     def host_dir(self, area: str) -> Path:
         if area == WORKSPACE:
@@ -153,7 +154,9 @@ class Storages:
         root.mkdir(parents=True, exist_ok=True)
         os.chmod(root, 0o711)
 
-    def create(self, uid: int, areas: set[str] = frozenset()) -> Storage:
+    def create(self, uid: int, areas: set[str] = frozenset(), caches=()) -> Storage:
+        """A sandbox's storage, with its areas and a private overlay of each shared cache
+        (caches.py): the overlay's writes land in this storage, so they count in its bound."""
         d = self.root / str(uid)
         d.mkdir(mode=0o711)
         if self.tmpfs:
@@ -166,7 +169,18 @@ class Storages:
         st = Storage(d, uid, self.tmpfs)
         for area in (WORKSPACE, TMP, *sorted(areas)):
             self.make_area(st, area)
+        for i, cache in enumerate(caches):
+            st.overlays[cache.sandbox_path] = self._overlay(st, i, cache.lower)
         return st
+
+    def _overlay(self, st: Storage, i: int, lower: Path) -> Path:
+        upper, work, merged = st.root / f"o{i}" / "u", st.root / f"o{i}" / "w", st.root / f"c{i}"
+        for path in (upper.parent, upper, work, merged):
+            os.mkdir(path, 0o711)
+        if self.chown:
+            os.chown(upper, st.uid, st.uid)  # the merged view's root is upper's: the sandbox's own
+        mounts.mount_overlay(lower, upper, work, merged)
+        return merged
 
     def make_area(self, st: Storage, area: str) -> None:
         path = st.host_dir(area)
