@@ -316,7 +316,12 @@ def _filter_fd(prog: bytes) -> int:
 async def execute(iso: Isolation, argv: Sequence[str], box: Box, cores: Sequence[int], lim: Limits,
                   stdin: bytes = b"", env: dict[str, str] | None = None) -> ExecResult:  # fmt: skip
     """Run one command to completion or its time limit; never raises for what the command does."""
-    await asyncio.to_thread(box.limit, lim.memory_mb, cores)
+    try:
+        await asyncio.to_thread(box.limit, lim.memory_mb, cores)
+    except OSError as e:
+        return ExecResult(
+            RunStatus.ERROR, None, "", "", 0.0, message=f"could not set the sandbox's limits: {e}"
+        )
     t0 = time.monotonic()
     proc = await spawn(iso, argv, box, cores, lim, env)
     if isinstance(proc, ExecResult):

@@ -44,7 +44,7 @@ from libra.runtime.sandbox.sandbox import (
     python_executable,
     sandbox_path,
 )
-from libra.runtime.sandbox.storage import Storages, Target, areas_of, decode_files, locate
+from libra.runtime.sandbox.storage import Storages, Target, areas_of, decode_files, locate, require_relative
 from libra.runtime.sandbox.tools import call_http_tool, parse_summary, python_tests_argv
 from libra.runtime.sandbox.uidrange import UidPool, UidRange
 from libra.runtime.sandbox.warm import WarmPool
@@ -320,7 +320,8 @@ class ActionsService:
     async def create_session(self, request: web.Request) -> web.Response:
         req = await self._parse(request, schemas.SessionCreate)
         files = decode_files(req.files, self.iso.reserved_tops)
-        self._check_absolute(files)
+        if not self.iso.sandboxed:
+            require_relative(files, "files")
         if len(self.sessions) >= self.cfg.max_sessions:
             raise HttpError(503, "too many open sessions; delete some", limit=self.cfg.max_sessions)
         mem = req.memory_mb or self.cfg.session_memory_mb
@@ -330,7 +331,10 @@ class ActionsService:
             raise ConfigError(
                 "memory_mb", mem, f"at most {self.cfg.sandbox.max_memory_mb} (sandbox.max_memory_mb)"
             )
-        box = await self.boxes.create(areas_of(files))
+        try:
+            box = await self.boxes.create(areas_of(files))
+        except OSError as e:
+            raise HttpError(503, "could not make a sandbox", detail=str(e)[:200]) from None
         if box is None:
             raise HttpError(503, "no free sandbox uid; delete some sessions")
         try:
@@ -343,14 +347,6 @@ class ActionsService:
         self.sessions[s.id] = s
         self.metrics.sessions.set(len(self.sessions))
         return web.json_response({"session_id": s.id, "memory_mb": mem, "workdir": "/workspace"}, status=201)
-
-    def _check_absolute(self, files) -> None:
-        if not self.iso.sandboxed:
-            for t in files:
-                if t.name.startswith("/"):
-                    raise ConfigError(
-                        "files", t.name[:200], "relative names (absolute paths need the sandbox)"
-                    )
 
     def _session(self, request: web.Request) -> Session:
         s = self.sessions.get(request.match_info["sid"])
@@ -370,7 +366,9 @@ class ActionsService:
         self._check_size("command", req.command)
         files = decode_files(req.files, self.iso.reserved_tops)
         fetch = [locate(n, f"fetch_files.{n[:200]}", self.iso.reserved_tops) for n in req.fetch_files]
-        self._check_absolute([*files, *fetch])
+        if not self.iso.sandboxed:
+            require_relative(files, "files")
+            require_relative(fetch, "fetch_files")
         lim = self._limits(req.timeout, "timeout", s.memory_mb)
         parallel = min(req.parallel or (4 if req.tool else 1), self.cfg.max_parallel, len(self.cores))
         kind = req.kind or (req.tool or "command")

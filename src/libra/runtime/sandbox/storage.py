@@ -113,6 +113,13 @@ def check_no_clash(files: dict[Target, bytes], field: str = "files") -> None:
             )
 
 
+def require_relative(targets, field: str) -> None:
+    """Without a sandbox there is nothing to map an absolute path into: only relative names work."""
+    for t in targets:
+        if t.name.startswith("/"):
+            raise ConfigError(field, t.name[:200], "relative names (absolute paths need the sandbox)")
+
+
 def areas_of(targets) -> set[str]:
     """The absolute areas (other than /workspace and /tmp) some of `targets` live in."""
     return {t.area for t in targets if t.area not in (WORKSPACE, TMP)}
@@ -124,7 +131,6 @@ class Storage:
 
     root: Path
     uid: int
-    bounded: bool  # a tmpfs of its own (else a plain directory: bounded per file only)
     overlays: dict[str, Path] = field(default_factory=dict)  # sandbox path -> its view of a shared cache
 
     def host_dir(self, area: str) -> Path:
@@ -166,7 +172,7 @@ class Storages:
             except OSError:
                 d.rmdir()
                 raise
-        st = Storage(d, uid, self.tmpfs)
+        st = Storage(d, uid)
         for area in (WORKSPACE, TMP, *sorted(areas)):
             self.make_area(st, area)
         for i, cache in enumerate(caches):

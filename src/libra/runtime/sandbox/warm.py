@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from libra.runtime.sandbox.boxes import Box, Boxes
-from libra.runtime.sandbox.sandbox import ExecResult, Isolation, Limits, spawn, supervise
+from libra.runtime.sandbox.sandbox import ExecResult, Isolation, Limits, RunStatus, spawn, supervise
 from libra.runtime.sandbox.storage import Target
 
 log = logging.getLogger("libra.actions")
@@ -157,18 +157,14 @@ class WarmPool:
         t0 = time.monotonic()
         try:
             try:
-                await asyncio.to_thread(self._prepare, sb.box, files, lim, cores)
+                problem = await asyncio.to_thread(self._prepare, sb.box, files, lim, cores)
             except BaseException:  # the request's files do not fit: the zygote never runs it
                 await self._retire(sb)
                 raise
-            msg = {"path": script, "cores": list(cores), "cpu": lim.cpu_s}
-            if not self.iso.memory_cgroup:
-                msg["as"] = lim.memory_mb * 2**20
-            if self.iso.seccomp is not None and self.iso.sandboxed:
-                msg["seccomp"] = self.iso.seccomp.hex()
-            with contextlib.suppress(BrokenPipeError):
-                os.write(sb.ctl, json.dumps(msg).encode() + b"\n")
-            os.close(sb.ctl)
+            if problem:
+                await self._retire(sb)
+                return ExecResult(RunStatus.ERROR, None, "", "", 0.0, message=problem), {}, {}
+            self._send(sb, script, cores, lim)
             res = await supervise(self.iso, sb.proc, sb.box, lim, stdin, t0)
             fetched, skipped = await asyncio.to_thread(
                 self.boxes.storages.fetch, sb.box.storage, fetch, fetch_max
@@ -178,9 +174,25 @@ class WarmPool:
             self.boxes.remove_soon(sb.box)
             self.refill()
 
-    def _prepare(self, box: Box, files: dict[Target, bytes], lim: Limits, cores) -> None:
+    def _prepare(self, box: Box, files: dict[Target, bytes], lim: Limits, cores) -> str | None:
+        """In a worker thread: the request's files in, the cgroup's limits set (or why not)."""
         self.boxes.storages.write(box.storage, files)
-        box.limit(lim.memory_mb, cores)
+        try:
+            box.limit(lim.memory_mb, cores)
+        except OSError as e:
+            return f"could not set the sandbox's limits: {e}"
+        return None
+
+    def _send(self, sb: WarmSandbox, script: str, cores, lim: Limits) -> None:
+        """Tell the zygote what to run, where, and (without cgroups) under which limits."""
+        msg = {"path": script, "cores": list(cores), "cpu": lim.cpu_s}
+        if not self.iso.memory_cgroup:
+            msg["as"] = lim.memory_mb * 2**20
+        if self.iso.seccomp is not None and self.iso.sandboxed:
+            msg["seccomp"] = self.iso.seccomp.hex()
+        with contextlib.suppress(BrokenPipeError):
+            os.write(sb.ctl, json.dumps(msg).encode() + b"\n")  # far below a pipe's buffer
+        os.close(sb.ctl)
 
     async def close(self) -> None:
         self._closed = True
