@@ -15,7 +15,8 @@ import pytest
 
 from libra.runtime.sandbox.client import ServiceProcess
 from libra.runtime.sandbox.sandbox import processes_of
-from tests.test_actions_service import needs_sandbox, sandbox_available
+from tests.test_actions_languages import CASES, verl_request
+from tests.test_actions_service import THREADS_32, needs_sandbox, sandbox_available
 
 SOURCE = __import__("libra.runtime.sandbox.service", fromlist=["x"]).__file__
 
@@ -195,6 +196,11 @@ print(granted == sorted(os.sched_getaffinity(0)), len(granted), outcome)
 """
 
 
+def cold_body(code: str, **extra) -> dict:
+    """A request that takes the cold path: a warm sandbox has no area for /cold."""
+    return {"code": code, "fetch_files": ["/cold/x"], **extra}
+
+
 def assert_healthy(url: str) -> None:
     health = httpx.get(f"{url}/health", timeout=10).json()
     assert health["status"] == "ok" and health["running"] == 0 and health["cores_busy"] == 0, health
@@ -252,7 +258,7 @@ def test_disk_and_cores_are_bounded(service):
     assert int(count) < 10**6 and int(err) == 28, r["files"]
     same, n, _ = r["widen"]["run_result"]["stdout"].split()
     assert same == "True" and n == "1", r["widen"]
-    cold = httpx.post(f"{service.url}/run_code", json={"code": WIDEN, "fetch_files": ["/cold/x"]}).json()
+    cold = httpx.post(f"{service.url}/run_code", json=cold_body(WIDEN)).json()
     assert cold["run_result"]["stdout"].split()[:2] == ["True", "1"], cold
     assert_healthy(service.url)
     assert settle(service.url) == []
@@ -272,17 +278,32 @@ def fallback(tmp_path_factory):
 
 @needs_sandbox
 def test_without_cgroups_the_fallbacks_still_contain(fallback):
-    """Where the host gives no cgroup: memory is an address-space limit (MemoryError), and the
-    seccomp filter refuses sched_setaffinity, warm and cold, so the granted core still holds."""
+    """Where the host gives no cgroup: memory is an address-space limit (MemoryError), with malloc
+    arenas capped so that 32 threads still start, and the seccomp filter refuses sched_setaffinity,
+    warm and cold, so the granted core still holds."""
     limits = httpx.get(f"{fallback.url}/health").json()["limits"]
     assert limits["memory"].startswith("address space") and "seccomp" in limits["cores"], limits
     bomb = "chunks = []\nwhile True:\n    chunks.append(bytearray(50 * 2**20))"
-    r = run_all(fallback.url, {"bomb": (bomb, 10), "widen": (WIDEN, 10), "fill": (FILL_DISK, 60)})
+    r = run_all(fallback.url, {"bomb": (bomb, 10), "widen": (WIDEN, 10), "fill": (FILL_DISK, 60),
+                               "threads": (THREADS_32, 60)})  # fmt: skip
     assert r["bomb"]["status"] == "Failed" and "MemoryError" in r["bomb"]["run_result"]["stderr"], r["bomb"]
+    assert r["threads"]["run_result"]["stdout"] == "33\n", r["threads"]  # at the service's 512 MB ceiling
+    threads_cold = httpx.post(
+        f"{fallback.url}/run_code", json=cold_body(THREADS_32, memory_limit_MB=512)
+    ).json()
+    assert threads_cold["run_result"]["stdout"] == "33\n", threads_cold
     assert r["widen"]["run_result"]["stdout"].split() == ["True", "1", "refused"], r["widen"]
-    cold = httpx.post(f"{fallback.url}/run_code", json={"code": WIDEN, "fetch_files": ["/cold/x"]}).json()
+    cold = httpx.post(f"{fallback.url}/run_code", json=cold_body(WIDEN)).json()
     assert cold["run_result"]["stdout"].split() == ["True", "1", "refused"], cold
     assert int(r["fill"]["run_result"]["stdout"].split()[0]) <= 64
+    # Runtimes that reserve much address space up front (the JVM, V8, Go) still start at 512 MB:
+    # they are given room for those reservations (languages.RESERVE_MB).
+    found = httpx.get(f"{fallback.url}/health").json()["languages"]
+    for language in [x for x in ("java", "nodejs", "typescript", "go", "go_test") if x in found]:
+        body = verl_request(language, CASES[language]["ok"], "21", 120) | {"memory_limit_MB": 512}
+        ok = httpx.post(f"{fallback.url}/run_code", json=body, timeout=600).json()
+        expected = "ok" if language == "go_test" else "42\n"
+        assert ok["status"] == "Success" and expected in ok["run_result"]["stdout"], (language, ok)
     assert_healthy(fallback.url)
 
 

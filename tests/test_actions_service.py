@@ -241,15 +241,18 @@ def test_output_is_whole_by_default_and_a_cut_is_reported(http):
     assert over.status_code == 422 and over.json()["field"] == "output_limit_bytes"
 
 
+# 32 threads that all exist at once (the barrier), then how many threads there were: 33.
+THREADS_32 = ("from concurrent.futures import ThreadPoolExecutor\nimport threading\nb = threading.Barrier(33, timeout=20)\n"
+              "with ThreadPoolExecutor(32) as p:\n    fs = [p.submit(b.wait) for _ in range(32)]\n    b.wait()\n"
+              "    print(len(threading.enumerate()))")  # fmt: skip
+
+
 @needs_sandbox
 def test_memory_is_resident_and_minus_one_means_no_limit_of_its_own(http):
     """Item 8: 32 threads start at verl's 1 GB (an address-space limit allowed about 22, each thread
     reserving a malloc arena); a program over its limit is killed and told so; -1 runs up to the
     service's ceiling, as SandboxFusion's -1 means no limit."""
-    threads = ("from concurrent.futures import ThreadPoolExecutor\nimport threading\nb = threading.Barrier(33)\n"
-               "with ThreadPoolExecutor(32) as p:\n    fs = [p.submit(b.wait) for _ in range(32)]\n    b.wait()\n"
-               "    print(len(threading.enumerate()))")  # fmt: skip
-    r = http.post("/run_code", json={"code": threads, "memory_limit_MB": 1024}).json()
+    r = http.post("/run_code", json={"code": THREADS_32, "memory_limit_MB": 1024}).json()
     assert r["status"] == "Success" and r["run_result"]["stdout"] == "33\n", r
     hog = "x = bytearray(300 * 2**20)\nx[::4096] = b'1' * len(x[::4096])\nprint('survived')"
     health = http.get("/health").json()

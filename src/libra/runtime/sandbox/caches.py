@@ -43,6 +43,7 @@ GO_CACHE_PATH = "/var/cache/libra-go"  # where a sandbox sees it (its GOCACHE)
 class SharedCache:
     lower: Path  # the read-only shared directory
     sandbox_path: str  # where a sandbox sees its overlay
+    env: str  # the variable that points the toolchain at it
 
 
 def cache_root() -> Path:
@@ -63,7 +64,7 @@ async def build_go_cache(path: str) -> SharedCache:
     key = hashlib.sha256((version + GO_WARMUP + GOPATH).encode()).hexdigest()[:12]
     final = (await asyncio.to_thread(cache_root)) / f"go-{version}-{key}"
     if await asyncio.to_thread(final.is_dir):
-        return SharedCache(final, GO_CACHE_PATH)
+        return SharedCache(final, GO_CACHE_PATH, "GOCACHE")
     work = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix=".go-", dir=final.parent))
     try:
         await asyncio.to_thread(_write_warmup, work)
@@ -75,7 +76,7 @@ async def build_go_cache(path: str) -> SharedCache:
         await asyncio.to_thread(_publish, work / "cache", final)
     finally:
         await asyncio.to_thread(shutil.rmtree, work, True)
-    return SharedCache(final, GO_CACHE_PATH)
+    return SharedCache(final, GO_CACHE_PATH, "GOCACHE")
 
 
 async def _run(argv: list[str], env: dict[str, str], cwd: Path | None) -> str:

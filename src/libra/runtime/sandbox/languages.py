@@ -22,6 +22,13 @@ JARS are the `.jar` files a request sends. Go runs in GOPATH mode against Debian
 so `go_test` has testify as SandboxFusion's does. The JVM is told the sandbox's memory limit with
 -XX:MaxRAM, as a JVM in a container with that limit would see it.)
 
+Where memory is only an address-space rlimit (no memory cgroup), runtimes that reserve address
+space up front cannot start at ordinary limits: at 512 MB the Go runtime (go, go_test, esbuild and
+every Go binary) fails to reserve its page summary (it needs about 700 MB), V8 its code range
+(about 750 MB), and the JVM its 1 GB class space. Those languages get `RESERVE_MB` of address space
+beyond the request's limit (the JVM also smaller reservations), so there their bound is looser by
+that much; the JVM's heap still follows the limit (-XX:MaxRAM).
+
 At start the service looks for each language's programs on the sandbox's PATH (`detect`), reports
 what it found, and answers a request for a language it could not find with SandboxFusion's shape
 for an error of the sandbox (`SandboxError`, naming what is missing and the Debian package), so a
@@ -47,7 +54,11 @@ JUNIT_JAR = "/usr/share/java/junit-platform-console-standalone.jar"
 GOPATH = "/usr/share/gocode"  # Debian's golang-*-dev packages
 GO_ENV = (("GO111MODULE", "off"), ("GOPATH", GOPATH), ("GOCACHE", "/tmp/.go-build"), ("GOTOOLCHAIN", "local"))
 # javac is a program of the service, not the user's: start it lean (the classes it writes are the same).
-JAVAC_FLAGS = ("-J-XX:TieredStopAtLevel=1", "-J-XX:+UseSerialGC", "-J-XX:MaxRAM={maxram}")
+JAVAC_FLAGS = ("-J-XX:TieredStopAtLevel=1", "-J-XX:+UseSerialGC", "{javac_jvm}")
+# Under an address-space limit (no memory cgroup): the JVM's smaller reservations, and the address
+# space the Go, V8 and JVM runtimes get beyond the memory limit for what they reserve but never use.
+JVM_FALLBACK_FLAGS = ("-XX:CompressedClassSpaceSize=64m", "-XX:ReservedCodeCacheSize=64m")
+RESERVE_MB = 1024
 TS_RUN = (
     'esbuild "$1" --bundle --platform=node --format=cjs --packages=external --sourcemap=inline '
     "--log-level=error --outfile=/tmp/.libra-main.js && exec node --enable-source-maps /tmp/.libra-main.js"
@@ -64,6 +75,7 @@ class Language:
     package: str = ""  # what provides them (Debian)
     env: tuple[tuple[str, str], ...] = ()
     cache: str | None = None  # a shared build cache it uses (caches.py)
+    reserves_mb: int = 0  # address space its runtime reserves beyond what it uses (rlimit fallback only)
 
 
 LANGUAGES = {
@@ -78,20 +90,21 @@ LANGUAGES = {
         Language("rust", "main.rs", ("./main",), ("rustc", "{src}", "-o", "main"), needs=("rustc", "cc"),
                  package="rustc"),
         Language("go", "main.go", ("./main",), ("go", "build", "-o", "main", "{src}"), needs=("go",),
-                 package="golang-go", env=GO_ENV, cache="go"),
+                 package="golang-go", env=GO_ENV, cache="go", reserves_mb=RESERVE_MB),
         Language("go_test", "main_test.go", ("go", "test", "{src}"), needs=("go",),
                  package="golang-go (and golang-github-stretchr-testify-dev for testify)", env=GO_ENV,
-                 cache="go"),
-        Language("java", "Main.java", ("java", "-XX:MaxRAM={maxram}", "-cp", "{classpath}", "-ea", "Main"),
+                 cache="go", reserves_mb=RESERVE_MB),
+        Language("java", "Main.java", ("java", "{jvm}", "-cp", "{classpath}", "-ea", "Main"),
                  ("javac", *JAVAC_FLAGS, "-cp", "{classpath}", "{src}"), needs=("javac", "java"),
-                 package="default-jdk-headless"),
+                 package="default-jdk-headless", reserves_mb=RESERVE_MB),
         Language("junit", "{class}.java",
-                 ("java", "-XX:MaxRAM={maxram}", "-jar", JUNIT_JAR, "--class-path", "{classpath}", "--scan-class-path"),
+                 ("java", "{jvm}", "-jar", JUNIT_JAR, "--class-path", "{classpath}", "--scan-class-path"),
                  ("javac", *JAVAC_FLAGS, "-cp", "{classpath}", "{java_files}"),
-                 needs=("javac", "java", JUNIT_JAR), package="default-jdk-headless and junit5"),
-        Language("nodejs", "main.js", ("node", "{src}"), needs=("node",), package="nodejs"),
+                 needs=("javac", "java", JUNIT_JAR), package="default-jdk-headless and junit5",
+                 reserves_mb=RESERVE_MB),
+        Language("nodejs", "main.js", ("node", "{src}"), needs=("node",), package="nodejs", reserves_mb=RESERVE_MB),
         Language("typescript", "main.ts", ("/bin/sh", "-c", TS_RUN, "typescript", "{src}"),
-                 needs=("node", "esbuild"), package="nodejs and esbuild"),
+                 needs=("node", "esbuild"), package="nodejs and esbuild", reserves_mb=RESERVE_MB),
     )
 }  # fmt: skip
 PUBLIC_CLASS = re.compile(r"^\s*public\s+(?:(?:final|abstract|strictfp)\s+)*class\s+([A-Za-z_$][\w$]*)", re.M)
@@ -156,17 +169,14 @@ def source_name(lang: Language, code: str) -> str:
 
 
 def render(lang: Language, argv: tuple[str, ...], src: str, python: str, toolchains: Toolchains,
-           memory_mb: int, file_names: list[str]) -> list[str]:  # fmt: skip
-    """A step's argv with its placeholders filled in (`file_names`: every file of the request)."""
+           memory_mb: int, file_names: list[str], address_space: bool) -> list[str]:  # fmt: skip
+    """A step's argv with its placeholders filled in (`file_names`: every file of the request;
+    `address_space`: memory is an rlimit on address space, not a cgroup)."""
     jars = [n for n in file_names if n.endswith(".jar") and not n.startswith("/")]
     java_files = sorted({src, *(n for n in file_names if n.endswith(".java") and not n.startswith("/"))})
     classpath = ":".join([".", *([JUNIT_JAR] if lang.name == "junit" else []), *jars])
+    jvm = [f"-XX:MaxRAM={memory_mb * 2**20}", *(JVM_FALLBACK_FLAGS if address_space else ())]
     values = {"{src}": [src], "{python}": [python], "{cxxlibs}": list(toolchains.cxxlibs),
-              "{java_files}": java_files, "{classpath}": [classpath]}  # fmt: skip
-    out: list[str] = []
-    for arg in argv:
-        if arg in values:
-            out += values[arg]
-        else:
-            out.append(arg.replace("{maxram}", str(memory_mb * 2**20)))
-    return out
+              "{java_files}": java_files, "{classpath}": [classpath], "{jvm}": jvm,
+              "{javac_jvm}": [f"-J{f}" for f in jvm]}  # fmt: skip
+    return [x for arg in argv for x in values.get(arg, [arg])]

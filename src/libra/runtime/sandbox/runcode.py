@@ -16,17 +16,19 @@ The answer is SandboxFusion's: `compile_result` (null for languages without one)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from dataclasses import dataclass, field
 
 from libra.actions import ActionState, Start
-from libra.core.errors import ConfigError
 from libra.runtime.sandbox import languages, schemas
 from libra.runtime.sandbox.boxes import Box
+from libra.runtime.sandbox.caches import SharedCache
 from libra.runtime.sandbox.sandbox import ExecResult, Limits, RunStatus, execute
-from libra.runtime.sandbox.storage import WORKSPACE, Target, areas_of, decode_files, locate
+from libra.runtime.sandbox.storage import Target, areas_of, decode_files, locate, require_relative
 
 FETCH_MAX_BYTES = 8 * 2**20
+WARM_MIN_MB = 64  # a warm zygote holds ~15 MB already: below this, a fresh sandbox
 
 
 @dataclass(slots=True)
@@ -49,8 +51,9 @@ class Job:
 
     @property
     def warm_eligible(self) -> bool:
-        """A warm Python sandbox has only /workspace and /tmp: other absolute areas need binds."""
-        return self.lang.name == "python" and not self.areas
+        """A warm Python sandbox has only /workspace and /tmp: other absolute areas need binds; and
+        its started interpreter already holds some memory, so a tiny limit starts afresh."""
+        return self.lang.name == "python" and not self.areas and self.run_lim.memory_mb >= WARM_MIN_MB
 
 
 def make_job(req: schemas.RunCodeRequest, lang: languages.Language, limits, reserved: frozenset[str],
@@ -80,12 +83,9 @@ def make_job(req: schemas.RunCodeRequest, lang: languages.Language, limits, rese
 
 
 def check_areas(job: Job, sandboxed: bool) -> None:
-    """Without a sandbox there is nothing to map an absolute path into: only relative names work."""
     if not sandboxed:
-        for t in [*job.files, *job.fetch]:
-            if t.area != WORKSPACE or t.name.startswith("/"):
-                raise ConfigError("files" if t in job.files else "fetch_files", t.name[:200],
-                                  "relative names (absolute paths need the sandbox)")  # fmt: skip
+        require_relative(job.files, "files")
+        require_relative(job.fetch, "fetch_files")
 
 
 class OneShot:
@@ -94,6 +94,7 @@ class OneShot:
     def __init__(self, svc, job: Job):
         self.svc, self.job = svc, job
         self.box: Box | None = None
+        self.cache: SharedCache | None = None
         self.fetched: dict[str, str] = {}
         self.skipped: dict[str, str] = {}
 
@@ -118,18 +119,26 @@ class OneShot:
                 svc.boxes.remove_soon(self.box)
             svc.orch.end_trajectory(job.traj)
 
-    async def _ensure_box(self) -> Box | None:
+    async def _ensure_box(self) -> Box | str:
+        """The job's box, or why there is none (the sandbox's fault, answered as SandboxError)."""
         if self.box is None:
-            cache = self.svc.caches.get(self.job.lang.cache or "")
-            self.box = await self.svc.boxes.create(self.job.areas, [cache] if cache else [])
-            if self.box is not None:
-                await asyncio.to_thread(self.svc.boxes.storages.write, self.box.storage, self.job.files)
+            self.cache = self.svc.caches.get(self.job.lang.cache or "")
+            try:
+                self.box = await self.svc.boxes.create(self.job.areas, [self.cache] if self.cache else [])
+            except OSError as e:
+                return f"could not make a sandbox: {e}"
+            if self.box is None:
+                return "no free sandbox uid; retry later"
+            await asyncio.to_thread(self.svc.boxes.storages.write, self.box.storage, self.job.files)
         return self.box
 
     def _argv(self, step: tuple[str, ...], lim: Limits) -> list[str]:
         names = [t.name for t in self.job.files]
         svc, job = self.svc, self.job
-        return languages.render(job.lang, step, job.src, svc.python, svc.toolchains, lim.memory_mb, names)
+        fallback = not svc.iso.memory_cgroup
+        return languages.render(
+            job.lang, step, job.src, svc.python, svc.toolchains, lim.memory_mb, names, fallback
+        )
 
     async def _compile(self, start: Start) -> tuple[ExecResult, ActionState]:
         res = await self._step(self.job.lang.compile, self.job.compile_lim, start, b"")
@@ -152,11 +161,12 @@ class OneShot:
 
     async def _step(self, step: tuple[str, ...], lim: Limits, start: Start, stdin: bytes) -> ExecResult:
         box = await self._ensure_box()
-        if box is None:
-            return ExecResult(RunStatus.ERROR, None, "", "", 0.0, message="no free sandbox uid; retry later")
+        if isinstance(box, str):
+            return ExecResult(RunStatus.ERROR, None, "", "", 0.0, message=box)
+        lim = dataclasses.replace(lim, reserves_mb=self.job.lang.reserves_mb)
         env = dict(self.job.lang.env)
-        for path in box.storage.overlays:
-            env["GOCACHE"] = path  # the shared Go build cache (the only one so far), seen privately
+        if self.cache is not None:  # the shared build cache, seen through the box's own overlay
+            env[self.cache.env] = self.cache.sandbox_path
         return await execute(self.svc.iso, self._argv(step, lim), box, start.cores, lim, stdin, env)
 
 

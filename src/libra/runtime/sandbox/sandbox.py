@@ -54,6 +54,7 @@ TRUNCATION_MARKER = "\n[... truncated {n} bytes of output ...]\n"
 TOOLS = ("bwrap", "setpriv", "prlimit", "taskset")
 # Where the sandbox finds programs: its python's directory comes first (sandbox_path()).
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
+FALLBACK_ARENAS = 2  # glibc malloc arenas per process where memory is an address-space limit
 
 
 class RunStatus(IntEnum):
@@ -86,6 +87,7 @@ class Limits:
     fsize_mb: int
     nofile: int
     output_bytes: int
+    reserves_mb: int = 0  # address space beyond memory_mb, where memory is an address-space rlimit
 
 
 @dataclass(slots=True)
@@ -166,6 +168,10 @@ def contain(iso: Isolation, cfg: SandboxConfig, name: str, cores: list[int]) -> 
     else:
         tree, why_cg = cgroups.probe(name, cores)
     iso.cgroups = tree
+    if not iso.memory_cgroup:
+        # Under an address-space limit each thread's malloc arena (64 MB reserved) counts: 32 threads
+        # could not start at 1 GB. Two arenas keep thread start-up within it (speed is all it costs).
+        iso.tail_args += ["--setenv", "MALLOC_ARENA_MAX", str(FALLBACK_ARENAS)]
     if not iso.cpuset:
         iso.seccomp = seccomp.affinity_filter()
     described = tree.describe() if tree is not None else {}
@@ -173,7 +179,7 @@ def contain(iso: Isolation, cfg: SandboxConfig, name: str, cores: list[int]) -> 
         "disk": f"tmpfs of {cfg.disk_mb} MB per sandbox" if iso.tmpfs else f"per file only ({why_ns})",
         "memory": f"resident, {described['memory']}"
         if iso.memory_cgroup
-        else f"address space (RLIMIT_AS): {why_cg or described.get('memory')}",
+        else f"address space (RLIMIT_AS, MALLOC_ARENA_MAX={FALLBACK_ARENAS}): {why_cg or described.get('memory')}",
         "cores": f"cpuset, {described['cpuset']}"
         if iso.cpuset
         else ("affinity, widening refused by seccomp" if iso.seccomp else "affinity only (cooperative)"),
@@ -258,7 +264,7 @@ def python_executable(cfg: SandboxConfig) -> str:
 
 def build_command(iso: Isolation, argv: Sequence[str], box: Box, cores: Sequence[int], lim: Limits,
                   env: dict[str, str] | None = None, seccomp_fd: int | None = None) -> list[str]:  # fmt: skip
-    memory = [] if iso.memory_cgroup else [f"--as={lim.memory_mb * 2**20}"]
+    memory = [] if iso.memory_cgroup else [f"--as={(lim.memory_mb + lim.reserves_mb) * 2**20}"]
     rl = ["prlimit", *memory, f"--cpu={lim.cpu_s}", f"--nproc={lim.nproc}", f"--fsize={lim.fsize_mb * 2**20}",
           f"--nofile={lim.nofile}", "--core=0", "--"]  # fmt: skip
     aff = ["taskset", "-c", ",".join(map(str, cores))] if cores else []
