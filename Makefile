@@ -15,15 +15,16 @@ $(STAMP_CORE): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e ".[native]"
 	touch $@
 
-# torch==2.13.0 is the CPU build that installs offline on these machines (see README).
+# torch==2.13.0 is the CPU build that installs offline on these machines (see README); ray is for
+# the `libra train --launcher ray` test.
 $(STAMP_TEST): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e ".[test,serve,train,native]"
+	$(BIN)/pip install -q -e ".[test,serve,train,native,ray]"
 	touch $@ $(STAMP_CORE)
 
 demo: $(STAMP_CORE) native
 	$(BIN)/libra simulate
 
-# Compiles the simulator's hot modules (libra.native); if that fails, everything runs as Python.
+# Compiles the simulator's hot modules (libra.sim.native); if that fails, everything runs as Python.
 native: $(STAMP_CORE)
 	-$(BIN)/libra native build --if-stale
 
@@ -60,5 +61,5 @@ bench: $(STAMP_TEST)
 	$(BIN)/python benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache src/libra/_native.json
-	find src -name "*.so" -delete
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache
+	-$(BIN)/python -c 'import shutil, libra.sim.native as n; shutil.rmtree(n.build_dir(), ignore_errors=True)' 2>/dev/null

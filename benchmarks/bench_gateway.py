@@ -22,8 +22,13 @@ Because a shared machine steals time from a pinned process, each router's CPU ti
 throughput run is read from /proc and reported as `*_rps_per_cpu_s`: what one dedicated core
 sustains. Rounds alternate the two routers and the median is reported.
 
-Run: .venv/bin/python benchmarks/bench_gateway.py [--duration 5] [--rounds 3] [--concurrency 64]
-Needs `pip install sglang-router` for the comparison; without it the comparison is skipped with a note.
+`--baseline DIR` also times the gateway of another source tree (`DIR/src`, e.g. the main branch
+unpacked with `git archive main src | tar -x -C DIR`) in the same rounds, reported as `before_*`
+with `libra_added_p50_vs_before`: how a change moved the gateway's cost, on one machine in one run.
+
+Run: .venv/bin/python benchmarks/bench_gateway.py [--duration 5] [--rounds 3] [--concurrency 64] [--baseline DIR]
+Needs `pip install sglang-router` for the comparison (`make bench` installs the `bench` extra);
+without it the comparison is skipped with a note.
 """
 
 from __future__ import annotations
@@ -184,9 +189,9 @@ def pinned(cores: list[int]):
     return setup
 
 
-def start(cmd: list[str], cores: list[int], log: Path, pattern=LISTENING, n: int = 1, timeout: float = 60) -> tuple[subprocess.Popen, list[int]]:  # fmt: skip
+def start(cmd: list[str], cores: list[int], log: Path, pattern=LISTENING, n: int = 1, timeout: float = 60, env: dict | None = None) -> tuple[subprocess.Popen, list[int]]:  # fmt: skip
     f = open(log, "wb")
-    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, preexec_fn=pinned(cores))
+    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, preexec_fn=pinned(cores), env=env)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = pattern.findall(log.read_text(errors="replace"))
@@ -287,6 +292,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--router", default="cmlfq", help="Libra router the gateway runs.")
     ap.add_argument("--skip-sglang", action="store_true", help="Time the Libra gateway only.")
+    ap.add_argument("--baseline", help="Also time the gateway of this source tree (DIR/src), as before_*.")
     ap.add_argument("--nice", type=int, default=0, help="Priority of every process under test (negative: ahead of other work; needs root).")  # fmt: skip
     ap.add_argument("--loadgen", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -307,6 +313,13 @@ def main() -> None:
                   "--backend", f"{urls[0]},bucket=short,tp=1,max_context=8192", "--backend", f"{urls[1]},bucket=long,tp=2,max_context=32768"]  # fmt: skip
         gw, (gw_port,) = start(gw_cmd, router_core, tmp / "gateway.log")
         procs.append(gw)
+        before = before_port = None
+        if args.baseline:
+            path = [str(Path(args.baseline).resolve() / "src"), os.environ.get("PYTHONPATH", "")]
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+            before, (before_port,) = start(gw_cmd, router_core, tmp / "before.log", env=env)
+            procs.append(before)
+            wait_http(before_port, "/v1/chat/completions")
         sgl = sgl_port = None
         if args.skip_sglang:
             print("note: sglang-router comparison skipped (--skip-sglang)", file=sys.stderr)
@@ -320,13 +333,15 @@ def main() -> None:
         else:
             print("note: sglang-router is not installed (pip install sglang-router); comparison skipped", file=sys.stderr)  # fmt: skip
         wait_http(gw_port, "/v1/chat/completions")
-        rounds: dict[str, list[dict]] = {"direct": [], "libra": [], "sglang": []}
+        rounds: dict[str, list[dict]] = {"direct": [], "libra": [], "before": [], "sglang": []}
         load_before = os.getloadavg()[0]
         for r in range(args.rounds):
             print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
             placement = {"all": cores, "router": router_core, "others": others, "backend": be.pid}
             rounds["direct"].append(measure("direct", ports[0], None, args, placement))
             rounds["libra"].append(measure("libra-gateway", gw_port, gw.pid, args, placement))
+            if before is not None:
+                rounds["before"].append(measure("libra-before", before_port, before.pid, args, placement))
             if sgl is not None:
                 rounds["sglang"].append(measure("sglang-router", sgl_port, sgl.pid, args, placement))
         figures = summarise(rounds, args, router_core, others)
@@ -395,7 +410,7 @@ def summarise(rounds: dict[str, list[dict]], args, router_core: list[int], other
         "direct_p99_ms": med("direct", "p99_ms"),
         "direct_rps": round(med("direct", "rps")),
     }
-    for name in ("libra", "sglang"):
+    for name in ("libra", "before", "sglang"):
         if not rounds[name]:
             continue
         best = min(r["p50_ms"] for r in rounds[name]) - min(r["p50_ms"] for r in rounds["direct"])
@@ -406,6 +421,8 @@ def summarise(rounds: dict[str, list[dict]], args, router_core: list[int], other
         out[f"{name}_rps_per_cpu_s"] = round(med(name, "rps_per_cpu_s"))
         out[f"{name}_cpu_ms_per_req"] = med(name, "cpu_ms_per_req")
         out[f"{name}_errors"] = sum(r["errors"] for r in rounds[name])
+    if rounds["before"]:
+        out["libra_added_p50_vs_before"] = round(out["libra_added_p50_ms"] / out["before_added_p50_ms"], 3)
     if not rounds["sglang"]:
         out["sglang"] = (
             "skipped: --skip-sglang" if args.skip_sglang else "skipped: sglang-router not installed"

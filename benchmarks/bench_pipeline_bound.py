@@ -34,8 +34,9 @@ from libra.core.errors import ConfigError  # noqa: E402
 from libra.costmodel.catalog import Catalog, load_catalog  # noqa: E402
 from libra.sim.rl.config import parse_rl  # noqa: E402
 from libra.sim.rl.pipeline import Batches, RLSim  # noqa: E402
+from libra.sim.rl.records import StepRecord  # noqa: E402
 from libra.sim.rl.systems import make_system  # noqa: E402
-from libra.sim.scenarios import load_scenario  # noqa: E402
+from libra.sim.scenarios import read_scenario  # noqa: E402
 
 
 def run_one(raw: dict, cat: Catalog, steps: int, overrides: list[str]) -> dict:
@@ -50,11 +51,11 @@ def run_one(raw: dict, cat: Catalog, steps: int, overrides: list[str]) -> dict:
     }
 
 
-def batch_mix(history: list[dict]) -> dict[str, float]:
+def batch_mix(history: list[StepRecord]) -> dict[str, float]:
     """Which batches a step's trained trajectories come from, as shares: "0" its own, "+1" the
     next batch's fast groups that overtook it, "-1" and below the stragglers of earlier batches
     (completion order; the first two steps, which start together, are left out)."""
-    counts = Counter(t.step - rec["step"] for rec in history for t in rec["trajs"])
+    counts = Counter(t.step - rec.step for rec in history for t in rec.trajs)
     n = sum(counts.values()) or 1
     return {f"{k:+d}" if k else "0": round(v / n, 3) for k, v in sorted(counts.items())}
 
@@ -68,7 +69,7 @@ def main() -> None:
         ap.error(f"--steps must be an integer >= 3 (the first two steps start together), got {args.steps}")
     cat = load_catalog()
     try:
-        raw = load_scenario(args.scenario)
+        raw = read_scenario(args.scenario)
         cluster = parse_rl(raw, cat).cluster
     except ConfigError as e:
         ap.error(str(e))

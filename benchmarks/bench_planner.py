@@ -41,21 +41,19 @@ from libra.planner import (  # noqa: E402
     place,
 )
 from libra.rollout.base import Bucket  # noqa: E402
-from libra.sim.rl.config import parse_rl  # noqa: E402
+from libra.sim.rl.config import RLScenario, parse_rl  # noqa: E402
+from libra.sim.rl.config import problem_of as rl_problem  # noqa: E402
 from libra.sim.rl.pipeline import Batches, RLSim  # noqa: E402
-from libra.sim.rl.systems import InstanceSpec, Setup, System  # noqa: E402
-from libra.sim.scenarios import load_scenario  # noqa: E402
-from libra.sim.workloads import WorkloadConfig, make_workload  # noqa: E402
+from libra.sim.rl.setup import InstanceSpec, Setup, System  # noqa: E402
+from libra.sim.scenarios import read_scenario  # noqa: E402
+from libra.sim.workloads import make_workload  # noqa: E402
 
 
-def problem_of(sc: dict, nodes: int | None = None) -> PlanningProblem:
-    cat, wl = load_catalog(), sc["workload"]
-    return PlanningProblem(
-        cat.hardware(sc["cluster"]["hardware"]), nodes or sc["cluster"]["nodes"], cat.model(sc["model"]),
-        wl["prompts_per_step"], wl["samples_per_prompt"], wl["max_length"],
-        staleness=sc.get("pipeline", {}).get("staleness", 1),
-        consume=sc.get("pipeline", {}).get("consume", "completion"),
-    )  # fmt: skip
+def problem_of(name: str, nodes: int | None = None) -> tuple[RLScenario, PlanningProblem]:
+    """A shipped scenario and its planning problem, built as the simulator builds it."""
+    cat = load_catalog()
+    sc = parse_rl(read_scenario(name), cat, split=nodes is None)
+    return sc, rl_problem(sc, cat.hardware(sc.cluster.hardware), cat, nodes)
 
 
 def search_s(problem: PlanningProblem, stats: WorkloadStats, repeats: int, memoise: bool = True) -> dict:
@@ -81,9 +79,8 @@ def search_figures() -> dict:
         ("128_gpus", "libra-r2e-48gpu", 16, 5),
         ("1024_gpus", "scale-1024gpu", None, 3),
     ):
-        sc = load_scenario(name)
-        trajs = make_workload(WorkloadConfig(**sc["workload"])).generate(0, random.Random(0))
-        problem, stats = problem_of(sc, nodes), WorkloadStats.from_trajectories(trajs)
+        sc, problem = problem_of(name, nodes)
+        stats = WorkloadStats.from_trajectories(make_workload(sc.workload).generate(0, random.Random(0)))
         out[f"search_{label}"] = search_s(problem, stats, runs)
         if label == "128_gpus":
             out["search_128_gpus_no_memo"] = search_s(problem, stats, 3, memoise=False)
@@ -107,18 +104,14 @@ class PlanSystem(System):
         return Setup(False, self.plan.train_gpus, engines, buckets, self.router, self.plan.train)
 
 
-def scenario_layouts(sc: dict, problem: PlanningProblem) -> dict[str, Plan]:
-    tr, ro, t = sc["split"]["train_gpus"], sc["split"]["rollout_gpus"], sc["train"]
-    par = TrainParallel(t["tp"], t["pp"], tr // (t["tp"] * t["pp"] * t["cp"]), t["cp"], t["micro_batch"])
+def scenario_layouts(sc: RLScenario, problem: PlanningProblem) -> dict[str, Plan]:
+    tr, ro, t = sc.split.train_gpus, sc.split.rollout_gpus, sc.train
+    par = TrainParallel(t.tp, t.pp, tr // (t.tp * t.pp * t.cp), t.cp, t.micro_batch)
     per_node, counts = problem.hw.gpus_per_node, {}
-    for tp in sc["rollout"]["layout_per_node"]:
+    for tp in sc.rollout.layout_per_node:
         counts[tp] = counts.get(tp, 0) + ro // per_node
-    three = tuple(BucketPlan(b["tp"], counts[b["tp"]], b["max_context"]) for b in sc["rollout"]["buckets"])
-    uniform = (
-        BucketPlan(
-            sc["rollout"]["homogeneous_tp"], ro // sc["rollout"]["homogeneous_tp"], problem.max_length
-        ),
-    )
+    three = tuple(BucketPlan(b.tp, counts[b.tp], b.max_context) for b in sc.rollout.buckets)
+    uniform = (BucketPlan(sc.rollout.homogeneous_tp, ro // sc.rollout.homogeneous_tp, problem.max_length),)
     return {
         "static-uniform": Plan(problem.gpus, tr, ro, par, uniform, 0.0, 0.0, problem.max_length),
         "scenario-3-buckets": Plan(problem.gpus, tr, ro, par, three, 0.0, 0.0, problem.max_length),
@@ -132,11 +125,10 @@ def against_sim(name: str, steps: int = 12) -> dict:
     final step must train every group still untrained, so it waits for all the stragglers, an end
     effect no steady-state estimate describes.
     """
-    sc_raw, cat = load_scenario(name), load_catalog()
-    sc, problem = parse_rl(sc_raw, cat), problem_of(sc_raw)
+    sc, problem = problem_of(name)
     batches = Batches(sc, 0)
     history = WorkloadStats.from_trajectories([t for s in range(3) for t in batches.get(s)])
-    layouts = scenario_layouts(sc_raw, problem)
+    layouts = scenario_layouts(sc, problem)
     layouts["planner-homogeneous"] = HomogeneousPlanner(problem).plan(history)
     layouts["planner-heterogeneous"] = GlobalPlanner(problem).plan(history)
     evaluator, out = GlobalPlanner(problem), {}

@@ -1,7 +1,7 @@
 """Simulator speed and memory on the shipped scenarios, compiled and pure Python side by side.
 
 Each case runs in a fresh subprocess (one process uses one core: the simulator is single-threaded),
-once with the compiled modules (`libra.native`) and once with LIBRA_PURE_PYTHON=1, so the speed-up
+once with the compiled modules (`libra.sim.native`) and once with LIBRA_PURE_PYTHON=1, so the speed-up
 is a ratio measured in one run. Both must give the same throughput, to the last bit.
 Goals: the default job (`libra simulate`: libra-r2e-48gpu, 8 systems, 100 steps, plots included)
 <= 120 s on one core; libra-r2e-48gpu static-uniform 100 steps <= 30 s; scale-1024gpu
@@ -32,7 +32,8 @@ CASES = {
 
 CHILD = """
 import json, resource, sys, time
-from libra import native
+from libra.sim import native
+native.activate()  # as `libra simulate` does: the compiled build when there is one (and not LIBRA_PURE_PYTHON)
 from libra.sim.rl.pipeline import run
 from libra.sim.scenarios import load_scenario
 systems = sys.argv[2].split(",") if sys.argv[2] else None

@@ -35,7 +35,7 @@ from libra.costmodel.rollout import RolloutCostModel  # noqa: E402
 from libra.sim.rl.config import parse_rl  # noqa: E402
 from libra.sim.rl.pipeline import Batches, RLSim  # noqa: E402
 from libra.sim.rl.systems import make_system  # noqa: E402
-from libra.sim.scenarios import load_scenario  # noqa: E402
+from libra.sim.scenarios import read_scenario  # noqa: E402
 
 SCENARIOS = ("libra-r2e-48gpu", "libra-searchr1-48gpu")
 
@@ -60,7 +60,7 @@ def bound_shares(scenario: str, steps: int, consume: str = "batch") -> list[floa
     finish, so the floor is the batch's *median group*, a group being as slow as its slowest sample.
     """
     cat = load_catalog()
-    raw = load_scenario(scenario)
+    raw = read_scenario(scenario)
     raw["pipeline"] = {**raw.get("pipeline", {}), "consume": consume}
     sc = parse_rl(raw, cat)
     hw, model = cat.hardware(sc.cluster.hardware), cat.model(sc.model)
@@ -72,7 +72,7 @@ def bound_shares(scenario: str, steps: int, consume: str = "batch") -> list[floa
     default = sc.pipeline.tool_latency_default_s
     shares = []
     for r in sim.history:
-        solo = [(t.prompt_id, solo_critical_path_s(t, cost, default)) for t in batches.get(r["step"])]
+        solo = [(t.prompt_id, solo_critical_path_s(t, cost, default)) for t in batches.get(r.step)]
         if consume == "batch":
             floor = max(v for _, v in solo)
         else:
@@ -80,7 +80,7 @@ def bound_shares(scenario: str, steps: int, consume: str = "batch") -> list[floa
             for pid, v in solo:
                 groups[pid] = max(v, groups.get(pid, 0.0))
             floor = statistics.median(groups.values())
-        shares.append(floor / (r["rollout_end"] - r["rollout_start"]))
+        shares.append(floor / r.rollout_makespan)
     return shares
 
 

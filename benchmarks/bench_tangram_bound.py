@@ -31,12 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import report  # noqa: E402
 from libra.core.config import build  # noqa: E402
-from libra.sim.scenarios import load_scenario  # noqa: E402
-from libra.sim.tangram.runner import SETUPS, TangramScenario, run, simulate_system  # noqa: E402
+from libra.sim.scenarios import read_scenario  # noqa: E402
+from libra.sim.tangram.config import TangramScenario  # noqa: E402
+from libra.sim.tangram.runner import SETUPS, run, simulate_system  # noqa: E402
 
 
 def mean_act(raw: dict, system: str) -> dict:
-    a = run(raw, systems=[system], seed=0)["systems"][system]["actions"]
+    a = run(build(TangramScenario, raw, "scenario"), systems=[system], seed=0)["systems"][system]["actions"]
     return {"mean_act_s": round(a["mean_act_s"], 3), "mean_queue_s": round(a["mean_queue_s"], 3)}
 
 
@@ -64,7 +65,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.cores_scale < 1:
         ap.error(f"--cores-scale must be an integer >= 1, got {args.cores_scale}")
-    raw = load_scenario("tangram-coding")
+    raw = read_scenario("tangram-coding")
     k8s = mean_act(raw, "k8s-per-trajectory")
     shipped = mean_act(raw, "tangram")
     cluster = raw["cluster"]

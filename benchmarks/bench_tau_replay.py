@@ -24,14 +24,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import report  # noqa: E402
-from libra.core.config import apply_overrides  # noqa: E402
 from libra.core.errors import LibraError  # noqa: E402
 from libra.core.trace import deal_prompts, read_trace, write_trace  # noqa: E402
 from libra.core.trajectory import Trajectory  # noqa: E402
 from libra.costmodel.catalog import load_catalog  # noqa: E402
-from libra.sim.rl.config import parse_rl  # noqa: E402
+from libra.sim.rl.config import RLScenario, parse_rl  # noqa: E402
 from libra.sim.rl.pipeline import run  # noqa: E402
-from libra.sim.scenarios import load_scenario  # noqa: E402
+from libra.sim.scenarios import read_scenario  # noqa: E402
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "trajectories" / "tau-bench-airline.jsonl"
 ROUTERS = [
@@ -49,7 +48,7 @@ BUCKETS = (
 )
 
 
-def replay(trajs: list[Trajectory], path: Path, scenario: dict) -> dict[str, dict]:
+def replay(trajs: list[Trajectory], path: Path, scenario: RLScenario) -> dict[str, dict]:
     write_trace(trajs, path)
     systems = [f"router:{r}" for r in ROUTERS]
     out = run(scenario, systems, None, 0, None, lambda *a: None, trace=str(path))["systems"]
@@ -106,8 +105,7 @@ def main() -> None:
     except LibraError as e:  # a malformed line: FILE:LINE: field ...
         ap.error(f"--trace: {e}")
     try:
-        scenario = apply_overrides(load_scenario("libra-searchr1-48gpu"), [BUCKETS, *args.set])
-        parse_rl(scenario, load_catalog())  # a bad --set is an error now, not a traceback later
+        scenario = parse_rl(read_scenario("libra-searchr1-48gpu", [BUCKETS, *args.set]), load_catalog())
     except LibraError as e:
         ap.error(f"--set: {e}")
     with tempfile.TemporaryDirectory() as tmp:

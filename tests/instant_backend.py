@@ -9,14 +9,16 @@ rather than real tokens.
 It speaks enough of the API to be a faithful stand-in:
 
 - `POST /v1/chat/completions` and `/v1/completions`, non-streaming and streaming (SSE, with
-  `stream_options.include_usage`), with `usage` estimated at 4 characters a token;
+  `stream_options.include_usage`), with `usage` estimated at 4 characters a token (a token-id
+  prompt counts its ids);
+- SGLang's `POST /generate` (`text` or `input_ids`), answering in its shape with `meta_info`;
 - tool calls by the built-in engine's rule: with `tools` and `tool_choice` auto, a turn calls the
   first tool while fewer than `--tool-rounds` (or the body's `libra_tool_rounds`) assistant tool
   calls follow the last user message, then answers in text; `required` or a named tool always calls;
 - `GET /v1/models`, `/health`, and the SGLang worker endpoints `sglang-router` probes
   (`/health_generate`, `/get_model_info`, `/get_server_info`);
-- `GET /stats`: how many requests it answered (and, with a delay, the most it held at once), so
-  tests can count what reached the backends;
+- `GET /stats`: how many requests it answered (and, with a delay, the most it held at once), and
+  the last `X-Request-Id` it was sent, so tests can count and check what reached the backends;
 - `--delay-ms` holds every answer that long (to make requests overlap in tests);
 - `--exit-mid-stream` makes the process crash after the first event of a chat stream, so tests
   can see a backend die halfway through a response.
@@ -45,6 +47,17 @@ CHARS_PER_TOKEN = 4
 
 def _tokens(chars: int) -> int:
     return max(1, -(-chars // CHARS_PER_TOKEN))
+
+
+def _prompt_tokens(prompt: object) -> int:
+    """A prompt's tokens: its ids when it is token ids (the longest list of a batch), else its
+    characters at 4 a token."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return len(prompt)
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        return max(len(p) for p in prompt if isinstance(p, list))
+    chars = len(prompt) if isinstance(prompt, str) else sum(len(p) for p in prompt if isinstance(p, str))
+    return _tokens(chars)
 
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> web.Response:
@@ -97,13 +110,21 @@ class InstantBackend:
         self.model, self.reply, self.delay_s, self.exit_mid_stream = model, reply, delay_s, exit_mid_stream
         self.tool_rounds, self.max_context = tool_rounds, max_context
         self.ids = itertools.count()
-        self.counts = {"chat": 0, "completions": 0, "inflight": 0, "peak_inflight": 0}
+        self.counts = {
+            "chat": 0,
+            "completions": 0,
+            "generate": 0,
+            "inflight": 0,
+            "peak_inflight": 0,
+            "last_request_id": None,
+        }
         self.created = int(time.time())
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 2**20)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/generate", self.generate)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/health_generate", self.health)
@@ -119,7 +140,8 @@ class InstantBackend:
             return _error(400, "request body is not valid JSON", code="invalid_json")
         if not isinstance(data, dict):
             return _error(400, "request body must be a JSON object", code="invalid_json")
-        if data.get("model") != self.model:
+        self.counts["last_request_id"] = request.headers.get("X-Request-Id")
+        if request.path != "/generate" and data.get("model") != self.model:
             return _error(404, f"model {data.get('model')!r} does not exist; this backend serves {self.model!r}", "model", "model_not_found")  # fmt: skip
         if self.delay_s:
             c = self.counts
@@ -178,8 +200,7 @@ class InstantBackend:
         if not isinstance(prompt, (str, list)) or not prompt:
             return _error(400, "'prompt' is required", "prompt", "invalid_value")
         self.counts["completions"] += 1
-        chars = len(prompt) if isinstance(prompt, str) else sum(len(p) for p in prompt if isinstance(p, str))
-        p, c = _tokens(chars), _tokens(len(self.reply))
+        p, c = _prompt_tokens(prompt), _tokens(len(self.reply))
         usage = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
         rid = f"cmpl-instant-{next(self.ids)}"
         choice = {"index": 0, "text": self.reply, "logprobs": None, "finish_reason": "stop"}
@@ -188,6 +209,29 @@ class InstantBackend:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             await resp.write(_sse({**body, "usage": None}) + _sse({**body, "choices": [], "usage": usage}) + b"data: [DONE]\n\n")  # fmt: skip
+            await resp.write_eof()
+            return resp
+        return web.Response(body=json.dumps(body).encode(), content_type="application/json")
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        data = await self._parse(request)
+        if isinstance(data, web.Response):
+            return data
+        prompt = data.get("input_ids", data.get("text"))
+        if not isinstance(prompt, (str, list)) or not prompt:
+            return _error(400, "'text' or 'input_ids' is required", "input_ids", "invalid_value")
+        self.counts["generate"] += 1
+        ids = list(self.reply.encode())
+        meta = {"id": f"gen-instant-{next(self.ids)}", "finish_reason": {"type": "stop", "matched": 0},
+                "prompt_tokens": _prompt_tokens(prompt), "completion_tokens": len(ids), "cached_tokens": 0,
+                "weight_version": "0"}  # fmt: skip
+        if data.get("return_logprob"):
+            meta["output_token_logprobs"] = [[-1.0, t, None] for t in ids]
+        body = {"text": self.reply, "output_ids": ids, "meta_info": meta}
+        if data.get("stream") is True:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(_sse(body) + b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
         return web.Response(body=json.dumps(body).encode(), content_type="application/json")

@@ -12,22 +12,29 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from libra.core.errors import ConfigError
-from libra.sim.scenarios import load_scenario
-from libra.sim.tangram.runner import run, split_nodes
+from libra.sim.scenarios import parse_scenario, read_scenario
+from libra.sim.tangram import runner
+from libra.sim.tangram.runner import split_nodes
 from libra.sim.tangram.systems import max_min_fair
 from tests.conftest import run_cli
+
+
+def run(scenario: dict, *args, **kw) -> dict:
+    """The runner on a scenario mapping (validated first, as `libra simulate` loads one)."""
+    return runner.run(parse_scenario(scenario), *args, **kw)
+
 
 REQUIRED = ("mean_act_s", "p99_act_s", "mean_step_time_s", "restore_overhead_share")
 
 
 @pytest.fixture(scope="module")
 def coding():
-    return run(load_scenario("tangram-coding"), seed=0)
+    return run(read_scenario("tangram-coding"), seed=0)
 
 
 @pytest.fixture(scope="module")
 def mopd():
-    return run(load_scenario("tangram-mopd"), seed=0)
+    return run(read_scenario("tangram-mopd"), seed=0)
 
 
 def test_coding_systems_share_cores_and_tangram_beats_fixed_dop(coding):
@@ -58,9 +65,11 @@ def test_coding_tangram_cuts_act_to_a_third_of_k8s(coding):
 
 
 def test_coding_trajectories_end_with_a_reward_call_at_their_repository_scale():
-    from libra.sim.tangram.runner import CodingSetup, TangramScenario, build
+    from libra.core.config import build
+    from libra.sim.tangram.config import TangramScenario
+    from libra.sim.tangram.runner import CodingSetup
 
-    setup = CodingSetup(build(TangramScenario, load_scenario("tangram-coding"), "scenario"), None)
+    setup = CodingSetup(build(TangramScenario, read_scenario("tangram-coding"), "scenario"), None)
     plans = setup.plans(0, seed=3)
     for plan in plans:
         assert plan.segments[-1] == (0.0, None)
@@ -75,7 +84,7 @@ def test_coding_trajectories_end_with_a_reward_call_at_their_repository_scale():
             pairs.append((sum(runs) / len(runs), plan.segments[-2][1].t1))
     x, y = np.log(np.array(pairs)).T
     assert len(pairs) > 100 and np.corrcoef(x, y)[0, 1] > 0.6
-    no_reward = load_scenario("tangram-coding")
+    no_reward = read_scenario("tangram-coding")
     no_reward["coding"]["reward"] = None
     bare = CodingSetup(build(TangramScenario, no_reward, "scenario"), None).plans(0, seed=3)
     assert not any(a is not None and a.kind == "reward-tests" for p in bare for _, a in p.segments)
@@ -94,7 +103,7 @@ def test_mopd_pooled_gpus_match_static_act_with_half_the_gpus(mopd):
 
 
 def small_mopd() -> dict:
-    sc = load_scenario("tangram-mopd")
+    sc = read_scenario("tangram-mopd")
     sc["mopd"]["prompts_per_step"] = 48
     sc["equal_act"]["step"] = 8
     return sc
@@ -129,11 +138,11 @@ def test_bad_scenarios_are_one_line_config_errors():
     sc["systems"]["k8s"] = {"type": "k8s"}
     with pytest.raises(ConfigError, match="CPU scenario"):
         run(sc, systems=["k8s"], steps=1)
-    sc = copy.deepcopy(load_scenario("tangram-coding"))
+    sc = copy.deepcopy(read_scenario("tangram-coding"))
     sc["coding"]["tools"]["python"] = [{"kind": "python", "profile": "missing"}]
     with pytest.raises(ConfigError, match=r"coding\.tools\.python\[0\]\.profile"):
         run(sc, steps=1)
-    sc = copy.deepcopy(load_scenario("tangram-coding"))
+    sc = copy.deepcopy(read_scenario("tangram-coding"))
     sc["coding"]["reward"]["cpu"] = [4, 2]
     with pytest.raises(ConfigError, match=r"coding\.reward\.cpu"):
         run(sc, steps=1)
@@ -159,7 +168,7 @@ def test_bad_scenarios_are_one_line_config_errors():
     ],
 )
 def test_values_no_run_could_use_are_refused_up_front(path, value, needle):
-    sc = copy.deepcopy(load_scenario("tangram-coding"))
+    sc = copy.deepcopy(read_scenario("tangram-coding"))
     node = sc
     for key in path[:-1]:
         node = node[key]
@@ -196,7 +205,7 @@ def test_split_nodes_makes_power_of_two_nodes():
 
 
 def test_k8s_pods_wait_for_requests_and_count_in_act():
-    sc = copy.deepcopy(load_scenario("tangram-coding"))
+    sc = copy.deepcopy(read_scenario("tangram-coding"))
     sc["coding"]["workload"]["prompts_per_step"] = 4  # 64 trajectories
     sc["cluster"] = {"nodes": 1, "cores_per_node": 8, "numa_per_node": 1, "memory_gib_per_node": 512}
     res = run(sc, systems=["k8s-per-trajectory", "tangram"], steps=1, seed=1)
@@ -224,10 +233,12 @@ def test_cli_simulate_runs_a_tangram_scenario(tmp_path):
 def test_a_trajectory_cut_off_on_a_tool_call_still_gets_its_reward_call():
     import random
 
+    from libra.core.config import build
     from libra.core.trajectory import Trajectory, Turn
-    from libra.sim.tangram.runner import CodingSetup, TangramScenario, build
+    from libra.sim.tangram.config import TangramScenario
+    from libra.sim.tangram.runner import CodingSetup
 
-    setup = CodingSetup(build(TangramScenario, load_scenario("tangram-coding"), "scenario"), None)
+    setup = CodingSetup(build(TangramScenario, read_scenario("tangram-coding"), "scenario"), None)
     cut = Trajectory("t", "p", 0, 500, [Turn(100, "execute_bash", 50, tool_latency_s=2.0)])
     kinds = [a.kind if a else None for _, a in setup.workload._plan(cut, 0, random.Random(0)).segments]
     assert kinds[-2:] == ["reward-tests", None] and len(kinds) == 3

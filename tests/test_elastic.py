@@ -27,7 +27,8 @@ S = JoinState
 
 def joined(replica: HybridReplica) -> int:
     gen = replica.request_join()
-    assert replica.begin_fetch(gen) and replica.state_fetched(gen) and replica.activate(gen)
+    assert replica.begin_fetch(gen) and replica.state_fetched(gen)
+    assert replica.propose_activation(gen) and replica.activate(gen)
     return gen
 
 
@@ -39,7 +40,7 @@ def test_join_path_and_what_each_state_contributes():
     seen = [(r.state, r.serves_rollout, r.sends_zero_gradients, r.contributes_gradients)]
     gen = r.request_join()
     seen.append((r.state, r.serves_rollout, r.sends_zero_gradients, r.contributes_gradients))
-    for step in (r.begin_fetch, r.state_fetched, r.activate):
+    for step in (r.begin_fetch, r.state_fetched, r.propose_activation, r.activate):
         assert step(gen)
         seen.append((r.state, r.serves_rollout, r.sends_zero_gradients, r.contributes_gradients))
     assert seen == [
@@ -47,6 +48,7 @@ def test_join_path_and_what_each_state_contributes():
         (S.REQUESTED, False, False, False),
         (S.FETCHING_STATE, False, False, False),
         (S.ZERO_SYNC, False, True, False),  # in the all-reduce, adding zeros: training never waits
+        (S.ACTIVATING, False, True, False),  # still zeros until the core commits the membership
         (S.ACTIVE, False, False, True),  # only now does it contribute
     ]
 
@@ -58,20 +60,20 @@ def test_release_path():
     assert r.released(gen) and r.state == S.ROLLOUT and not r.in_transition
 
 
-@pytest.mark.parametrize("depth", [0, 1, 2])  # cancel in REQUESTED, FETCHING_STATE, ZERO_SYNC
+@pytest.mark.parametrize("depth", [0, 1, 2, 3])  # cancel in REQUESTED, FETCHING_STATE, ZERO_SYNC, ACTIVATING
 @pytest.mark.parametrize("how", ["cancel", "fail"])
 def test_cancel_or_failure_before_active_rolls_the_whole_replica_back(depth, how):
     r = HybridReplica("h0", gpus=8)
     gen = r.request_join()
-    for step in [r.begin_fetch, r.state_fetched][:depth]:
+    for step in [r.begin_fetch, r.state_fetched, r.propose_activation][:depth]:
         assert step(gen)
     assert getattr(r, how)(gen)
     assert r.state == S.ROLLOUT and r.serves_rollout and r.rollbacks == 1
     assert r.generation == gen + 1
     # Late callbacks of the abandoned join are refused and change nothing.
-    for late in (r.begin_fetch, r.state_fetched, r.activate, r.cancel):
+    for late in (r.begin_fetch, r.state_fetched, r.propose_activation, r.activate, r.cancel):
         assert late(gen) is False
-    assert r.state == S.ROLLOUT and r.stale_refusals == 4
+    assert r.state == S.ROLLOUT and r.stale_refusals == 5
 
 
 @pytest.mark.parametrize("state_after", ["active", "releasing"])
@@ -98,6 +100,8 @@ def test_stale_generation_cannot_move_a_newer_join():
     "prepare,call",
     [
         ([], "activate"),  # ROLLOUT -> ACTIVE skips the join
+        (["request_join"], "activate"),  # no activation without the handshake
+        (["request_join"], "propose_activation"),
         (["request_join"], "state_fetched"),  # REQUESTED cannot skip FETCHING_STATE
         (["request_join"], "release"),
         (["join"], "cancel"),  # cancel is for joins in flight; an ACTIVE replica is released
@@ -123,11 +127,12 @@ def test_wrong_starting_state_raises(prepare, call):
 TABLE = {
     "begin_fetch": ({S.REQUESTED}, S.FETCHING_STATE),
     "state_fetched": ({S.FETCHING_STATE}, S.ZERO_SYNC),
-    "activate": ({S.ZERO_SYNC}, S.ACTIVE),
+    "propose_activation": ({S.ZERO_SYNC}, S.ACTIVATING),
+    "activate": ({S.ACTIVATING}, S.ACTIVE),
     "release": ({S.ACTIVE}, S.RELEASING),
     "released": ({S.RELEASING}, S.ROLLOUT),
-    "cancel": ({S.REQUESTED, S.FETCHING_STATE, S.ZERO_SYNC}, S.ROLLOUT),
-    "fail": ({S.REQUESTED, S.FETCHING_STATE, S.ZERO_SYNC, S.ACTIVE, S.RELEASING}, S.ROLLOUT),
+    "cancel": ({S.REQUESTED, S.FETCHING_STATE, S.ZERO_SYNC, S.ACTIVATING}, S.ROLLOUT),
+    "fail": ({S.REQUESTED, S.FETCHING_STATE, S.ZERO_SYNC, S.ACTIVATING, S.ACTIVE, S.RELEASING}, S.ROLLOUT),
 }
 
 

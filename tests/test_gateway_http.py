@@ -230,7 +230,9 @@ def test_an_admin_add_with_one_junk_field_gets_an_answer_below_500(gw, backends,
 
 
 def test_models_health_and_metrics(gw):
-    assert gw.get("/v1/models") == (200, {"object": "list", "data": [{"id": "instant", "object": "model", "created": pytest.approx(time.time(), abs=3600), "owned_by": "libra-gateway"}]})  # fmt: skip
+    # the backend's card passes through, max_model_len included (the instant backend's 32768)
+    assert gw.get("/v1/models") == (200, {"object": "list", "data": [{"id": "instant", "object": "model", "created": pytest.approx(time.time(), abs=3600), "owned_by": "libra-instant", "max_model_len": 32768}]})  # fmt: skip
+    assert gw.get("/v1/models/instant")[1]["max_model_len"] == 32768 and gw.get("/v1/models/nope")[0] == 404
     status, health = gw.get("/health")
     assert status == 200 and health["routable"] == 2 and health["router"] == "cmlfq"
     assert [b["name"] for b in health["buckets"]] == ["short", "long"]
@@ -602,10 +604,14 @@ def test_a_backend_dying_mid_stream_ends_the_stream_with_an_error_and_the_sessio
             model="instant", messages=conversation(""), user="mid"
         )
     assert r.headers["X-Libra-Instance"] == "alive" and r.parse().choices[0].message.content == "Done."
-    assert (
-        metric(gw.metrics(), "libra_gateway_upstream_errors_total", instance="dying", kind="mid_stream") == 1
-    )
+    text = gw.metrics()
+    assert metric(text, "libra_gateway_upstream_errors_total", instance="dying", kind="mid_stream") == 1
     assert gw.get("/health")[1]["routable"] == 1
+    # the client's retry of the turn is a failover, not the router's choice
+    (first, retry) = gw.get("/sessions/mid")[1]["turns"]
+    assert retry["migrated"] and retry["failover_to"] == "alive" and first["failover_to"] is None
+    assert metric(text, "libra_gateway_migrations_total", reason="failover") == 1
+    assert metric(text, "libra_gateway_migrations_total", reason="policy") == 0
 
 
 def test_a_router_bug_costs_no_turn_and_no_session(instant_factory, gateway_factory):  # noqa: F811

@@ -705,17 +705,20 @@ JUNK = st.one_of(
     value=JUNK,
 )
 def test_scenario_junk_is_a_clear_error_never_a_crash(section, key, value):
-    from libra.cli.plan import _section, build_problem
-    from libra.sim.scenarios import load_scenario
+    """Junk in any section is a one-line error when the scenario is loaded for planning, never a
+    crash in building the planner's problem."""
+    from libra.costmodel.catalog import load_catalog
+    from libra.sim.rl.config import parse_rl, problem_of
+    from libra.sim.scenarios import read_scenario
 
-    sc = load_scenario("libra-r2e-48gpu")
+    sc = read_scenario("libra-r2e-48gpu")
     if key is None:
         sc[section] = value
     else:
         sc.setdefault(section, {})[key] = value
+    cat = load_catalog()
     try:
-        build_problem(sc, None, (), None)
-        for name, model in (("planner", PlannerConfig),):
-            build(model, _section(sc, name), name)
+        parsed = parse_rl(sc, cat, split=False)
+        problem_of(parsed, cat.hardware(parsed.cluster.hardware), cat)
     except LibraError as e:
         assert str(e)

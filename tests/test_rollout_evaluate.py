@@ -197,7 +197,7 @@ def _run(*args):
     import sys
 
     return subprocess.run(
-        [sys.executable, "-m", "libra.rollout", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "libra", "route", *args], capture_output=True, text=True, timeout=120
     )
 
 

@@ -8,8 +8,7 @@ import pytest
 
 from libra.core.errors import ConfigError, SimulationError
 from libra.sim import isolation
-from libra.sim.rl.pipeline import run
-from tests.test_sim_pipeline import SMALL, _quiet
+from tests.test_sim_pipeline import SMALL, _quiet, run
 
 pytestmark = pytest.mark.skipif(not isolation.forking(), reason="fork is not available here")
 

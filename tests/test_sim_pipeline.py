@@ -9,11 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from libra.core.errors import ConfigError, LibraError
+from libra.planner import ControlDecision, Replan, Trigger
 from libra.planner.config import ElasticConfig, PlannerConfig
+from libra.sim.rl import pipeline
 from libra.sim.rl.config import ClusterCfg, PipelineCfg, RolloutCfg, SplitCfg, parse_rl
-from libra.sim.rl.pipeline import RLSim, run
+from libra.sim.rl.pipeline import RLSim
 from libra.sim.rl.systems import make_system
-from libra.sim.scenarios import load_scenario
+from libra.sim.scenarios import load_scenario, parse_scenario, read_scenario
 from libra.sim.workloads import WorkloadConfig
 from tests.conftest import run_cli
 
@@ -39,6 +41,11 @@ def _quiet(label, frac):
     pass
 
 
+def run(scenario: dict, *args, **kw) -> dict:
+    """The pipeline on a scenario mapping (validated first, as `libra simulate` loads one)."""
+    return pipeline.run(parse_scenario(scenario), *args, **kw)
+
+
 def test_every_trajectory_finishes_once(catalog):
     sc = parse_rl(SMALL, catalog)
     from libra.sim.rl.pipeline import Batches
@@ -47,9 +54,9 @@ def test_every_trajectory_finishes_once(catalog):
     sim.run()
     ids = [t.id for t, _ in sim.driver.finished]
     assert len(ids) == len(set(ids)) == 3 * 16
-    assert [r["step"] for r in sim.history] == [0, 1, 2]
+    assert [r.step for r in sim.history] == [0, 1, 2]
     for r in sim.history:  # training of a step starts after its rollout ends
-        assert r["train_start"] >= r["rollout_end"]
+        assert r.train_start >= r.rollout_end
 
 
 def test_staleness_bound(catalog):
@@ -60,7 +67,7 @@ def test_staleness_bound(catalog):
     sim.run()
     h = sim.history
     for s in range(2, 5):  # batch s starts only after training step s-2 (k=1) has finished
-        assert h[s]["rollout_start"] >= h[s - 2]["train_end"] - 1e-9
+        assert h[s].rollout_start >= h[s - 2].train_end - 1e-9
 
 
 def test_colocated_is_sequential():
@@ -140,6 +147,11 @@ def test_cli_prints_the_ladder_and_libras_ratios(small_yaml, tmp_path):
     pool = s["libra"]["elastic"]
     assert f"libra's hybrid pool: {pool['hybrid_replicas']} replicas, {pool['joins']} joins" in r.stdout
     assert ("nothing was routed" in r.stdout) == ("routing" not in s["libra"])
+    assert f"{s['libra']['distance_to_limit']:.0%} above its lower bound" in r.stdout
+    from libra.sim.explore.atlas import load_map
+
+    for mech in load_map()["mechanisms"]:  # where each mechanism pays, from the shipped map
+        assert f"\n{mech}: " in r.stdout
 
 
 def test_replays_a_real_trace(shared_data, tmp_path):
@@ -194,7 +206,7 @@ def test_malformed_trace_names_line(tmp_path):
 
 def test_shipped_scenarios_parse(catalog):
     for name in ("libra-r2e-48gpu", "libra-searchr1-48gpu", "libra-dapo-48gpu", "scale-1024gpu"):
-        parse_rl(load_scenario(name), catalog)
+        parse_rl(read_scenario(name), catalog)
 
 
 @settings(max_examples=6, deadline=None)
@@ -239,7 +251,13 @@ def test_planned_family_is_the_hetero_rung_with_another_router():
     can spill down at its first turn and move up later: placement, not prediction.)"""
     workload = {**SMALL["workload"], "prompts_per_step": 8, "samples_per_prompt": 8}  # several buckets
     rollout = {**SMALL.get("rollout", {}), "router_params": {"spill": "saturated"}}
-    cfg = {**SMALL, "workload": workload, "rollout": rollout, "planner": {"interval_steps": 1}}
+    # split_margin 0: this checks the family on split layouts, whatever the planner would prefer
+    cfg = {
+        **SMALL,
+        "workload": workload,
+        "rollout": rollout,
+        "planner": {"interval_steps": 1, "split_margin": 0},
+    }
     names = ["ablation:hetero-tp", "planned:least-loaded", "planned:oracle"]
     res = run(cfg, names, 3, 0, None, _quiet)["systems"]
     assert res["planned:least-loaded"] == res["ablation:hetero-tp"]
@@ -272,6 +290,40 @@ def test_any_value_in_any_section_runs_or_names_its_field(section, name, value):
         run(data, ["static-uniform", "libra"], 1, 0, None, _quiet)
     except LibraError as e:
         assert "\n" not in str(e), e
+
+
+# Every section present, so that leaving keys out of any of them is exercised.
+FULL = {**SMALL, "pipeline": {"staleness": 1, "consume": "completion", "switch_s": 20.0},
+        "train": {"tp": 4, "pp": 1, "micro_batch": 1}, "planner": {"interval_steps": 10, "bins": 32},
+        "elastic": {"borrow_ratio": 1.15}, "selector": {"down_patience": 3}}  # fmt: skip
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None)
+@given(data=st.data())
+def test_any_keys_left_out_run_with_their_defaults_or_name_the_field(data):
+    """Leaving out any subset of any section (or a whole section) either runs with the documented
+    defaults or is a one-line error naming what is missing: never another exception."""
+    import copy
+
+    sc = copy.deepcopy(FULL)
+    section = data.draw(st.sampled_from(sorted(k for k in sc if k not in ("kind", "name"))))
+    if isinstance(sc[section], dict) and data.draw(st.booleans()):
+        for key in data.draw(st.sets(st.sampled_from(sorted(sc[section])))):
+            del sc[section][key]
+    else:
+        del sc[section]
+    try:
+        run(sc, ["static-optimal", "libra"], 1, 0, None, _quiet)
+    except LibraError as e:
+        assert "\n" not in str(e), e
+
+
+def test_a_workload_without_prompts_per_step_takes_the_documented_default():
+    """Once `KeyError: 'prompts_per_step'` in static-optimal: the default lived in two places."""
+    wl = {k: v for k, v in SMALL["workload"].items() if k != "prompts_per_step"}
+    res = run({**SMALL, "workload": wl}, ["static-optimal"], 1, 0, None, _quiet)
+    assert res["systems"]["static-optimal"]["generated_tokens"] > 0
+    assert WorkloadConfig.model_fields["prompts_per_step"].default == 32
 
 
 @pytest.mark.parametrize("layout", [[0], [], [-1, 4], [1, 2, 0]])
@@ -307,10 +359,16 @@ def test_routing_counts_cover_every_layout_of_a_replanned_run(catalog):
     sc = parse_rl({**SMALL, "steps": 4}, catalog)
     batches = Batches(sc, 0)
     system = make_system("router:cmlfq")
-    # A system that re-plans once, after step 1: the same buckets on one instance fewer.
-    system.between_steps = lambda sc, hw, history, current: (
-        replace(current, instances=current.instances[:-1]) if len(history) == 2 else None
-    )
+
+    # A system that re-plans once, after step 1: the same buckets on one instance fewer. The
+    # controller is a stand-in for the planner's (which would need a planned system's layouts).
+    class ReplanOnce:
+        def observe(self, report, current, pool):
+            replan = Replan(None, 0.0, Trigger.INTERVAL, "test") if report.step == 1 else None
+            return ControlDecision(report.step, replan=replan)
+
+    system.controller = ReplanOnce()
+    system.setup_for = lambda plan, sc, hw, reconfig_s: replace(sim.setup, instances=sim.setup.instances[:-1])
     sim = RLSim(sc, system, batches, 4, 0)
     res = sim.run()
     assert res["replans"] == 1  # the case under test: two drivers
@@ -347,7 +405,7 @@ def test_elastic_pool_joins_when_training_is_slow(catalog):
     assert sim.pool.joins >= 1
     assert res["elastic"]["hybrid_replicas"] == 1 and res["elastic"]["joins"] == sim.pool.joins
     assert res["elastic"]["last_decision"]  # the controller's reason, e.g. "r=1.40: borrow 1"
-    gpus = [r["train_gpus"] for r in sim.history]
+    gpus = [r.train_gpus for r in sim.history]
     assert max(gpus) == gpus[0] + tp  # the ACTIVE replica trains as one more DP replica
     assert gpus.index(max(gpus)) >= 2  # not before the join's drain, fetch and restore
 
@@ -403,17 +461,17 @@ def test_consumption_order_and_whole_groups(catalog, consume):
     trace = _straggler_trace()
     sim = RLSim(sc, make_system("static-uniform"), Batches(sc, 0, trace), 2, 0)
     res = sim.run()
-    trained = [t for r in sim.history for t in r["trajs"]]
+    trained = [t for r in sim.history for t in r.trajs]
     assert sorted(t.id for t in trained) == sorted(t.id for t in trace)
     for r in sim.history:
-        groups = {(t.step, t.prompt_id) for t in r["trajs"]}
-        assert len(r["trajs"]) == 2 * len(groups) == 4
-    step0 = {t.id for t in sim.history[0]["trajs"]}
+        groups = {(t.step, t.prompt_id) for t in r.trajs}
+        assert len(r.trajs) == 2 * len(groups) == 4
+    step0 = {t.id for t in sim.history[0].trajs}
     if consume == "batch":
         assert step0 == {"a0", "a1", "b0", "b1"}
     else:
-        assert "a0" not in step0 and "a0" in {t.id for t in sim.history[1]["trajs"]}
-        assert sim.history[0]["rollout_end"] < 300  # the straggler alone takes 12 x 30 s of tools
+        assert "a0" not in step0 and "a0" in {t.id for t in sim.history[1].trajs}
+        assert sim.history[0].rollout_end < 300  # the straggler alone takes 12 x 30 s of tools
     # Staleness: training steps between the weights a group started with and the step training it.
     assert res["max_staleness"] == 1 and 0 < res["mean_staleness"] <= 1
 
@@ -463,7 +521,7 @@ def test_list_names_each_scenario_with_its_description_and_the_systems():
     lines = out.stdout.splitlines()
     for name in ("libra-r2e-48gpu", "tangram-coding"):
         (line,) = [x for x in lines if x.startswith(name + " ")]
-        assert load_scenario(name)["description"][:30] in line
+        assert load_scenario(name).description[:30] in line
     assert any("k8s-per-trajectory" in x for x in lines)  # a tangram scenario's own systems
     assert "router:cmlfq" in out.stdout and "ablation:hetero-tp" in out.stdout
 

@@ -37,6 +37,20 @@ def test_same_seed_same_file_and_steps_regenerate_alone(tmp_path):
     assert step1 == [t.to_dict() for t in read_trace(c)]
 
 
+def test_the_trace_generate_writes_is_the_batches_simulate_runs(tmp_path):
+    """One per-step random stream for `trace generate --seed S` and `simulate --seed S`."""
+    from libra.sim.rl.pipeline import Batches
+    from libra.sim.scenarios import load_scenario
+
+    out = tmp_path / "t.jsonl"
+    r = run_cli("trace", "generate", "--scenario", "libra-searchr1-48gpu", "--steps", "2", "--seed", "7",
+                "--out", str(out))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    batches = Batches(load_scenario("libra-searchr1-48gpu"), 7)
+    expected = [t.to_dict() for step in range(2) for t in batches.get(step)]
+    assert [t.to_dict() for t in read_trace(out)] == expected
+
+
 def test_scenario_workload_with_overrides(tmp_path):
     out = tmp_path / "dapo.jsonl"
     r = run_cli("trace", "generate", "--scenario", "libra-dapo-48gpu", "--prompts", "2", "--out", str(out),

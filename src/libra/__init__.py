@@ -5,7 +5,3 @@ See DESIGN.md in the shared folder and the README for the map.
 """
 
 __version__ = "0.1.0"
-
-from libra import native as _native
-
-_native.install()  # compiled simulator modules only when built from this exact source (libra.native)

@@ -22,8 +22,6 @@ from libra.actions.profiles import EfficiencyProfile
 from libra.actions.resources import Discrete, Range, ResourceVector
 from libra.actions.scheduler import Decision, ElasticScheduler, Grant, Pool, SchedulerView
 
-SCHEDULERS = {"tangram": ElasticScheduler}
-
 __all__ = [
     "Action",
     "ActionRecord",
@@ -37,7 +35,6 @@ __all__ = [
     "Pool",
     "Range",
     "ResourceVector",
-    "SCHEDULERS",
     "SchedulerView",
     "Start",
 ]

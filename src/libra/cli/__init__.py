@@ -7,18 +7,20 @@ can cause becomes one line on stderr and exit code 2; no traceback reaches a use
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import sys
 
 import click
 
 from libra.core.errors import LibraError
+from libra.core.registry import Registry
 
-# name -> "module:attribute". One line per command: this is the only place a command is registered.
-COMMANDS = {
+# name -> ("module:attribute", help). One line per command: this is the only place a command is
+# registered. The help is here so that `libra --help` imports no command module.
+LISTED = {
     "costmodel": ("libra.cli.costmodel:costmodel", "Query and calibrate the cost model."),
     "simulate": ("libra.cli.simulate:simulate", "Simulate agentic RL post-training systems."),
+    "explore": ("libra.cli.explore:explore", "Map where each mechanism pays over a grid of regimes."),
     "trace": ("libra.cli.trace:trace", "Generate and inspect trajectory traces."),
     "replay-vllm": (
         "libra.cli.replay:replay_vllm",
@@ -28,7 +30,13 @@ COMMANDS = {
     "native": ("libra.cli.native:native", "Build or check the compiled simulator modules."),
     "serve": ("libra.cli.serve:serve", "Run a live service: gateway, engine or actions."),
     "route": ("libra.cli.route:route", "Score routers offline on a trajectory trace."),
+    "train": ("libra.cli.train:train", "Train live: agentic GRPO through the gateway and actions service."),
 }
+
+
+COMMANDS: Registry[click.Command] = Registry(
+    "command", "command", {name: target for name, (target, _) in LISTED.items()}, outside=False
+)
 
 
 class LazyGroup(click.Group):
@@ -38,17 +46,17 @@ class LazyGroup(click.Group):
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in COMMANDS or not _available(name):
             return None
-        module, attr = COMMANDS[name][0].split(":")
-        return getattr(importlib.import_module(module), attr)
+        return COMMANDS[name]
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        rows = [(n, COMMANDS[n][1]) for n in self.list_commands(ctx)]
+        rows = [(n, LISTED[n][1]) for n in self.list_commands(ctx)]
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 
 
 def _available(name: str) -> bool:
-    return importlib.util.find_spec(COMMANDS[name][0].split(":")[0]) is not None
+    spec = COMMANDS.spec(name)
+    return spec is None or importlib.util.find_spec(spec.split(":")[0]) is not None
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from libra import native as nat
+from libra.sim import native as nat
 
 
 @click.group()
@@ -17,13 +17,14 @@ def native() -> None:
 @native.command()
 @click.option("--if-stale", is_flag=True, help="Do nothing when the build is up to date.")
 def build(if_stale: bool) -> None:
-    """Compile the modules in place. Needs mypy (`pip install -e .[native]`) and a C compiler."""
+    """Compile the modules into the build cache. Needs mypy (`pip install -e .[native]`) and a C compiler."""
     sys.exit(nat.build(if_stale))
 
 
 @native.command()
 def status() -> None:
-    """Print whether the compiled modules are used, and why; exit 1 when they are not."""
+    """Print whether a build for these sources exists (simulator commands use it), and where;
+    exit 1 when there is none."""
     ok, why = nat.status()
     click.echo(why)
     sys.exit(0 if ok else 1)

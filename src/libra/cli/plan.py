@@ -9,7 +9,6 @@ clock), and prints the split, the training parallelism, the buckets, the predict
 
 from __future__ import annotations
 
-import random
 import time
 
 import click
@@ -24,20 +23,11 @@ from libra.cli.common import (
     set_option,
     table,
 )
-from libra.core.config import apply_overrides, build
-from libra.core.errors import ConfigError, LibraError
+from libra.core.errors import ConfigError
 from libra.core.trace import read_trace
 from libra.costmodel.catalog import load_catalog
 from libra.costmodel.efficiency import load_profile
-from libra.planner import (
-    CONSUME,
-    ElasticConfig,
-    PlannerConfig,
-    PlanningProblem,
-    SelectorConfig,
-    WorkloadStats,
-    make_planner,
-)
+from libra.planner import WorkloadStats, make_planner
 from libra.sim.rl.config import MAX_NODES
 
 # The planner reads a window of recent steps; 1000 steps of a 512-trajectory batch take ~30 s to
@@ -73,22 +63,23 @@ def plan(
     scenario, gpus, planner_name, at_step, history_steps, trace, seed, overrides, catalogs, profile, as_json
 ):
     """Plan the train/rollout split, training parallelism and rollout buckets for a scenario."""
-    sc = apply_overrides(_load_scenario(scenario), list(overrides))
-    check_sections(sc, scenario)
-    problem = build_problem(sc, gpus, catalogs, profile)
-    planner = make_planner(
-        planner_name,
-        problem,
-        build(PlannerConfig, _section(sc, "planner"), "planner"),
-        elastic=build(ElasticConfig, _section(sc, "elastic"), "elastic"),
-        selector=build(SelectorConfig, _section(sc, "selector"), "selector"),
-    )
+    from libra.sim.rl.config import RLScenario, problem_of
+    from libra.sim.scenarios import load_scenario  # the CLI may import sim; the planner may not
+
+    cat = load_catalog(catalogs)
+    # The split is not checked: the planner chooses it, and --gpus may resize the cluster under it.
+    sc = load_scenario(scenario, overrides, cat, split=False)
+    if not isinstance(sc, RLScenario):
+        raise ConfigError("--scenario", scenario, "an RL scenario (kind: rl), such as libra-r2e-48gpu")
+    hw = cat.hardware(sc.cluster.hardware, "cluster.hardware")
+    problem = problem_of(sc, hw, cat, _nodes(gpus, hw), load_profile(profile))
+    planner = make_planner(planner_name, problem, sc.planner, elastic=sc.elastic, selector=sc.selector)
     stats = history(sc, trace, at_step, history_steps, seed)
     t0 = time.perf_counter()
     result = planner.plan(stats)
     search_s = time.perf_counter() - t0
     out = {
-        "scenario": sc.get("name", scenario), "hardware": problem.hw.name, "model": problem.model.name,
+        "scenario": sc.name, "hardware": problem.hw.name, "model": problem.model.name,
         "gpus": problem.gpus, "nodes": problem.nodes, "planner": planner.name,
         "history": _history_summary(stats),
         **result.to_dict(),
@@ -100,90 +91,30 @@ def plan(
         _print(out)
 
 
-def _load_scenario(name: str) -> dict:
-    from libra.sim.scenarios import load_scenario  # commands may import sim; the planner may not
-
-    return load_scenario(name)
-
-
-def check_sections(sc: dict, name: str) -> None:
-    """The scenario is an RL one, and every section has only known fields with allowed values.
-    The split is left out: the planner chooses it, and --gpus may change the cluster under it."""
-    from libra.sim.rl.config import RLScenario, section_models
-
-    if sc.get("kind", "rl") != "rl":
-        raise ConfigError("--scenario", name, "an RL scenario (kind: rl), such as libra-r2e-48gpu")
-    known = set(RLScenario.model_fields) | {"selector"}
-    for key in sc:
-        if key not in known:
-            raise ConfigError(f"scenario.{key}", sc[key], sorted(known))
-    models = {**section_models(), "selector": SelectorConfig}
-    models.pop("split")
-    for key, model in models.items():
-        if key in sc:
-            build(model, _section(sc, key), f"scenario.{key}")
+def _nodes(gpus: int | None, hw) -> int | None:
+    """--gpus as a node count (None: the scenario's)."""
+    if gpus is None:
+        return None
+    if not 1 <= gpus <= MAX_NODES * hw.gpus_per_node or gpus % hw.gpus_per_node:
+        raise ConfigError("--gpus", gpus, f"a positive multiple of {hw.gpus_per_node} (GPUs per {hw.name} node), at most {MAX_NODES * hw.gpus_per_node}")  # fmt: skip
+    return gpus // hw.gpus_per_node
 
 
-def build_problem(sc: dict, gpus: int | None, catalogs, profile) -> PlanningProblem:
-    cluster, wl, ro = _section(sc, "cluster"), _section(sc, "workload"), _section(sc, "rollout")
-    staleness = _section(sc, "pipeline").get("staleness", 1)
-    if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
-        raise ConfigError("pipeline.staleness", staleness, "an integer >= 0")
-    consume = _section(sc, "pipeline").get("consume", "completion")
-    if consume not in CONSUME:
-        raise ConfigError("pipeline.consume", consume, list(CONSUME))
-    cat = load_catalog(catalogs)
-    hw = cat.hardware(str(cluster.get("hardware")), "cluster.hardware")
-    model = cat.model(str(sc.get("model")), "model")
-    nodes = _int(cluster, "cluster.nodes", None)  # its bound: ClusterCfg, via check_sections
-    if gpus is not None:
-        if not 1 <= gpus <= MAX_NODES * hw.gpus_per_node or gpus % hw.gpus_per_node:
-            raise ConfigError("--gpus", gpus, f"a positive multiple of {hw.gpus_per_node} (GPUs per {hw.name} node), at most {MAX_NODES * hw.gpus_per_node}")  # fmt: skip
-        nodes = gpus // hw.gpus_per_node
-    return PlanningProblem(
-        hw=hw, nodes=nodes, model=model,
-        prompts_per_step=_int(wl, "workload.prompts_per_step", 32),
-        samples_per_prompt=_int(wl, "workload.samples_per_prompt", 16),
-        max_length=_int(wl, "workload.max_length", 40960),
-        max_num_seqs=_int(ro, "rollout.max_num_seqs", 256),
-        max_num_batched_tokens=_int(ro, "rollout.max_num_batched_tokens", 8192),
-        profile=load_profile(profile), staleness=staleness, consume=consume,
-    )  # fmt: skip
-
-
-def _section(sc: dict, key: str) -> dict:
-    value = sc.get(key) or {}
-    if not isinstance(value, dict):
-        raise ConfigError(key, value, "a mapping of its fields")
-    return value
-
-
-def _int(section: dict, name: str, default: int | None) -> int:
-    value = section.get(name.rsplit(".", 1)[-1], default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(name, value, "an integer >= 1")
-    return value
-
-
-def history(sc: dict, trace: str | None, at_step: int, steps: int, seed: int) -> WorkloadStats:
-    """Finished trajectories of past steps: from a trace, or from the scenario's generator."""
+def history(sc, trace: str | None, at_step: int, steps: int, seed: int) -> WorkloadStats:
+    """Finished trajectories of past steps: from a trace, or from the scenario's generator (the
+    same per-step streams `libra simulate --seed` runs)."""
     if not 1 <= steps <= MAX_HISTORY:
         raise ConfigError("--history-steps", steps, f"an integer from 1 to {MAX_HISTORY}")
     if at_step < 0:
         raise ConfigError("--at-step", at_step, "an integer >= 0")
     if trace is not None:
         return WorkloadStats.from_trajectories(read_trace(trace))
-    try:
-        from libra.sim.workloads import WorkloadConfig, make_workload
-    except ImportError as e:
-        raise LibraError(
-            f"libra plan --scenario needs the workload generator libra.sim.workloads ({e}); "
-            "plan from a recorded trace with --trace FILE instead"
-        ) from None
-    wl = make_workload(build(WorkloadConfig, _section(sc, "workload"), "workload"))
+    from libra.sim.workloads import make_workload, step_rng
+
+    wl = make_workload(sc.workload)
     trajs = []
     for step in range(at_step, at_step + steps):
-        trajs += wl.generate(step, random.Random(seed * 1_000_003 + step))
+        trajs += wl.generate(step, step_rng(seed, step))
     return WorkloadStats.from_trajectories(trajs)
 
 

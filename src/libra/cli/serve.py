@@ -55,11 +55,25 @@ def serve() -> None:
     "--router", default=None, help="Router: a registered name or pkg.module:Class [default: cmlfq]."
 )
 @click.option("--tree-path", default=None, type=click.Path(dir_okay=False), help="Causal tree file: loaded at start, saved periodically and at shutdown.")  # fmt: skip
+@click.option("--admin-token", default=None, envvar="LIBRA_ADMIN_TOKEN", help="Control calls (pause, weights) and /admin need 'Authorization: Bearer TOKEN' [env: LIBRA_ADMIN_TOKEN].")  # fmt: skip
 @set_option_for("health.interval_s=2")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))  # fmt: skip
 @click.option("--access-log", is_flag=True, help="Log every HTTP request.")
+@click.option("--compiled", is_flag=True, help="Run the routing policy's compiled build (`libra native build`) instead of its Python source.")  # fmt: skip
 @_needs_extra
-def gateway(config_path, host, port, backends, router, tree_path, overrides, log_level, access_log) -> None:
+def gateway(
+    config_path,
+    host,
+    port,
+    backends,
+    router,
+    tree_path,
+    admin_token,
+    overrides,
+    log_level,
+    access_log,
+    compiled,
+) -> None:
     """OpenAI-compatible gateway: routes every turn of every session with a Libra router
     (C-MLFQ by default) across vLLM, SGLang or built-in engine instances.
 
@@ -69,11 +83,24 @@ def gateway(config_path, host, port, backends, router, tree_path, overrides, log
             --backend http://127.0.0.1:8101,bucket=short,tp=1,max_context=4096 \\
             --backend http://127.0.0.1:8102,bucket=long,tp=2,max_context=8192
     """
+    if compiled:
+        from libra.sim import native
+
+        ok, why = native.activate()
+        if not ok:
+            raise ConfigError("--compiled", True, f"a compiled build of these sources ({why})")
     from libra.runtime.gateway import app
     from libra.runtime.gateway.config import backend_from_spec, load_gateway_config
 
     data = load_yaml(config_path) if config_path else {}
-    for key, value in (("host", host), ("port", port), ("router", router), ("tree_path", tree_path)):
+    flags = (
+        ("host", host),
+        ("port", port),
+        ("router", router),
+        ("tree_path", tree_path),
+        ("admin_token", admin_token),
+    )
+    for key, value in flags:
         if value is not None:
             data[key] = value
     if backends:
@@ -117,6 +144,8 @@ def _presets() -> list[str]:
 )
 @click.option("--tool-rounds", default=1, show_default=True, type=click.IntRange(0), help="Tool calls an 'auto' turn makes before answering in text.")  # fmt: skip
 @click.option("--max-body-mb", default=8.0, show_default=True, type=click.FloatRange(min=0, max=4096, min_open=True), help="Largest request body.")  # fmt: skip
+@click.option("--weight-version", default="0", show_default=True, help="Weight version reported until a trainer sets another.")  # fmt: skip
+@click.option("--admin-token", default=None, envvar="LIBRA_ADMIN_TOKEN", help="Control calls (pause, weights, flush) need 'Authorization: Bearer TOKEN' [env: LIBRA_ADMIN_TOKEN].")  # fmt: skip
 @click.option("--access-log", is_flag=True, help="Log every HTTP request.")
 @_needs_extra
 def engine(save_checkpoint: str | None, host: str, port: int, access_log: bool, **options) -> None:

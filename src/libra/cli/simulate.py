@@ -8,8 +8,13 @@ from pathlib import Path
 import click
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from libra import native
-from libra.cli.common import (
+from libra.sim import native
+
+# A simulator entry point: use the compiled hot modules when a build of these sources exists.
+# Before anything below imports the simulator, since a module already imported stays Python.
+native.activate()
+
+from libra.cli.common import (  # noqa: E402
     console,
     emit_json,
     err_console,
@@ -19,11 +24,10 @@ from libra.cli.common import (
     table,
     writable_dir,
 )
-from libra.core.config import apply_overrides
-from libra.core.errors import ConfigError
-from libra.costmodel.efficiency import load_profile
-from libra.sim.rl.systems import known_systems
-from libra.sim.scenarios import list_scenarios, load_scenario, runner_for
+from libra.core.errors import ConfigError  # noqa: E402
+from libra.costmodel.efficiency import load_profile  # noqa: E402
+from libra.sim.rl.systems import known_systems  # noqa: E402
+from libra.sim.scenarios import list_scenarios, load_scenario, run_scenario  # noqa: E402
 
 DEFAULT_SCENARIO = "libra-r2e-48gpu"
 
@@ -33,12 +37,16 @@ COLUMNS = [
     ("rollout tok/s", ("rollout_throughput_tokens_per_s",)),
     ("step s", ("mean_step_time_s",)),
     ("rollout s", ("mean_rollout_makespan_s",)),
+    ("limit s", ("makespan_lower_bound_s",)),
+    ("to limit", ("distance_to_limit",)),
     ("train s", ("mean_train_time_s",)),
     ("GPU util", ("gpu_utilization",)),
     ("route acc", ("routing", "accuracy")),
     ("migrated", ("routing", "migrated_token_ratio")),
     ("mean ACT s", ("actions", "mean_act_s")),
     ("p99 ACT s", ("actions", "p99_act_s")),
+    ("ideal ACT s", ("actions", "ideal_mean_act_s")),
+    ("to limit", ("actions", "distance_to_limit")),
 ]
 
 
@@ -70,7 +78,8 @@ def ladder_table(summary: dict):
 
     systems = summary.get("systems", {})
     rows, prev = [], None
-    for k, (name, adds) in enumerate(LADDER):
+    for k, rung in enumerate(LADDER):
+        name, adds = rung.system, rung.adds
         if name not in systems:
             continue
         tput = systems[name]["throughput_tokens_per_s"]
@@ -78,7 +87,7 @@ def ladder_table(summary: dict):
         if prev is not None:
             change = f"{100 * (tput / prev[1] - 1):+.1f}%"
             if prev[0] != k - 1:
-                change += f" (vs {LADDER[prev[0]][0]})"
+                change += f" (vs {LADDER[prev[0]].system})"
         rows.append([name, adds, f"{tput:,.0f}", change])
         prev = (k, tput)
     if len(rows) < 2:
@@ -101,12 +110,29 @@ def libra_ratios(summary: dict) -> str | None:
     return f"libra: {', '.join(parts)}" if parts else None
 
 
+def trade_off_lines(summary: dict) -> list[str]:
+    """Below the ladder: where each mechanism pays on the shipped map, and libra's distance to the
+    limit in this run (its rollout makespan over the makespan's lower bound)."""
+    from libra.sim.explore.atlas import load_map, pays_lines
+
+    systems = summary.get("systems", {})
+    atlas = load_map()
+    lines = pays_lines(atlas) if atlas is not None else []
+    for name in ("libra", "libra+tail"):
+        m = systems.get(name)
+        if m is not None and "distance_to_limit" in m:
+            lines.append(f"{name}: rollout makespan {m['mean_rollout_makespan_s']:.0f} s, "
+                         f"{m['distance_to_limit']:.0%} above its lower bound ({m['makespan_lower_bound_s']:.0f} s)")  # fmt: skip
+    return lines
+
+
 def ladder_notes(summary: dict) -> list[str]:
     """Why a rung may add nothing: the planner chose one bucket, or the pool lent nothing."""
     from libra.sim.rl.planned import BUCKETED, LADDER
 
     systems, notes = summary.get("systems", {}), []
-    single = [n for n, _ in LADDER if n in BUCKETED and n in systems and "routing" not in systems[n]]
+    single = [r.system for r in LADDER if r.system in BUCKETED and r.system in systems]
+    single = [n for n in single if "routing" not in systems[n]]
     if single:
         notes.append(
             f"{', '.join(single)}: the planner chose one bucket (it predicted no split by length would be faster), so nothing was routed"
@@ -123,10 +149,10 @@ def ladder_notes(summary: dict) -> list[str]:
 def print_list() -> None:
     """The shipped scenarios with their descriptions, and the systems each kind can run."""
     for name in list_scenarios():
-        data = load_scenario(name)
-        console.print(f"{name:<22} {data.get('description', '')}", highlight=False, soft_wrap=True)
-        if data.get("kind") == "tangram":
-            console.print(f"{'':<22} systems: {', '.join(data.get('systems', {}))}", highlight=False)
+        sc = load_scenario(name)
+        console.print(f"{name:<22} {sc.description}", highlight=False, soft_wrap=True)
+        if sc.kind == "tangram":
+            console.print(f"{'':<22} systems: {', '.join(sc.systems)}", highlight=False)
     rl = ", ".join(known_systems())
     console.print(f"\nsystems of the rl scenarios (--systems A,B): {rl}", highlight=False, soft_wrap=True)
 
@@ -164,21 +190,21 @@ def simulate(scenario, trace_file, systems, steps, seed, out_dir, list_only, ove
     if list_only:
         print_list()
         return
-    data = apply_overrides(load_scenario(scenario), list(overrides))
+    sc = load_scenario(scenario, overrides)
     names = [s.strip() for s in systems.split(",") if s.strip()] if systems else None
     if systems is not None and not names:
         raise ConfigError("--systems", systems, "a comma-separated list of system names")
-    out = writable_dir(Path(out_dir or Path("runs") / data["name"]))
+    out = writable_dir(Path(out_dir or Path("runs") / sc.name))
     kwargs = {}
     if trace_file:
-        if data["kind"] != "rl":
+        if sc.kind != "rl":
             raise ConfigError("--trace", trace_file, "only RL scenarios replay trajectory traces")
         kwargs["trace"] = trace_file
     if profile:
         kwargs["profile"] = load_profile(profile)
     t0 = time.perf_counter()
-    result = _run_with_progress(runner_for(data["kind"]), data, names, steps, seed, out, kwargs)
-    result.setdefault("scenario", data["name"])
+    result = _run_with_progress(sc, names, steps, seed, out, kwargs)
+    result.setdefault("scenario", sc.name)
     elapsed = time.perf_counter() - t0
     if as_json:
         emit_json({k: v for k, v in result.items() if k != "per_step"})
@@ -189,16 +215,19 @@ def simulate(scenario, trace_file, systems, steps, seed, out_dir, list_only, ove
         console.print(ladder)
         for note in ladder_notes(result):
             console.print(note, soft_wrap=True)
+        for line in trade_off_lines(result):
+            console.print(line, soft_wrap=True)
     if ratios is not None:
         console.print(ratios, soft_wrap=True)
-    compiled, why = native.status()
+    compiled = native.active()
+    why = native.status()[1]
     err_console.print(
         f"simulated in {elapsed:.1f} s ({'compiled' if compiled else 'pure Python: ' + why}); "
         f"results in {out}/ (summary.json, steps.json, *.png, trace.json)"
     )
 
 
-def _run_with_progress(runner, data, names, steps, seed, out, kwargs) -> dict:
+def _run_with_progress(sc, names, steps, seed, out, kwargs) -> dict:
     cols = [
         TextColumn("{task.description}"),
         BarColumn(),
@@ -216,7 +245,7 @@ def _run_with_progress(runner, data, names, steps, seed, out, kwargs) -> dict:
         bar.update(tasks[label], completed=min(1.0, frac))
 
     try:
-        return runner(data, names, steps, seed, out, progress, **kwargs)
+        return run_scenario(sc, names, steps, seed, out, progress, **kwargs)
     finally:
         if tasks:
             bar.stop()

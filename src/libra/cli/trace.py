@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from libra.core.config import apply_overrides, build
 from libra.core.errors import ConfigError
 from libra.core.trace import read_trace
 from libra.core.trajectory import Trajectory
-from libra.sim.workloads import FAMILIES, WorkloadConfig, family_class, make_workload
+from libra.sim.workloads import FAMILIES, WorkloadConfig, family_class, make_workload, step_rng
 from libra.sim.workloads.stats import ROWS, features, summarize, summarize_features
 
 
@@ -54,9 +53,9 @@ def workload_config(family, scenario, flags: dict, overrides) -> WorkloadConfig:
         raise ConfigError("--family", None, [*FAMILIES, "or --scenario NAME"])
     data: dict = {}
     if scenario is not None:
-        from libra.sim.scenarios import load_scenario
+        from libra.sim.scenarios import read_scenario
 
-        wl = load_scenario(scenario).get("workload")
+        wl = read_scenario(scenario).get("workload")
         if not isinstance(wl, dict):
             raise ConfigError("--scenario", scenario, "a scenario with a `workload:` mapping")
         data = dict(wl)
@@ -66,11 +65,6 @@ def workload_config(family, scenario, flags: dict, overrides) -> WorkloadConfig:
             raise ConfigError("--set", text, "a key under workload., e.g. workload.params.drift_steps=50")
     data = apply_overrides({"workload": data}, list(overrides))["workload"]
     return build(WorkloadConfig, data, "workload")
-
-
-def step_rng(seed: int, step: int) -> random.Random:
-    """One stream per (seed, step), so any step of a long trace can be regenerated alone."""
-    return random.Random(f"libra-trace:{seed}:{step}")
 
 
 def _write_steps(cfg: WorkloadConfig, steps: range, seed: int, out: Path) -> Iterator[Trajectory]:

@@ -16,7 +16,7 @@ class LibraError(Exception):
 
 class SimulationError(RuntimeError):
     """An internal invariant of the simulation broke (a bug, not bad input). It lives here, not in
-    `libra.sim.kernel`, because a compiled module cannot define an exception class (`libra.native`)."""
+    `libra.sim.kernel`, because a compiled module cannot define an exception class (`libra.sim.native`)."""
 
 
 class ConfigError(LibraError):

@@ -3,9 +3,11 @@
 Input is JSONL, one measured engine iteration per line:
     {"hardware": "a800-80g", "model": "qwen3-14b", "tp": 1, "prefill_tokens": 0,
      "prefill_attn": 0, "decode_seqs": 64, "decode_ctx": 65536, "step_time_s": 0.031}
-(`prefill_attn` is optional and defaults to a fresh prefill: n*(n+1)/2.) The fit minimises the
-mean squared log error with a Nelder-Mead search over the log of each coefficient, so every
-coefficient stays positive and fractions are clipped to (0, 1]. No scipy: the core stays light.
+(`prefill_attn` is optional and defaults to a fresh prefill: n*(n+1)/2.) Optional `engine` names the
+engine preset (default vllm-v1). The fit minimises the mean squared log error with a Nelder-Mead
+search over the log of each coefficient, so every coefficient stays positive and fractions are
+clipped to (0, 1]. GPU terms (`bw`, `compute`, ...) are fitted for every GPU type in the data,
+CPU terms (`base_overhead_s`, ...) for the engine preset. No scipy: the core stays light.
 """
 
 from __future__ import annotations
@@ -20,11 +22,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from libra.core.errors import ConfigError
 from libra.core.trace import MAX_TOKENS, build_line, json_lines
 from libra.costmodel.catalog import Catalog
-from libra.costmodel.efficiency import RolloutEfficiency
+from libra.costmodel.efficiency import DEFAULT_ENGINE, FRACTIONS, RolloutEfficiency
 from libra.costmodel.rollout import RolloutCostModel
 
 FIT_FIELDS = ("bw", "compute", "base_overhead_s", "per_seq_overhead_s")
-_FRACTIONS = {"bw", "compute", "link"}
 
 
 def nelder_mead(
@@ -59,12 +60,29 @@ def nelder_mead(
     return simplex[int(np.argmin(vals))]
 
 
-def _with(base: RolloutEfficiency, fields: Sequence[str], logx: np.ndarray) -> RolloutEfficiency:
+def _with(base: RolloutEfficiency, fields: Sequence[str], logx: np.ndarray, hardware: Sequence[str],
+          engine: str) -> RolloutEfficiency:  # fmt: skip
+    """`base` with the fitted values: GPU terms for each of `hardware`, CPU terms for `engine`."""
     upd = {}
     for name, lx in zip(fields, logx, strict=True):
         v = math.exp(lx)
-        upd[name] = min(v, 1.0) if name in _FRACTIONS else v
-    return base.model_copy(update=upd)
+        upd[name] = min(v, 1.0) if name in FRACTIONS else v
+    out = base
+    for hw in hardware:
+        out = out.updated(hw, engine, upd)
+    return out
+
+
+# Where a term that is zero today starts its fit. The search runs on the log of each term with
+# steps of about 0.3, so a start at ~0 (a shipped per-sequence term of 0.0) would sit 10+ nats from
+# any real value and never leave: 10 us is the scale of every CPU and per-layer term we fit.
+START_FLOOR_S = 1e-5
+
+
+def start(base: RolloutEfficiency, fields: Sequence[str], hardware: str, engine: str) -> np.ndarray:
+    """The log of each field's current value (at least START_FLOOR_S): where a fit starts."""
+    gpu, eng = base.gpu(hardware), base.engine(engine)
+    return np.log(np.array([max(getattr(gpu if hasattr(gpu, f) else eng, f), START_FLOOR_S) for f in fields]))
 
 
 class Measurement(BaseModel):
@@ -79,6 +97,7 @@ class Measurement(BaseModel):
     prefill_tokens: int = Field(0, ge=0, le=1 << 20)
     prefill_attn: float | None = Field(None, ge=0)
     decode_ctx: float = Field(0, ge=0, le=MAX_TOKENS)
+    engine: str = DEFAULT_ENGINE
 
 
 def read_measurements(path: str | Path) -> list[dict]:
@@ -94,9 +113,10 @@ def _predict(recs: list[dict], catalog: Catalog, eff: RolloutEfficiency) -> np.n
     models: dict[tuple, RolloutCostModel] = {}
     out = []
     for r in recs:
-        key = (r["hardware"], r["model"], int(r["tp"]))
+        key = (r["hardware"], r["model"], int(r["tp"]), r.get("engine", DEFAULT_ENGINE))
         if key not in models:
-            models[key] = RolloutCostModel(catalog.hardware(key[0]), catalog.model(key[1]), key[2], eff)
+            hw, model = catalog.hardware(key[0]), catalog.model(key[1])
+            models[key] = RolloutCostModel(hw, model, key[2], eff, engine=key[3])
         p = int(r.get("prefill_tokens", 0))
         attn = r.get("prefill_attn")
         attn = float(p * (p + 1) / 2 if attn is None else attn)
@@ -113,13 +133,22 @@ def fit_rollout(
     """Return the fitted coefficients and the mean absolute percentage error after the fit."""
     base = base or RolloutEfficiency()
     y = np.log(np.array([r["step_time_s"] for r in recs]))
+    hardware = sorted({r["hardware"] for r in recs})
+    engines = sorted({r.get("engine", DEFAULT_ENGINE) for r in recs})
+    if len(engines) > 1:
+        raise ConfigError("engine", engines, "one engine preset per fit")
+    for hw in hardware:
+        catalog.hardware(hw)
+    base.engine(engines[0])
+
+    def fitted(logx: np.ndarray) -> RolloutEfficiency:
+        return _with(base, fields, logx, hardware, engines[0])
 
     def loss(logx: np.ndarray) -> float:
-        pred = _predict(recs, catalog, _with(base, fields, logx))
+        pred = _predict(recs, catalog, fitted(logx))
         return float(np.mean((np.log(np.maximum(pred, 1e-12)) - y) ** 2))
 
-    x0 = np.log(np.array([getattr(base, f) for f in fields]))
-    best = _with(base, fields, nelder_mead(loss, x0))
+    best = fitted(nelder_mead(loss, start(base, fields, hardware[0], engines[0])))
     pred = _predict(recs, catalog, best)
     mape = float(np.mean(np.abs(pred - np.exp(y)) / np.exp(y)))
     return best, mape

@@ -10,16 +10,19 @@ decisions, and the package never reads a clock (callers time the search).
 """
 
 from libra.planner.config import ElasticConfig, PlannerConfig, SelectorConfig
+from libra.planner.controller import ControlDecision, PlanController, PoolView, Replan, StepReport
 from libra.planner.elastic import (
     ElasticController,
     ElasticDecision,
     ElasticSignals,
+    EngineSlot,
     HybridReplica,
     JoinReplica,
     JoinState,
     ReleaseReplica,
     Role,
     TransitionError,
+    hybrid_hosts,
     make_pool,
     phase_seconds,
 )
@@ -51,7 +54,7 @@ from libra.planner.stats import WorkloadStats
 from libra.planner.triggers import ApplyVerdict, PipelineSignals, Trigger, check_triggers, should_apply
 
 __all__ = [
-    "CONSUME", "PLANNERS", "ApplyVerdict", "BucketPlan", "ElasticConfig", "ElasticController", "ElasticDecision",
+    "CONSUME", "PLANNERS", "ApplyVerdict", "BucketPlan", "ControlDecision", "EngineSlot", "PlanController", "PoolView", "Replan", "StepReport", "hybrid_hosts", "ElasticConfig", "ElasticController", "ElasticDecision",
     "ElasticSignals", "Finished", "GlobalPlanner", "GroupQueue", "GreedyShiftPlanner", "HomogeneousPlanner", "HybridReplica",
     "JoinReplica", "JoinState", "ParallelismSelector", "ParallelismSwitch", "PipelineSignals", "Plan",
     "Placement", "PlanDecision", "PlanDiff", "PlannerConfig", "PlanningProblem", "ReleaseReplica", "Role",

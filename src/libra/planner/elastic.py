@@ -8,11 +8,14 @@ replica joins or leaves *whole*, the core TP/PP groups never change.
 **Roles.** `Role.CORE_TRAIN`, `Role.CORE_ROLLOUT` and `Role.HYBRID` GPUs.
 
 **Join state machine** (`HybridReplica`): ROLLOUT -> REQUESTED -> FETCHING_STATE -> ZERO_SYNC ->
-ACTIVE, and ACTIVE -> RELEASING -> ROLLOUT to give it back.
+ACTIVATING -> ACTIVE, and ACTIVE -> RELEASING -> ROLLOUT to give it back.
 - FETCHING_STATE: the replica fetches a snapshot of weights and optimizer in the background;
 - ZERO_SYNC: it takes part in the gradient all-reduce sending zeros while it restores and catches
   up. Core replicas add what they receive to their own gradients, so zeros change nothing and
   training never waits for the joiner;
+- ACTIVATING: a two-phase handshake: a core replica proposes the step from which the joiner's
+  gradients count, the joiner acknowledges, and the core commits the new membership at a step
+  boundary (the live mechanism, `libra.runtime.elastic`; the simulator passes through at once);
 - only ACTIVE contributes gradients.
 Cancel (before ACTIVE) or failure (any time) rolls the *whole* replica back to ROLLOUT. Every
 join and every rollback bumps the replica's generation; a transition carrying an older generation
@@ -48,11 +51,12 @@ class JoinState(IntEnum):
     REQUESTED = 1
     FETCHING_STATE = 2
     ZERO_SYNC = 3
-    ACTIVE = 4
-    RELEASING = 5  # giving the GPUs back: the inference engine restarts
+    ACTIVATING = 4  # proposed a step to count from; waiting for the acknowledgement and the commit
+    ACTIVE = 5
+    RELEASING = 6  # giving the GPUs back: the inference engine restarts
 
 
-JOINING = (JoinState.REQUESTED, JoinState.FETCHING_STATE, JoinState.ZERO_SYNC)
+JOINING = (JoinState.REQUESTED, JoinState.FETCHING_STATE, JoinState.ZERO_SYNC, JoinState.ACTIVATING)
 
 
 class TransitionError(RuntimeError):
@@ -76,7 +80,7 @@ class HybridReplica:
 
     @property
     def sends_zero_gradients(self) -> bool:
-        return self.state == JoinState.ZERO_SYNC
+        return self.state in (JoinState.ZERO_SYNC, JoinState.ACTIVATING)
 
     @property
     def serves_rollout(self) -> bool:
@@ -99,8 +103,13 @@ class HybridReplica:
     def state_fetched(self, generation: int) -> bool:
         return self._move(generation, (JoinState.FETCHING_STATE,), JoinState.ZERO_SYNC, "state_fetched")
 
+    def propose_activation(self, generation: int) -> bool:
+        """ZERO_SYNC -> ACTIVATING: the core proposed the step from which this replica counts."""
+        return self._move(generation, (JoinState.ZERO_SYNC,), JoinState.ACTIVATING, "propose_activation")
+
     def activate(self, generation: int) -> bool:
-        return self._move(generation, (JoinState.ZERO_SYNC,), JoinState.ACTIVE, "activate")
+        """ACTIVATING -> ACTIVE: the joiner acknowledged and the core committed the membership."""
+        return self._move(generation, (JoinState.ACTIVATING,), JoinState.ACTIVE, "activate")
 
     def release(self, generation: int) -> bool:
         return self._move(generation, (JoinState.ACTIVE,), JoinState.RELEASING, "release")
@@ -276,3 +285,44 @@ def make_pool(plan: Plan) -> list[HybridReplica]:
     TP x CP groups inside a node, as it places the core training replicas.
     """
     return [HybridReplica(f"hybrid-{k}", plan.replica_gpus) for k in range(plan.hybrid_replicas)]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSlot:
+    """A rollout engine as the host choice sees it."""
+
+    id: str
+    tp: int
+    node: int
+
+
+def hybrid_hosts(replicas: Sequence[HybridReplica], slots: Sequence[EngineSlot]) -> dict[str, list[str]]:
+    """Which engines each hybrid replica takes: whole engines of one node whose TPs sum to the
+    replica's GPUs, largest TP first, the highest-numbered node first, no engine twice. A replica
+    with no such set of engines is left out (it cannot join)."""
+    by_node: dict[int, list[EngineSlot]] = {}
+    for e in slots:
+        by_node.setdefault(e.node, []).append(e)
+    hosts: dict[str, list[str]] = {}
+    used: set[str] = set()
+    for r in replicas:
+        for node in sorted(by_node, reverse=True):
+            pick = _subset(sorted(by_node[node], key=lambda e: -e.tp), r.gpus, used)
+            if pick:
+                hosts[r.id] = [e.id for e in pick]
+                used.update(hosts[r.id])
+                break
+    return hosts
+
+
+def _subset(engines: list[EngineSlot], gpus: int, used: set[str]) -> list[EngineSlot] | None:
+    """Engines (in order) whose TPs sum to exactly `gpus`, none already used."""
+    pick, total = [], 0
+    for e in engines:
+        if e.id in used or total + e.tp > gpus:
+            continue
+        pick.append(e)
+        total += e.tp
+        if total == gpus:
+            return pick
+    return None

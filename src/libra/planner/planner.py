@@ -24,13 +24,13 @@ Everything here is pure: no clocks, no I/O. The caller measures search time.
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from libra.core.errors import ConfigError, InfeasibleError
+from libra.core.registry import Registry
 from libra.planner.config import ElasticConfig, PlannerConfig, SelectorConfig
 from libra.planner.layouts import LAYOUTS, RolloutEvaluator, fill_leftover
 from libra.planner.plan import BucketPlan, Plan, check_plan, diff, pipeline_period, reconfig_cost_s
@@ -130,7 +130,19 @@ class GlobalPlanner:
         ]
         if not finals:
             raise InfeasibleError(self._no_rollout_message(trains))
-        return min(finals, key=lambda p: (p.step_time_s, p.t_train_s + p.t_rollout_s, -p.rollout_gpus))
+        return self._pick(finals)
+
+    def _pick(self, finals: list[Plan]) -> Plan:
+        """The shortest predicted step; a split by length only if it beats the best single bucket
+        by more than `split_margin` (the planner's own error would otherwise decide)."""
+        key = lambda p: (p.step_time_s, p.t_train_s + p.t_rollout_s, -p.rollout_gpus)  # noqa: E731
+        best = min(finals, key=key)
+        single = [p for p in finals if len(p.buckets) == 1]
+        if len(best.buckets) > 1 and single:
+            one = min(single, key=key)
+            if one.step_time_s <= best.step_time_s * (1 + self.config.split_margin):
+                return one
+        return best
 
     def _train_frontier(self, lengths: list[int], bound: int) -> dict[int, TrainChoice]:
         p = self.problem
@@ -349,23 +361,13 @@ class GreedyShiftPlanner(GlobalPlanner):
         return PlanDecision(candidate, current, ApplyVerdict(changed, 0.0, 0.0, 0.0, "greedy shift"))
 
 
-PLANNERS: dict[str, type[GlobalPlanner]] = {
-    cls.name: cls for cls in (GlobalPlanner, HomogeneousPlanner, GreedyShiftPlanner)
-}
+PLANNERS: Registry[type[GlobalPlanner]] = Registry(
+    "planner", "planner", (GlobalPlanner, HomogeneousPlanner, GreedyShiftPlanner)
+)
 
 
 def make_planner(
     name: str, problem: PlanningProblem, config: PlannerConfig | None = None, **kw
 ) -> GlobalPlanner:
     """A registered planner by short name, or outside code as 'package.module:Class'."""
-    if name in PLANNERS:
-        return PLANNERS[name](problem, config, **kw)
-    module, sep, attr = name.partition(":")
-    allowed = [*PLANNERS, "package.module:Class"]
-    if not sep:
-        raise ConfigError("planner", name, allowed)
-    try:
-        cls = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError, ValueError):
-        raise ConfigError("planner", name, allowed) from None
-    return cls(problem, config, **kw)
+    return PLANNERS.build(name, problem, config, **kw)

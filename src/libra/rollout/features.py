@@ -2,7 +2,7 @@
 and feature rows.
 
 A module of its own because it runs on every tool return of every trajectory, which makes it one of
-the modules `libra.native` compiles; the router that uses it (`robust.py`) stays plain Python.
+the modules `libra.sim.native` compiles; the router that uses it (`robust.py`) stays plain Python.
 """
 
 from __future__ import annotations

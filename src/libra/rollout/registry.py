@@ -8,10 +8,10 @@ router here. A dotted path `pkg.mod:Class` plugs in an outside router with the s
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 
 from libra.core.errors import ConfigError
+from libra.core.registry import Registry
 from libra.rollout.base import Bucket, MigrationCoster, Router
 from libra.rollout.cmlfq import PaperCMLFQRouter
 from libra.rollout.robust import ContextPriorRouter, RobustCMLFQRouter
@@ -24,9 +24,10 @@ from libra.rollout.routers import (
     RoundRobinRouter,
 )
 
-ROUTERS: dict[str, type] = {
-    cls.name: cls
-    for cls in (
+ROUTERS: Registry[type] = Registry(
+    "router",
+    "rollout.router",
+    (
         RobustCMLFQRouter,
         PaperCMLFQRouter,
         ClassicMLFQRouter,
@@ -35,20 +36,13 @@ ROUTERS: dict[str, type] = {
         RoundRobinRouter,
         OracleRouter,
         ContextPriorRouter,
-    )
-}
+    ),
+)
 
 
 def router_class(name: str) -> type:
-    if name in ROUTERS:
-        return ROUTERS[name]
-    if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            return getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError, ValueError) as e:
-            raise ConfigError("rollout.router", name, f"an importable pkg.module:Class ({e})") from None
-    raise ConfigError("rollout.router", name, sorted(ROUTERS) + ["pkg.module:Class"])
+    """A registered router class, or outside code as `package.module:Class`."""
+    return ROUTERS.get_entry(name)
 
 
 def _fields(name: str) -> dict | None:

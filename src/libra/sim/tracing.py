@@ -1,10 +1,25 @@
-"""Chrome-trace (Perfetto) recording of one chosen step: engine iterations, training, tool calls.
+"""Chrome-trace (Perfetto) timelines: the one event format and writer, and the RL pipeline's
+recorder of one chosen step (engine iterations, training, tool calls).
 
 Only spans that overlap the chosen step's window are kept, so memory stays bounded however long
 the simulation runs. Open the written `trace.json` in https://ui.perfetto.dev or chrome://tracing.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+
+from libra.sim.output import write_json
+
+
+def span(pid: str, tid: str | int, name: str, t0: float, dur: float, args: dict | None = None) -> dict:
+    """One complete slice ("X" event); times in seconds."""
+    return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": t0 * 1e6, "dur": max(dur, 0.0) * 1e6,
+            "args": args or {}}  # fmt: skip
+
+
+def write_trace(events: list[dict], metadata: dict, path: Path) -> Path:
+    return write_json({"traceEvents": events, "displayTimeUnit": "ms", "metadata": metadata}, path)
 
 
 class Tracer:
@@ -23,8 +38,7 @@ class Tracer:
 
     def _span(self, pid: str, tid: str, name: str, t0: float, dur: float, args: dict | None = None) -> None:
         if self.active:
-            self.events.append({"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": t0 * 1e6,
-                                "dur": max(dur, 0.0) * 1e6, "args": args or {}})  # fmt: skip
+            self.events.append(span(pid, tid, name, t0, dur, args))
 
     def engine_span(self, engine, t0: float, t1: float, n_dec: int, prefill: int) -> None:
         name = "prefill+decode" if prefill else "decode"
@@ -39,5 +53,5 @@ class Tracer:
     def tool_span(self, traj_id: str, tool: str | None, t0: float, dur: float) -> None:
         self._span("tools", "tool calls", tool or "tool", t0, dur, {"trajectory": traj_id})
 
-    def chrome_trace(self) -> dict:
-        return {"traceEvents": self.events, "displayTimeUnit": "ms"}
+    def write(self, system: str, path: Path) -> Path:
+        return write_trace(self.events, {"system": system, "step": self.step}, path)

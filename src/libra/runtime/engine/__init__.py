@@ -8,5 +8,7 @@ models. Everything here imports torch, so only `libra.runtime` may import this p
 Layout: `tokenizer` (bytes + special tokens, the chat template), `model` (the transformer),
 `kv_cache` (paged blocks), `constraints` (UTF-8 text and the tool-call grammar), `sequence`
 (request lifecycle), `scheduler` (what runs each step), `runner` (tensors in, tokens out),
-`core` (the engine thread), `protocol` + `server` (HTTP; `libra serve engine` in `libra.cli.serve`).
+`core` (the engine thread and its control commands), `protocol` + `server` (HTTP, OpenAI's API;
+`libra serve engine` in `libra.cli.serve`), `native` (SGLang's /generate), `control` (pause,
+weights, resume over HTTP) and `weight_sync` (weight-update groups, both sides).
 """

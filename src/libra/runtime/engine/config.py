@@ -73,6 +73,10 @@ class EngineConfig(BaseModel):
     threads: int = Field(1, ge=1, le=256)
     tool_rounds: int = Field(1, ge=0)
     max_body_mb: float = Field(8.0, gt=0, le=4096)
+    # The weight version reported until a trainer sets another (SGLang's --weight-version).
+    weight_version: Visible = "0"
+    # When set, control calls (pause, weights, flush) need `Authorization: Bearer <admin_token>`.
+    admin_token: Visible | None = None
 
     @field_validator("model")
     @classmethod

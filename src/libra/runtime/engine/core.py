@@ -4,9 +4,19 @@ Why a thread: torch releases the GIL inside its kernels, so the HTTP event loop 
 and streaming while a step runs, and nothing in the model or cache needs a lock because only this
 thread touches them. Everything crosses the boundary through two doors:
 
-- in: a queue of commands (add sequences, abort a request, stop), drained before every step;
+- in: a queue of commands (add sequences, abort a request, pause, continue, new weights, stop),
+  drained before every step, so a control command always lands between two steps;
 - out: `publish(events)`, called once per step with every sequence's `SeqEvent`, so the server
   wakes its event loop once per step, not once per token.
+
+The control plane an RL trainer drives lives here because only this thread may touch the model
+and the scheduler. Pausing follows SGLang's modes (plus vLLM's `wait`): `abort` finishes every
+request in flight with what it has (finish reason `abort`); `in_place` stops stepping and keeps
+every request with its KV cache; `retract` stops stepping and sends running requests back to the
+queue, their cache freed, to be recomputed on continue (so with new weights if new weights came in
+between); `wait` lets everything already submitted finish. Requests that arrive while paused are
+held and join at continue. New weights are copied into the live model between two steps, and
+every sampled token is tagged with the weight version that produced it.
 
 A step that raises (a bug, or memory) fails every in-flight sequence with an error event instead
 of killing the thread, so clients get a 500 rather than a request that never answers; and if the
@@ -20,8 +30,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from enum import Enum
 
 import torch
+from torch import Tensor
 
 from libra.runtime.engine.config import EngineConfig
 from libra.runtime.engine.kv_cache import BlockAllocator, KVCache
@@ -36,6 +49,19 @@ log = logging.getLogger("libra.engine")
 Publish = Callable[[list[tuple[object, SeqEvent]]], None]
 
 
+class PauseMode(str, Enum):
+    """How a pause treats the requests in flight (SGLang's three, and vLLM's `wait`)."""
+
+    ABORT = "abort"
+    IN_PLACE = "in_place"
+    RETRACT = "retract"
+    WAIT = "wait"
+
+
+class ControlError(Exception):
+    """A control command the engine's state does not allow (the server answers 400)."""
+
+
 class EngineCore:
     def __init__(self, cfg: EngineConfig, model: TinyTransformer, publish: Publish, metrics: EngineMetrics | None = None):  # fmt: skip
         self.cfg, self.publish, self.metrics = cfg, publish, metrics or EngineMetrics()
@@ -43,10 +69,15 @@ class EngineCore:
         self.cache = KVCache(cfg.preset, cfg.num_blocks(), cfg.block_size)
         self.sched = Scheduler(self.alloc, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefill_chunk)
         self.runner = ModelRunner(model, self.cache, cfg.max_num_seqs, cfg.blocks_per_seq())
+        self.model = model
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, list[Sequence]] = {}
         self._thread: threading.Thread | None = None
         self.steps, self.peak_batch = 0, 0
+        self.weight_version = cfg.weight_version
+        self.paused: PauseMode | None = None
+        self._held: dict[Sequence, None] = {}  # submitted while paused (in order): join at continue
+        self._drained: list[Future] = []  # `wait` pauses that answer once what ran has finished
 
     # ---- the thread-safe doors ------------------------------------------------------------------
 
@@ -54,7 +85,14 @@ class EngineCore:
         self._inbox.put(("add", seqs))
 
     def abort(self, rid: str) -> None:
+        """The client left: drop its sequences silently (nobody reads their events)."""
         self._inbox.put(("abort", rid))
+
+    def control(self, kind: str, arg: object = None) -> Future:
+        """Queue a control command; the future holds its result (a dict) or a ControlError."""
+        fut: Future = Future()
+        self._inbox.put((kind, (arg, fut)))
+        return fut
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="libra-engine", daemon=True)
@@ -81,7 +119,19 @@ class EngineCore:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.sched.waiting)
+        return len(self.sched.waiting) + len(self._held)
+
+    @property
+    def sleeping(self) -> bool:
+        return self.cache.released
+
+    @property
+    def can_step(self) -> bool:
+        """Not paused, or pausing with `wait` while what was submitted before still runs; and the
+        KV cache is there."""
+        if self.cache.released:
+            return False
+        return self.paused is None or (self.paused == PauseMode.WAIT and self.sched.has_work)
 
     # ---- the loop -------------------------------------------------------------------------------
 
@@ -89,10 +139,12 @@ class EngineCore:
         torch.set_num_threads(self.cfg.threads)
         wait = 1.0
         while self._drain(wait):
-            computed = self._step_safely()
+            computed = self._step_safely() if self.can_step else 0
+            self._answer_drained()
             # Busy while there is work; a short nap if nothing could run (never expected, but a
-            # spin would starve the HTTP thread); a long wait for the next request when idle.
-            wait = 0.0 if computed else (0.005 if self.sched.has_work else 1.0)
+            # spin would starve the HTTP thread); a long wait for the next command when idle or
+            # paused.
+            wait = 0.0 if computed else (0.005 if self.can_step and self.sched.has_work else 1.0)
 
     def _step_safely(self) -> int:
         try:
@@ -120,14 +172,146 @@ class EngineCore:
         if kind == "add":
             for seq in arg:
                 self._live.setdefault(seq.rid, []).append(seq)
-                self.sched.add(seq)
+                if self.paused or self.sleeping:
+                    self._held[seq] = None
+                else:
+                    self.sched.add(seq)
                 self.metrics.prompt_tokens.inc(seq.n_prompt)
         elif kind == "abort":
             for seq in self._live.pop(arg, ()):
                 if seq.status != SeqStatus.FINISHED:
-                    self.sched.finish(seq, FinishReason.ABORT)
+                    self._finish(seq, FinishReason.ABORT)
                     self.metrics.seqs_finished.labels(FinishReason.ABORT).inc()
+        elif kind != "stop":
+            arg, fut = arg
+            try:
+                if kind == "pause" and arg == PauseMode.WAIT:
+                    self._pause_wait(fut)
+                else:
+                    fut.set_result(getattr(self, "_do_" + kind)(arg))
+            except ControlError as e:
+                fut.set_exception(e)
+            except Exception as e:  # a bug in a control command must not kill the engine thread
+                log.exception("engine control %s failed", kind)
+                fut.set_exception(e)
         return kind != "stop"
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq in self._held:  # it never reached the scheduler
+            del self._held[seq]
+            seq.finish(reason)
+        else:
+            self.sched.finish(seq, reason)
+
+    # ---- control commands (engine thread; each returns the JSON the server answers) -------------
+
+    def _do_pause(self, mode: PauseMode) -> dict:
+        out: dict = {"paused": mode.value}
+        if mode == PauseMode.ABORT:
+            out["aborted"] = self._abort_all("paused with mode abort")
+        elif mode == PauseMode.RETRACT:
+            out["retracted"] = self._retract_all()
+        self.paused = mode
+        return out
+
+    def _pause_wait(self, fut: Future) -> None:
+        """Hold new requests; answer `fut` once everything submitted before has finished."""
+        if self.paused is None:
+            self.paused = PauseMode.WAIT
+        self._drained.append(fut)
+
+    def _answer_drained(self) -> None:
+        if self._drained and not self.sched.has_work:
+            for fut in self._drained:
+                fut.set_result({"paused": PauseMode.WAIT.value, "drained": True})
+            self._drained.clear()
+
+    def _do_continue(self, _arg) -> dict:
+        was = self.paused
+        self.paused = None
+        released = self._release_held()
+        for fut in self._drained:  # a wait cut short by continue still answers
+            fut.set_result({"paused": PauseMode.WAIT.value, "drained": False})
+        self._drained.clear()
+        return {"resumed": True, "was": was.value if was else None, "released": released}
+
+    def _release_held(self) -> int:
+        """Held requests join the scheduler, unless the cache is still given back."""
+        if self.sleeping:
+            return 0
+        for seq in self._held:
+            self.sched.add(seq)
+        released, self._held = len(self._held), {}
+        return released
+
+    def _do_release_memory(self, _arg) -> dict:
+        """Give the KV cache's memory back (vLLM's sleep); requests that arrive meanwhile are held."""
+        live = sum(1 for group in self._live.values() for s in group if s.status != SeqStatus.FINISHED)
+        if live:
+            raise ControlError(f"{live} requests are in flight or held; let them finish or pause with mode abort first")  # fmt: skip
+        if self.sleeping:
+            return {"released": ["kv_cache"], "freed_mb": 0}
+        freed = self.cache.release()
+        return {"released": ["kv_cache"], "freed_mb": round(freed / 2**20, 1)}
+
+    def _do_resume_memory(self, _arg) -> dict:
+        if self.sleeping:
+            self.cache.restore()
+            self.runner.forget_blocks()
+        return {"resumed": ["kv_cache"], "released": self._release_held() if self.paused is None else 0}
+
+    def _do_abort_requests(self, rid: str | None) -> dict:
+        """SGLang's /abort_request: one request (by id) or all, answered with what they have."""
+        if rid is None:
+            return {"aborted": self._abort_all("aborted by /abort_request")}
+        seqs = [s for s in self._live.get(rid, ()) if s.status != SeqStatus.FINISHED]
+        self.publish([self._abort_one(s, "aborted by /abort_request") for s in seqs])
+        return {"aborted": len(seqs)}
+
+    def _do_flush(self, _arg) -> dict:
+        """There is no prefix cache to drop (blocks are freed when a request finishes), so a flush
+        only checks SGLang's rule: nothing may hold KV blocks (in-place paused requests do)."""
+        holding = len(self.sched.running)
+        if holding:
+            raise ControlError(f"{holding} requests hold KV blocks (running or paused in place); pause with mode abort or retract first")  # fmt: skip
+        return {"flushed": True, "kv_blocks_in_use": self.alloc.used_count}
+
+    def _do_weights(self, arg: tuple[dict[str, Tensor], str | None, bool]) -> dict:
+        """Copy new weights into the live model between two steps; optionally abort first."""
+        tensors, version, abort_first = arg
+        aborted = self._abort_all("aborted for a weight update") if abort_first else 0
+        params = self.model.state_dict()
+        with torch.no_grad():
+            for name, t in tensors.items():
+                params[name].copy_(t)
+        if version is not None:
+            self.weight_version = version
+        return {"weight_version": self.weight_version, "updated": len(tensors), "aborted": aborted}
+
+    def _do_version(self, version: str) -> dict:
+        self.weight_version = version
+        return {"weight_version": version}
+
+    def _abort_all(self, why: str) -> int:
+        """Finish every live sequence now, each answered with what it has (finish: abort)."""
+        seqs = [s for group in self._live.values() for s in group if s.status != SeqStatus.FINISHED]
+        self.publish([self._abort_one(s, why) for s in seqs])
+        return len(seqs)
+
+    def _abort_one(self, seq: Sequence, why: str) -> tuple[object, SeqEvent]:
+        ev = SeqEvent(seq.index, matched=why)
+        seq.output.flush(ev)
+        self._retire(seq, FinishReason.ABORT, ev)
+        return seq.sink, ev
+
+    def _retract_all(self) -> int:
+        """Running sequences back to the front of the queue, their blocks freed (recomputed on
+        continue, with whatever weights the engine has then)."""
+        running = list(self.sched.running)
+        for seq in reversed(running):
+            self.sched.retract(seq)
+        self.metrics.preemptions.inc(len(running))
+        return len(running)
 
     def step(self) -> int:
         """One scheduling step; returns how many sequences it computed."""
@@ -153,7 +337,7 @@ class EngineCore:
         return events
 
     def _accept(self, seq: Sequence, token: int, lp, now: float) -> SeqEvent:
-        ev = SeqEvent(seq.index)
+        ev = SeqEvent(seq.index, token_ids=[token], versions=[self.weight_version])
         seq.tokens.append(token)
         if seq.first_token_at is None:
             seq.first_token_at = now
@@ -169,7 +353,7 @@ class EngineCore:
         return ev
 
     def _retire(self, seq: Sequence, reason: str, ev: SeqEvent) -> None:
-        self.sched.finish(seq, reason)
+        self._finish(seq, reason)
         self.metrics.seqs_finished.labels(reason).inc()
         ev.finish, ev.prompt_tokens, ev.completion_tokens = reason, seq.n_prompt, seq.n_generated
         siblings = self._live.get(seq.rid, ())

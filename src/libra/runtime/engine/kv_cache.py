@@ -61,14 +61,28 @@ class BlockAllocator:
 class KVCache:
     """Keys and values of every layer, [n_layers, num_blocks * block_size, n_heads, head_dim]."""
 
-    __slots__ = ("k", "v", "block_size", "num_blocks")
+    __slots__ = ("k", "v", "block_size", "num_blocks", "shape", "dtype")
 
     def __init__(self, preset: ModelPreset, num_blocks: int, block_size: int, dtype=torch.float32):
-        shape = (preset.n_layers, num_blocks * block_size, preset.n_heads, preset.head_dim)
-        # `empty`, not `zeros`: pages are touched only when a block is first used, so the resident
-        # memory follows the load rather than --kv-cache-mb.
-        self.k = torch.empty(shape, dtype=dtype)
-        self.v = torch.empty(shape, dtype=dtype)
-        self.k[:, :block_size].zero_()
-        self.v[:, :block_size].zero_()
-        self.block_size, self.num_blocks = block_size, num_blocks
+        self.shape = (preset.n_layers, num_blocks * block_size, preset.n_heads, preset.head_dim)
+        self.block_size, self.num_blocks, self.dtype = block_size, num_blocks, dtype
+        self.restore()
+
+    def restore(self) -> None:
+        """(Re)allocate the tensors. `empty`, not `zeros`: pages are touched only when a block is
+        first used, so the resident memory follows the load rather than --kv-cache-mb."""
+        self.k = torch.empty(self.shape, dtype=self.dtype)
+        self.v = torch.empty(self.shape, dtype=self.dtype)
+        self.k[:, : self.block_size].zero_()
+        self.v[:, : self.block_size].zero_()
+
+    def release(self) -> int:
+        """Give the memory back (SGLang's release_memory_occupation, vLLM's sleep); the bytes freed.
+        Only when no sequence holds a block: their keys and values are gone."""
+        freed = self.k.numel() * self.k.element_size() * 2
+        self.k = self.v = torch.empty(0, dtype=self.dtype)
+        return freed
+
+    @property
+    def released(self) -> bool:
+        return self.k.numel() == 0

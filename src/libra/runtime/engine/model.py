@@ -74,6 +74,24 @@ class Block(nn.Module):
         gate, up = self.gate_up(h).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
+    def forward_train(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+        """x: [B, T, d_model] of whole sequences from position 0; causal attention, no cache.
+
+        The same weights and operations as `forward` (norms, RoPE, SDPA, SwiGLU), so the
+        trainer's log-probabilities match the engine's to float rounding.
+        """
+        p, (b, t) = self.p, x.shape[:2]
+        h = F.rms_norm(x, (p.d_model,), self.attn_norm, NORM_EPS)
+        q, k, v = self.qkv(h).view(b, t, 3, p.n_heads, p.head_dim).unbind(2)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.out(o.transpose(1, 2).reshape(b, t, p.d_model))
+        h = F.rms_norm(x, (p.d_model,), self.mlp_norm, NORM_EPS)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
@@ -153,6 +171,28 @@ class TinyTransformer(nn.Module):
         x = x if b.sample_rows is None else x[b.sample_rows]
         return self.lm_head(F.rms_norm(x, (self.preset.d_model,), self.final_norm, NORM_EPS))
 
+    def forward_train(self, tokens: Tensor) -> Tensor:
+        """Logits [B, T, vocab] for right-padded sequences `tokens` [B, T]: the trainer's forward.
+
+        Cache-free and differentiable: every position attends causally to the positions before it,
+        so padding at the right never reaches a real token. Row t predicts token t + 1.
+        """
+        x = self.embed(tokens)
+        rope = self.rope(torch.arange(tokens.shape[1], device=tokens.device))
+        for layer in self.layers:
+            x = layer.forward_train(x, rope)
+        return self.lm_head(F.rms_norm(x, (self.preset.d_model,), self.final_norm, NORM_EPS))
+
+
+def token_logprobs(model: TinyTransformer, tokens: Tensor) -> Tensor:
+    """log p(tokens[:, t] | tokens[:, :t]) for t >= 1, as [B, T - 1] (float32).
+
+    Under the model's raw distribution, which is what the engine reports as a token's logprob
+    (before the grammar's mask and the temperature), so the two compare directly.
+    """
+    logits = model.forward_train(tokens[:, :-1]).float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
 
 def build_model(preset: ModelPreset, seed: int = 0, checkpoint: str | Path | None = None) -> TinyTransformer:
     model = TinyTransformer(preset, seed)
@@ -170,23 +210,29 @@ def save_checkpoint(model: TinyTransformer, path: str | Path) -> Path:
 
 
 def load_checkpoint(model: TinyTransformer, path: str | Path) -> None:
+    model.load_state_dict(read_checkpoint(model, path), strict=True)
+
+
+def read_checkpoint(model: TinyTransformer, path: str | Path, field: str = "checkpoint") -> dict[str, Tensor]:
+    """The tensors of a `state_dict` file for `model`, checked against its shapes, not loaded:
+    a live engine copies them in between two steps. Errors name `field`."""
     try:
         state = torch.load(Path(path), map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise ConfigError("checkpoint", str(path), "an existing file") from None
+    except (FileNotFoundError, IsADirectoryError):
+        raise ConfigError(field, str(path), "an existing file") from None
     except Exception as e:  # torch raises many types for a file that is not a checkpoint
-        raise ConfigError("checkpoint", str(path), f"a torch state_dict file ({type(e).__name__})") from None
+        raise ConfigError(field, str(path), f"a torch state_dict file ({type(e).__name__})") from None
     if not isinstance(state, dict):
-        raise ConfigError("checkpoint", str(path), "a torch state_dict (a mapping of tensors)")
-    _check_shapes(model, state, path)
-    model.load_state_dict(state, strict=True)
+        raise ConfigError(field, str(path), "a torch state_dict (a mapping of tensors)")
+    _check_shapes(model, state, path, field)
+    return state
 
 
-def _check_shapes(model: TinyTransformer, state: dict, path: str | Path) -> None:
+def _check_shapes(model: TinyTransformer, state: dict, path: str | Path, field: str = "checkpoint") -> None:
     want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, Tensor)}
     missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
     bad = sorted(k for k in want.keys() & got.keys() if want[k] != got[k])
     if missing or extra or bad:
         detail = f"missing {missing[:3]}, unexpected {extra[:3]}, wrong shape {bad[:3]}"
-        raise ConfigError("checkpoint", str(path), f"a state_dict for model {model.preset.name!r} ({detail})")
+        raise ConfigError(field, str(path), f"a state_dict for model {model.preset.name!r} ({detail})")

@@ -1,9 +1,17 @@
 """The OpenAI wire format: request models (validated) and response bodies (built from events).
 
 Requests are pydantic models, so a bad field becomes one `ConfigError` naming the field, the
-value and what is allowed, which the server returns as a 400 in OpenAI's error shape. Unknown
-fields are ignored, as OpenAI-compatible servers do, but a known option the engine cannot honour
-(penalties, `echo`, `best_of`) is refused rather than silently dropped.
+value (clipped: a 700 KB request never comes back in its own error) and what is allowed, which the
+server returns as a 400 in OpenAI's error shape. Unknown fields are ignored, as OpenAI-compatible
+servers do, but a known option the engine cannot honour (penalties, `echo`, `best_of`, a
+`response_format` other than text) is refused with a 400 naming it rather than silently dropped.
+
+vLLM's extensions that RL trainers use are honoured: `return_token_ids` (the prompt's and each
+choice's token ids), `return_tokens_as_token_ids` (logprob tokens written `token_id:N`), token-id
+prompts on /v1/completions, `top_k`, `min_p`, `logit_bias`, `stop_token_ids`,
+`include_stop_str_in_output`, `skip_special_tokens` and `ignore_eos`. Every response also carries
+the `weight_version` that produced it (SGLang's name), and the version of each token when a
+request spanned a weight update.
 
 Also here: the rule that decides whether a chat turn is a tool call (see `tool_mode`), and the
 accumulators that turn a sequence's events into a `choices[i]` entry.
@@ -12,15 +20,62 @@ accumulators that turn a sequence's events into a `choices[i]` entry.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from libra.core.errors import ConfigError
-from libra.runtime.engine.sequence import SeqEvent, TokenLogprob
-from libra.runtime.engine.tokenizer import NUM_BYTES, SPECIAL_TEXT, ChatMessage, ToolCallText
+from libra.runtime.engine.sequence import SamplingParams, SeqEvent, TextOutput, TokenLogprob
+from libra.runtime.engine.tokenizer import NUM_BYTES, SPECIAL_TEXT, VOCAB_SIZE, ChatMessage, ToolCallText
 
 TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+TOKEN_IDS = f"token ids from 0 to {VOCAB_SIZE - 1}"
+MAX_ECHO = 60  # characters of a bad value an error repeats
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class _Clipped(str):
+    """A value's repr cut to MAX_ECHO characters, shown as is inside an error message."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def clip(value: object) -> object:
+    text = repr(value)
+    if len(text) <= MAX_ECHO:
+        return value
+    return _Clipped(f"{text[:MAX_ECHO]}... ({len(text)} characters)")
+
+
+def parse(model: type[M], data: dict, prefix: str = "") -> M:
+    """Validate a request body; the first problem becomes a ConfigError naming its field."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        e = err.errors()[0]
+        loc = ".".join(str(p) for p in e.get("loc", ()))
+        where = f"{prefix}.{loc}" if prefix and loc else (loc or prefix or "body")
+        raise ConfigError(
+            where, clip(e.get("input")), e.get("msg", "invalid").removeprefix("Value error, ")
+        ) from None
+
+
+def check_token_ids(ids: list[int]) -> list[int]:
+    if not ids:
+        raise ValueError(f"a non-empty list of {TOKEN_IDS}")
+    if min(ids) < 0 or max(ids) >= VOCAB_SIZE:
+        raise ValueError(TOKEN_IDS)
+    return ids
 
 
 class _Model(BaseModel):
@@ -90,6 +145,35 @@ class StreamOptions(_Model):
     include_usage: bool = False
 
 
+# Options the engine does not implement, with the values that mean "off": anything else is a 400
+# naming the option (never silently dropped).
+NEUTRAL: dict[str, tuple] = {
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "min_tokens": (None, 0),
+    "prompt_logprobs": (None,),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "use_beam_search": (None, False),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+}
+
+
+def refuse_unless_neutral(v: object, info: ValidationInfo, neutral: dict[str, tuple]) -> object:
+    """A field validator's check for an option the engine does not implement: only the values
+    that mean "off" pass; anything else is refused naming the option."""
+    if v not in neutral[info.field_name]:
+        allowed = " or ".join("absent" if x is None else repr(x) for x in neutral[info.field_name])
+        raise ValueError(f"{allowed}: the built-in engine does not implement {info.field_name}")
+    return v
+
+
 class SamplingRequest(_Model):
     """Fields shared by chat and completions requests."""
 
@@ -97,27 +181,80 @@ class SamplingRequest(_Model):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, le=VOCAB_SIZE)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    logit_bias: dict[str, float] | None = None
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     # vLLM's extension: never sample the end token, so text runs to max_tokens or a stop string.
     ignore_eos: bool = False
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    response_format: dict | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+    use_beam_search: bool | None = None
+    guided_json: object = None
+    guided_regex: object = None
+    guided_choice: object = None
+    guided_grammar: object = None
+    structured_outputs: object = None
 
-    @model_validator(mode="after")
-    def _supported(self) -> SamplingRequest:
-        if isinstance(self.stop, list) and len(self.stop) > 4:
+    @field_validator(*NEUTRAL)
+    @classmethod
+    def _refused(cls, v: object, info: ValidationInfo) -> object:
+        return refuse_unless_neutral(v, info, NEUTRAL)
+
+    @field_validator("stop")
+    @classmethod
+    def _at_most_four(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > 4:
             raise ValueError("at most 4 stop sequences")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ValueError(f"{name} is not supported by the built-in engine (use 0 or omit it)")
-        return self
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
+        return check_token_ids(v) if v else v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit() or int(key) >= VOCAB_SIZE or not -100 <= bias <= 100:
+                raise ValueError(f"a mapping of {TOKEN_IDS} (as strings) to biases from -100 to 100")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: dict | None) -> dict | None:
+        if v is not None and v.get("type") != "text":
+            raise ValueError('absent or {"type": "text"}: the built-in engine has no JSON mode')
+        return v
 
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def params(self, max_tokens: int, seed: int, logprobs: bool, top: int) -> SamplingParams:
+        bias = tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items())
+        return SamplingParams(max_tokens, self.temperature, self.top_p, self.stops(), seed, logprobs, top,
+                              max(0, self.top_k), self.min_p, bias)  # fmt: skip
+
+    def text_output(self) -> TextOutput:
+        return TextOutput(self.stops(), self.ignore_eos, frozenset(self.stop_token_ids or ()),
+                          self.include_stop_str_in_output, not self.skip_special_tokens)  # fmt: skip
 
 
 class ChatRequest(SamplingRequest):
@@ -137,20 +274,50 @@ class ChatRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] = Field(min_length=1)
+    # Text, a batch of texts, token ids (vLLM) or a batch of token-id lists.
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)
     logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _ids_in_range(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], int):
+            return check_token_ids(v)
+        if isinstance(v, list) and v and isinstance(v[0], list):
+            return [check_token_ids(ids) for ids in v]
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a text, or a list of token ids."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+
+class TokenizeRequest(_Model):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` (and `tools`) rendered by the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+    tools: list[ToolDef] | None = None
+    add_special_tokens: bool = True
 
     @model_validator(mode="after")
-    def _no_unsupported(self) -> CompletionRequest:
-        if self.echo or (self.best_of or 1) > 1 or self.suffix:
-            raise ValueError("echo, best_of and suffix are not supported by the built-in engine")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of prompt and messages")
         return self
 
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[int]
+
+    @field_validator("tokens")
+    @classmethod
+    def _ids(cls, v: list[int]) -> list[int]:
+        return check_token_ids(v) if v else v
 
 
 # ---- the tool-call rule ---------------------------------------------------------------------------
@@ -171,7 +338,7 @@ def tool_mode(req: ChatRequest, default_rounds: int) -> dict[str, object] | None
     if isinstance(req.tool_choice, NamedToolChoice):
         name = req.tool_choice.function.name
         if name not in tools:
-            raise ConfigError("tool_choice.function.name", name, sorted(tools))
+            raise ConfigError("tool_choice.function.name", clip(name), sorted(tools))
         return {name: tools[name]}
     if req.tool_choice == "required":
         return tools
@@ -192,18 +359,29 @@ def calls_since_last_user(messages: list[Message]) -> int:
 # ---- responses -------------------------------------------------------------------------------------
 
 
-def token_text(token: int) -> tuple[str, list[int]]:
+@dataclass(frozen=True, slots=True)
+class ReplyOptions:
+    """What a response carries beyond the text: logprobs, token ids, logprob tokens as ids."""
+
+    logprobs: bool = False
+    token_ids: bool = False
+    as_ids: bool = False
+
+
+def token_text(token: int, as_ids: bool = False) -> tuple[str, list[int]]:
+    if as_ids:  # vLLM's return_tokens_as_token_ids: unambiguous even for partial UTF-8 bytes
+        return f"token_id:{token}", list(f"token_id:{token}".encode())
     if token < NUM_BYTES:
         return bytes((token,)).decode("utf-8", errors="replace"), [token]
     text = SPECIAL_TEXT.get(token, f"<|unused{token}|>")
     return text, list(text.encode())
 
 
-def chat_logprob(lp: TokenLogprob) -> dict:
-    text, raw = token_text(lp.token)
+def chat_logprob(lp: TokenLogprob, as_ids: bool = False) -> dict:
+    text, raw = token_text(lp.token, as_ids)
     top = []
     for tok, val in lp.top:
-        t, b = token_text(tok)
+        t, b = token_text(tok, as_ids)
         top.append({"token": t, "logprob": val, "bytes": b})
     return {"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top}
 
@@ -217,7 +395,10 @@ class ChoiceState:
     call: tuple[str, str] | None = None
     args: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)
     finish: str | None = None
+    matched: int | str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
@@ -226,18 +407,26 @@ class ChoiceState:
         self.call = self.call or ev.tool_call
         self.args.append(ev.tool_args)
         self.logprobs += ev.logprobs
+        self.token_ids += ev.token_ids
+        self.versions += ev.versions
         if ev.finish:
-            self.finish, self.prompt_tokens, self.completion_tokens = (
-                ev.finish,
-                ev.prompt_tokens,
-                ev.completion_tokens,
-            )
+            self.finish, self.matched = ev.finish, ev.matched
+            self.prompt_tokens, self.completion_tokens = ev.prompt_tokens, ev.completion_tokens
 
     def message(self) -> dict:
         msg: dict = {"role": "assistant", "content": "".join(self.text) if not self.call else None}
         if self.call:
             msg["tool_calls"] = [tool_call(self.call, "".join(self.args))]
         return msg
+
+    def ids_fields(self, opts: ReplyOptions) -> dict:
+        """`token_ids` (and each token's weight version when they differ), as asked."""
+        if not opts.token_ids:
+            return {}
+        out: dict = {"token_ids": self.token_ids}
+        if len(set(self.versions)) > 1:
+            out["token_weight_versions"] = self.versions
+        return out
 
 
 def tool_call(call: tuple[str, str], arguments: str, index: int | None = None) -> dict:
@@ -254,8 +443,34 @@ def usage(choices: list[ChoiceState], prompt_tokens: int) -> dict:
     }
 
 
-def chat_body(rid: str, created: int, model: str, choices: list[ChoiceState], prompt_tokens: int, logprobs: bool) -> dict:  # fmt: skip
+def last_version(choices: list[ChoiceState], current: str) -> str:
+    """The weight version a response reports: that of its newest tokens (the engine's current one
+    if any choice ended on it), or the engine's when it generated nothing."""
+    last = [c.versions[-1] for c in choices if c.versions]
+    return current if not last or current in last else last[-1]
+
+
+def chat_logprobs(lps: list[TokenLogprob], as_ids: bool) -> dict:
+    return {"content": [chat_logprob(lp, as_ids) for lp in lps]}
+
+
+def completion_logprobs(lps: list[TokenLogprob], as_ids: bool = False) -> dict:
+    tokens, offsets, offset = [], [], 0
+    for lp in lps:
+        text = token_text(lp.token, as_ids)[0]
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
     return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{token_text(t, as_ids)[0]: v for t, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def chat_body(rid: str, created: int, model: str, choices: list[ChoiceState], prompt: list[int], opts: ReplyOptions, version: str) -> dict:  # fmt: skip
+    body = {
         "id": rid,
         "object": "chat.completion",
         "created": created,
@@ -264,32 +479,25 @@ def chat_body(rid: str, created: int, model: str, choices: list[ChoiceState], pr
             {
                 "index": c.index,
                 "message": c.message(),
-                "logprobs": {"content": [chat_logprob(lp) for lp in c.logprobs]} if logprobs else None,
+                "logprobs": chat_logprobs(c.logprobs, opts.as_ids) if opts.logprobs else None,
                 "finish_reason": c.finish,
+                **c.ids_fields(opts),
             }
             for c in choices
         ],
-        "usage": usage(choices, prompt_tokens),
+        "usage": usage(choices, len(prompt)),
+        "weight_version": version,
     }
+    if opts.token_ids:
+        body["prompt_token_ids"] = prompt
+    return body
 
 
-def completion_logprobs(lps: list[TokenLogprob]) -> dict:
-    tokens, offsets, offset = [], [], 0
-    for lp in lps:
-        text = token_text(lp.token)[0]
-        tokens.append(text)
-        offsets.append(offset)
-        offset += len(text)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{token_text(t)[0]: v for t, v in lp.top} for lp in lps],
-        "text_offset": offsets,
-    }
-
-
-def completion_body(rid: str, created: int, model: str, choices: list[ChoiceState], prompt_tokens: int, logprobs: bool) -> dict:  # fmt: skip
-    return {
+def completion_body(rid: str, created: int, model: str, choices: list[ChoiceState], prompts: list[list[int]], opts: ReplyOptions, version: str) -> dict:  # fmt: skip
+    """`prompts[i]` is the prompt of choice i. With `return_token_ids`, each choice carries its
+    prompt's ids (vLLM), and a single-prompt request also carries them at the top level."""
+    per = len(choices) // len(prompts)
+    body = {
         "id": rid,
         "object": "text_completion",
         "created": created,
@@ -298,10 +506,16 @@ def completion_body(rid: str, created: int, model: str, choices: list[ChoiceStat
             {
                 "index": c.index,
                 "text": "".join(c.text),
-                "logprobs": completion_logprobs(c.logprobs) if logprobs else None,
+                "logprobs": completion_logprobs(c.logprobs, opts.as_ids) if opts.logprobs else None,
                 "finish_reason": c.finish,
+                **({"prompt_token_ids": prompts[c.index // per]} if opts.token_ids else {}),
+                **c.ids_fields(opts),
             }
             for c in choices
         ],
-        "usage": usage(choices, prompt_tokens),
+        "usage": usage(choices, sum(len(p) for p in prompts)),
+        "weight_version": version,
     }
+    if opts.token_ids and len(prompts) == 1:
+        body["prompt_token_ids"] = prompts[0]
+    return body

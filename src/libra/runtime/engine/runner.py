@@ -60,13 +60,23 @@ def sample(
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """One token per row of `logits` [S, V], under each sequence's constraint and parameters."""
     allowed = masks.rows([s.allowed() for s in seqs])
-    masked = logits.masked_fill(~allowed, float("-inf"))
+    masked = _biased(logits.masked_fill(~allowed, float("-inf")), seqs)
     picked = masked.argmax(dim=-1)
     random_rows = [i for i, s in enumerate(seqs) if s.params.temperature >= SAMPLING_EPS]
     if random_rows:
         picked[random_rows] = _sample_random(masked[random_rows], [seqs[i] for i in random_rows])
     tokens = picked.tolist()
     return tokens, _logprobs(logits, tokens, seqs)
+
+
+def _biased(masked: Tensor, seqs: Seq[Sequence]) -> Tensor:
+    """`logit_bias` added after the constraint mask, so a bias never unmasks a forbidden token
+    (-inf plus any finite bias stays -inf) and a grammar's output stays well formed."""
+    for i, s in enumerate(seqs):
+        if s.params.logit_bias:
+            ids, vals = zip(*s.params.logit_bias, strict=True)
+            masked[i, list(ids)] += torch.tensor(vals, dtype=masked.dtype)
+    return masked
 
 
 def _sample_random(masked: Tensor, seqs: Seq[Sequence]) -> Tensor:
@@ -76,6 +86,7 @@ def _sample_random(masked: Tensor, seqs: Seq[Sequence]) -> Tensor:
     sorted_p, order = probs.sort(dim=-1, descending=True)
     cum = sorted_p.cumsum(dim=-1)
     keep = (cum - sorted_p) < top_p[:, None]  # the nucleus
+    _keep_top_k_and_min_p(keep, sorted_p, seqs)
     keep[:, 0] = True  # the top token always stays, even for a top_p that rounds to 0 in float32
     sorted_p = sorted_p * keep
     cdf = sorted_p.cumsum(dim=-1)
@@ -83,6 +94,17 @@ def _sample_random(masked: Tensor, seqs: Seq[Sequence]) -> Tensor:
     last_kept = (sorted_p > 0).sum(dim=-1, keepdim=True) - 1
     pick = torch.searchsorted(cdf, u, right=True).clamp(max=last_kept)
     return order.gather(1, pick).squeeze(1)
+
+
+def _keep_top_k_and_min_p(keep: Tensor, sorted_p: Tensor, seqs: Seq[Sequence]) -> None:
+    """Narrow `keep` (over probabilities sorted high to low) to each row's `top_k` most likely
+    tokens and to those at least `min_p` times as likely as the most likely one."""
+    if any(s.params.top_k for s in seqs):
+        k = torch.tensor([s.params.top_k or sorted_p.shape[1] for s in seqs])
+        keep &= torch.arange(sorted_p.shape[1])[None, :] < k[:, None]
+    if any(s.params.min_p for s in seqs):
+        min_p = torch.tensor([s.params.min_p for s in seqs], dtype=sorted_p.dtype)
+        keep &= sorted_p >= min_p[:, None] * sorted_p[:, :1]
 
 
 def _logprobs(logits: Tensor, tokens: list[int], seqs: Seq[Sequence]) -> list[TokenLogprob | None]:
@@ -148,6 +170,11 @@ class ModelRunner:
                 self.table[s.row, s.synced : len(s.blocks)] = torch.tensor(new)
                 s.synced = len(s.blocks)
                 self._zero_fresh(new)
+
+    def forget_blocks(self) -> None:
+        """After the cache's memory was given back and taken anew: every block is fresh again."""
+        self._touched.zero_()
+        self._touched[NULL_BLOCK] = True
 
     def _zero_fresh(self, blocks: list[int]) -> None:
         """Zero blocks on their first use. Attention reads whole blocks and masks the unused

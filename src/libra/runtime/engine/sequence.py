@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from libra.runtime.engine.constraints import END, ToolCallGrammar, Utf8Text
-from libra.runtime.engine.tokenizer import NUM_BYTES
+from libra.runtime.engine.tokenizer import NUM_BYTES, SPECIAL_TEXT
 
 
 class SeqStatus(IntEnum):
@@ -41,6 +41,9 @@ class SamplingParams:
     seed: int = 0
     logprobs: bool = False
     top_logprobs: int = 0
+    top_k: int = 0  # 0: every token (vLLM's -1 is normalised to 0 by the protocol)
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,36 +62,57 @@ class SeqEvent:
     tool_call: tuple[str, str] | None = None  # (call id, tool name), once the name is complete
     tool_args: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # the tokens sampled, in order
+    versions: list[str] = field(default_factory=list)  # the weight version of each of them
     finish: str | None = None
+    matched: int | str | None = None  # what ended it: the end token's id, the stop string, an abort's reason
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
 
 
 class TextOutput:
-    """Plain text: valid UTF-8, stop strings honoured and never sent even in part."""
+    """Plain text: valid UTF-8, stop strings and stop token ids honoured.
 
-    __slots__ = ("constraint", "buf", "sent", "stops", "_utf8")
+    By default (OpenAI's and vLLM's) a stop string is cut from the text and never sent even in
+    part; `include_stop` keeps it (vLLM's include_stop_str_in_output, SGLang's no_stop_trim), and
+    `specials` writes the end token by its name (skip_special_tokens false). The token ids always
+    hold every sampled token, so a client can train on exactly what was sampled.
+    """
 
-    def __init__(self, stops: tuple[str, ...] = (), ignore_eos: bool = False):
+    __slots__ = ("constraint", "buf", "sent", "stops", "stop_ids", "include_stop", "specials", "_utf8")
+
+    def __init__(self, stops: tuple[str, ...] = (), ignore_eos: bool = False, stop_ids: frozenset[int] = frozenset(),
+                 include_stop: bool = False, specials: bool = False):  # fmt: skip
         self.constraint = Utf8Text(allow_end=not ignore_eos)
         self.buf, self.sent = bytearray(), 0
         self.stops = [s.encode() for s in stops if s]
+        self.stop_ids, self.include_stop, self.specials = stop_ids, include_stop, specials
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, token: int, ev: SeqEvent) -> str | None:
         self.constraint.advance(token)
-        if token == END or token >= NUM_BYTES:
-            ev.text += self._send(len(self.buf), final=True)
-            return FinishReason.STOP
+        if token == END or token >= NUM_BYTES or token in self.stop_ids:
+            return self._stop_token(token, ev)
         self.buf.append(token)
         hit = max((s for s in self.stops if self.buf.endswith(s)), key=len, default=b"")
         if hit:  # the longest stop ending here, so no part of any stop is left in the text
-            del self.buf[-len(hit) :]
+            if not self.include_stop:
+                del self.buf[-len(hit) :]
             ev.text += self._send(len(self.buf), final=True)
+            ev.matched = hit.decode("utf-8", "replace")
             return FinishReason.STOP
         ev.text += self._send(len(self.buf) - self._held(), final=False)
         return None
+
+    def _stop_token(self, token: int, ev: SeqEvent) -> str:
+        if self.include_stop and token < NUM_BYTES:
+            self.buf.append(token)
+        ev.text += self._send(len(self.buf), final=True)
+        if self.include_stop and self.specials and token >= NUM_BYTES:
+            ev.text += SPECIAL_TEXT.get(token, "")
+        ev.matched = token
+        return FinishReason.STOP
 
     def flush(self, ev: SeqEvent) -> None:
         ev.text += self._send(len(self.buf), final=True)

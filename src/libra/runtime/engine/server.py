@@ -21,20 +21,22 @@ import random
 import secrets
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from aiohttp import web
 
-from libra.core.config import build
 from libra.core.errors import ConfigError, LibraError
+from libra.runtime.engine import control
 from libra.runtime.engine import protocol as p
 from libra.runtime.engine.config import EngineConfig
 from libra.runtime.engine.core import EngineCore
 from libra.runtime.engine.metrics import EngineMetrics
 from libra.runtime.engine.model import TinyTransformer, build_model, save_checkpoint
-from libra.runtime.engine.sequence import SamplingParams, SeqEvent, Sequence, TextOutput, ToolOutput
-from libra.runtime.engine.tokenizer import render_chat, render_prompt
+from libra.runtime.engine.native import GenerateFormat, GenerateRequest
+from libra.runtime.engine.sequence import SamplingParams, SeqEvent, Sequence, ToolOutput
+from libra.runtime.engine.tokenizer import encode, render, render_chat, render_prompt
 from libra.runtime.openai_errors import ApiError, json_error, read_json_object
 from libra.runtime.serving import serve_until_signalled
 
@@ -47,14 +49,13 @@ DRAIN_SECONDS = 5.0
 TOOL_HEADROOM = 16
 
 
-@dataclass(slots=True, eq=False)  # identity equality: jobs live in a set
+@dataclass(slots=True, eq=False)
 class Job:
     """One HTTP request in flight: its sequences report to `sink`."""
 
     rid: str
     sink: asyncio.Queue
     n: int
-    prompt_tokens: int
     done: bool = False
 
 
@@ -63,11 +64,18 @@ class ChatFormat:
 
     object_chunk = "chat.completion.chunk"
 
-    def __init__(self, rid: str, model: str, logprobs: bool):
-        self.rid, self.model, self.logprobs, self.created = rid, model, logprobs, int(time.time())
+    def __init__(self, rid: str, model: str, opts: p.ReplyOptions, prompts: list[list[int]], version: Callable[[], str], n: int = 1):  # fmt: skip
+        self.rid, self.model, self.opts, self.prompts, self.version = rid, model, opts, prompts, version
+        self.n = n  # choices per prompt: choice i answers prompt i // n
+        self.created = int(time.time())
+        self._prompt_sent: set[int] = set()
 
     def head(self, index: int) -> dict | None:
-        return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})  # fmt: skip
+        chunk = self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})  # fmt: skip
+        if self.opts.token_ids and not self._prompt_sent:  # vLLM: the first chunk only
+            chunk["prompt_token_ids"] = self.prompts[0]
+            self._prompt_sent.add(index)
+        return chunk
 
     def chunk(self, ev: SeqEvent) -> dict | None:
         delta: dict = {}
@@ -77,25 +85,47 @@ class ChatFormat:
             delta["tool_calls"] = [p.tool_call(ev.tool_call, ev.tool_args, index=0)]
         elif ev.tool_args:
             delta["tool_calls"] = [{"index": 0, "function": {"arguments": ev.tool_args}}]
-        if not delta and not ev.finish and not (self.logprobs and ev.logprobs):
+        if not delta and not ev.finish and not self._has_extra(ev):
             return None  # e.g. bytes held back as a possible stop string: nothing to send yet
-        lps = (
-            {"content": [p.chat_logprob(lp) for lp in ev.logprobs]} if self.logprobs and ev.logprobs else None
-        )
-        return self._chunk({"index": ev.index, "delta": delta, "logprobs": lps, "finish_reason": ev.finish})
+        lps = p.chat_logprobs(ev.logprobs, self.opts.as_ids) if self.opts.logprobs and ev.logprobs else None
+        choice = {
+            "index": ev.index,
+            "delta": delta,
+            "logprobs": lps,
+            "finish_reason": ev.finish,
+            **self._ids(ev),
+        }
+        return self._chunk(choice, ev)
 
-    def body(self, states: list[p.ChoiceState], prompt_tokens: int) -> dict:
-        return p.chat_body(self.rid, self.created, self.model, states, prompt_tokens, self.logprobs)
+    def chunks(self, events: list[SeqEvent], states: list[p.ChoiceState]) -> list[dict]:
+        return [c for c in map(self.chunk, events) if c]
+
+    def _has_extra(self, ev: SeqEvent) -> bool:
+        return bool((self.opts.logprobs and ev.logprobs) or (self.opts.token_ids and ev.token_ids))
+
+    def _ids(self, ev: SeqEvent) -> dict:
+        if not self.opts.token_ids:
+            return {}
+        out: dict = {"token_ids": ev.token_ids}
+        if len(set(ev.versions)) > 1:
+            out["token_weight_versions"] = ev.versions
+        return out
+
+    def body(self, states: list[p.ChoiceState]) -> dict:
+        version = p.last_version(states, self.version())
+        return p.chat_body(self.rid, self.created, self.model, states, self.prompts[0], self.opts, version)
 
     def usage_chunk(self, usage: dict) -> dict:
         return {**self._chunk({}), "choices": [], "usage": usage}
 
-    def _chunk(self, choice: dict) -> dict:
-        return {"id": self.rid, "object": self.object_chunk, "created": self.created, "model": self.model, "choices": [choice]}  # fmt: skip
+    def _chunk(self, choice: dict, ev: SeqEvent | None = None) -> dict:
+        version = ev.versions[-1] if ev is not None and ev.versions else self.version()
+        return {"id": self.rid, "object": self.object_chunk, "created": self.created, "model": self.model,
+                "choices": [choice], "weight_version": version}  # fmt: skip
 
 
 class CompletionFormat(ChatFormat):
-    """Chunks and bodies of /v1/completions."""
+    """Chunks and bodies of /v1/completions; `prompts[i]` is the prompt of choice i // n."""
 
     object_chunk = "text_completion"
 
@@ -103,13 +133,44 @@ class CompletionFormat(ChatFormat):
         return None
 
     def chunk(self, ev: SeqEvent) -> dict | None:
-        if not ev.text and not ev.finish and not (self.logprobs and ev.logprobs):
+        if not ev.text and not ev.finish and not self._has_extra(ev):
             return None
-        lps = p.completion_logprobs(ev.logprobs) if self.logprobs and ev.logprobs else None
-        return self._chunk({"index": ev.index, "text": ev.text, "logprobs": lps, "finish_reason": ev.finish})
+        lps = (
+            p.completion_logprobs(ev.logprobs, self.opts.as_ids)
+            if self.opts.logprobs and ev.logprobs
+            else None
+        )
+        choice = {
+            "index": ev.index,
+            "text": ev.text,
+            "logprobs": lps,
+            "finish_reason": ev.finish,
+            **self._ids(ev),
+        }
+        if self.opts.token_ids and ev.index not in self._prompt_sent:  # vLLM: a choice's first chunk
+            choice["prompt_token_ids"] = self.prompts[ev.index // self.n]
+            self._prompt_sent.add(ev.index)
+        return self._chunk(choice, ev)
 
-    def body(self, states: list[p.ChoiceState], prompt_tokens: int) -> dict:
-        return p.completion_body(self.rid, self.created, self.model, states, prompt_tokens, self.logprobs)
+    def body(self, states: list[p.ChoiceState]) -> dict:
+        version = p.last_version(states, self.version())
+        return p.completion_body(self.rid, self.created, self.model, states, self.prompts, self.opts, version)
+
+
+class GenerateStream:
+    """SGLang's /generate chunks: each holds everything its sequence has produced so far."""
+
+    def __init__(self, fmt: GenerateFormat):
+        self.fmt = fmt
+
+    def head(self, index: int) -> dict | None:
+        return None
+
+    def chunks(self, events: list[SeqEvent], states: list[p.ChoiceState]) -> list[dict]:
+        return [self.fmt.item(states[ev.index]) for ev in events]
+
+    def body(self, states: list[p.ChoiceState]) -> dict | list:
+        return self.fmt.body(states)
 
 
 def merge(events: list[SeqEvent]) -> list[SeqEvent]:
@@ -117,14 +178,16 @@ def merge(events: list[SeqEvent]) -> list[SeqEvent]:
     out: dict[int, SeqEvent] = {}
     for ev in events:
         m = out.get(ev.index)
-        if m is None:
-            out[ev.index] = replace(ev, logprobs=list(ev.logprobs))  # a copy: merged into below
+        if m is None:  # a copy, merged into below
+            out[ev.index] = replace(ev, logprobs=list(ev.logprobs), token_ids=list(ev.token_ids), versions=list(ev.versions))  # fmt: skip
             continue
         m.text += ev.text
         m.tool_call = m.tool_call or ev.tool_call
         m.tool_args += ev.tool_args
         m.logprobs += ev.logprobs
-        m.finish, m.error = ev.finish or m.finish, ev.error or m.error
+        m.token_ids += ev.token_ids
+        m.versions += ev.versions
+        m.finish, m.error, m.matched = ev.finish or m.finish, ev.error or m.error, ev.matched or m.matched
         m.prompt_tokens, m.completion_tokens = ev.prompt_tokens or m.prompt_tokens, ev.completion_tokens or m.completion_tokens  # fmt: skip
     return list(out.values())
 
@@ -135,21 +198,26 @@ def sse(obj: dict | str) -> bytes:
 
 class EngineServer:
     def __init__(self, cfg: EngineConfig, model: TinyTransformer):
-        self.cfg, self.metrics = cfg, EngineMetrics()
+        self.cfg, self.metrics, self.model = cfg, EngineMetrics(), model
         self.core = EngineCore(cfg, model, self._publish, self.metrics)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._seeds = random.Random(cfg.seed)
         self.started = int(time.time())
-        self._jobs: set[Job] = set()
+        self._jobs: dict[str, Job] = {}
         self._closing = False
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=int(self.cfg.max_body_mb * 2**20), middlewares=[self._errors])
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/generate", self.generate)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model_id}", self.model_card)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
+        control.register(app, self)
         app.on_startup.append(self._on_startup)
         app.on_shutdown.append(self._on_shutdown)
         app.on_cleanup.append(self._on_cleanup)
@@ -165,19 +233,23 @@ class EngineServer:
         while self._jobs and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         self._closing = True
-        for job in list(self._jobs):
+        for job in list(self._jobs.values()):
             self.core.abort(job.rid)
             job.sink.put_nowait(SeqEvent(0, error="the engine is shutting down"))
 
     async def _on_cleanup(self, app: web.Application) -> None:
         await asyncio.to_thread(self.core.stop)
+        control.close_groups(self)
 
     def _publish(self, events: list[tuple[object, SeqEvent]]) -> None:
-        """Called by the engine thread once per step."""
-        if events and not self._loop.is_closed():
+        """Called by the engine thread once per step (and by control commands)."""
+        if events and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(_deliver, events)
 
-    # ---- endpoints ------------------------------------------------------------------------------
+    def version(self) -> str:
+        return self.core.weight_version
+
+    # ---- generation endpoints -------------------------------------------------------------------
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = await self._parse(request, p.ChatRequest)
@@ -187,35 +259,50 @@ class EngineServer:
         self._check_prompt(len(prompt), "messages")
         max_tokens = self._max_tokens(req.token_limit(), tools)
         top = req.top_logprobs or 0
-        specs = [(prompt, self._params(req, max_tokens, i, req.logprobs, top)) for i in range(req.n)]
-        make = (lambda: ToolOutput(tools)) if tools else (lambda: TextOutput(req.stops(), req.ignore_eos))
-        job = self._start("chatcmpl-", [(ids, prm, make()) for ids, prm in specs], len(prompt))
-        fmt = ChatFormat(job.rid, req.model, req.logprobs)
-        return await self._respond(request, job, fmt, req)
+        make = (lambda: ToolOutput(tools)) if tools else req.text_output
+        specs = [(prompt, self._params(req, max_tokens, i, req.logprobs, top), make()) for i in range(req.n)]
+        job = self._start("chatcmpl-", specs)
+        opts = p.ReplyOptions(req.logprobs, req.return_token_ids, req.return_tokens_as_token_ids)
+        fmt = ChatFormat(job.rid, req.model, opts, [prompt], self.version)
+        return await self._respond(request, job, fmt, req.stream, _include_usage(req))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = await self._parse(request, p.CompletionRequest)
-        prompts = [render_prompt(text) for text in req.prompts()]
+        prompts = [render_prompt(x) if isinstance(x, str) else list(x) for x in req.prompts()]
         for ids in prompts:
             self._check_prompt(len(ids), "prompt")
         max_tokens = self._max_tokens(req.max_tokens, None)
         lp = req.logprobs is not None
-        specs, k = [], 0
-        for ids in prompts:
-            for _ in range(req.n):
-                specs.append(
-                    (
-                        ids,
-                        self._params(req, max_tokens, k, lp, req.logprobs or 0),
-                        TextOutput(req.stops(), req.ignore_eos),
-                    )
-                )
-                k += 1
-        job = self._start("cmpl-", specs, sum(len(ids) for ids in prompts))
-        return await self._respond(request, job, CompletionFormat(job.rid, req.model, lp), req)
+        specs = [(ids, self._params(req, max_tokens, k * req.n + i, lp, req.logprobs or 0), req.text_output())
+                 for k, ids in enumerate(prompts) for i in range(req.n)]  # fmt: skip
+        job = self._start("cmpl-", specs)
+        opts = p.ReplyOptions(lp, req.return_token_ids, req.return_tokens_as_token_ids)
+        fmt = CompletionFormat(job.rid, req.model, opts, prompts, self.version, req.n)
+        return await self._respond(request, job, fmt, req.stream, _include_usage(req))
 
-    async def models(self, request: web.Request) -> web.Response:
-        card = {
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        """SGLang's native API (see `native`)."""
+        data, _ = await read_json_object(request)
+        req = p.parse(GenerateRequest, data)
+        prompts = req.prompts()
+        for ids in prompts:
+            self._check_prompt(len(ids), "input_ids" if req.input_ids is not None else "text")
+        base = req.params(0)
+        specs = []
+        for ids in prompts:
+            seed = req.sampling_params.sampling_seed
+            prm = replace(base, seed=seed if seed is not None else self._seeds.getrandbits(63))
+            specs.append((ids, prm, req.text_output()))
+        if req.rid is not None and req.rid in self._jobs:
+            raise ApiError(400, f"rid {req.rid!r} is already in flight", param="rid", code="duplicate_rid")
+        job = self._start("gen-", specs, rid=req.rid)
+        fmt = GenerateFormat(job.rid, req, prompts, self.version)
+        return await self._respond(request, job, GenerateStream(fmt), req.stream, False)
+
+    # ---- models and tokens ------------------------------------------------------------------------
+
+    def _card(self) -> dict:
+        return {
             "id": self.cfg.served_name,
             "object": "model",
             "created": self.started,
@@ -224,22 +311,54 @@ class EngineServer:
             "max_model_len": self.cfg.preset.max_model_len,
             "tp_label": self.cfg.tp_label,
         }
-        return web.json_response({"object": "list", "data": [card]})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._card()]})
+
+    async def model_card(self, request: web.Request) -> web.Response:
+        self._check_model(request.match_info["model_id"])
+        return web.json_response(self._card())
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: a `prompt` (with the BOS token unless add_special_tokens is false)
+        or chat `messages` (rendered with the chat template, as /v1/chat/completions does)."""
+        req = p.parse(p.TokenizeRequest, (await read_json_object(request))[0])
+        if req.model is not None:
+            self._check_model(req.model)
+        if req.messages is not None:
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            ids = render_chat([m.to_template() for m in req.messages], tools)
+        else:
+            ids = render_prompt(req.prompt) if req.add_special_tokens else encode(req.prompt)
+        limit = self.cfg.preset.max_model_len
+        return web.json_response(
+            {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": None}
+        )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        req = p.parse(p.DetokenizeRequest, (await read_json_object(request))[0])
+        if req.model is not None:
+            self._check_model(req.model)
+        return web.json_response({"prompt": render(req.tokens)})
 
     async def health(self, request: web.Request) -> web.Response:
+        core = self.core
         return web.json_response(
-            status=200 if self.core.alive else 503,
+            status=200 if core.alive else 503,
             data={
-                "status": "ok" if self.core.alive else "engine thread stopped",
+                "status": "ok" if core.alive else "engine thread stopped",
                 "name": self.cfg.served_name,
                 "model": self.cfg.model,
                 "tp_label": self.cfg.tp_label,
-                "running": self.core.num_running,
-                "waiting": self.core.num_waiting,
+                "weight_version": core.weight_version,
+                "paused": core.paused.value if core.paused else None,
+                "sleeping": core.sleeping,
+                "running": core.num_running,
+                "waiting": core.num_waiting,
                 "max_num_seqs": self.cfg.max_num_seqs,
                 "max_model_len": self.cfg.preset.max_model_len,
-                "kv_cache_usage": round(self.core.alloc.used_count / (self.core.alloc.num_blocks - 1), 4),
-                "steps": self.core.steps,
+                "kv_cache_usage": round(core.alloc.used_count / (core.alloc.num_blocks - 1), 4),
+                "steps": core.steps,
             },
         )
 
@@ -252,11 +371,14 @@ class EngineServer:
 
     async def _parse(self, request: web.Request, model: type[p.SamplingRequest]) -> p.SamplingRequest:
         data, _ = await read_json_object(request)
-        req = build(model, data)
-        if req.model != self.cfg.served_name:
-            msg = f"model {req.model!r} does not exist here; this engine serves {self.cfg.served_name!r}"
-            raise ApiError(404, msg, param="model", code="model_not_found")
+        req = p.parse(model, data)
+        self._check_model(req.model)
         return req
+
+    def _check_model(self, name: str) -> None:
+        if name != self.cfg.served_name:
+            msg = f"model {p.clip(name)!r} does not exist here; this engine serves {self.cfg.served_name!r}"
+            raise ApiError(404, msg, param="model", code="model_not_found")
 
     def _check_prompt(self, n_tokens: int, param: str) -> None:
         limit = self.cfg.preset.max_model_len
@@ -271,29 +393,26 @@ class EngineServer:
             return self.cfg.max_tokens_default
         return max(self.cfg.max_tokens_default, ToolOutput(tools).constraint.min_left() + TOOL_HEADROOM)
 
-    def _params(
-        self, req: p.SamplingRequest, max_tokens: int, i: int, logprobs: bool, top: int
-    ) -> SamplingParams:
+    def _params(self, req: p.SamplingRequest, max_tokens: int, i: int, logprobs: bool, top: int) -> SamplingParams:  # fmt: skip
         seed = req.seed + i if req.seed is not None else self._seeds.getrandbits(63)
-        return SamplingParams(max_tokens, req.temperature, req.top_p, req.stops(), seed, logprobs, top)
+        return req.params(max_tokens, seed, logprobs, top)
 
-    def _start(self, prefix: str, specs: list, prompt_tokens: int) -> Job:
-        job = Job(prefix + secrets.token_hex(12), asyncio.Queue(), len(specs), prompt_tokens)
+    def _start(self, prefix: str, specs: list, rid: str | None = None) -> Job:
+        job = Job(rid or prefix + secrets.token_hex(12), asyncio.Queue(), len(specs))
         now, max_len = time.monotonic(), self.cfg.preset.max_model_len
         seqs = [Sequence(job.rid, i, ids, prm, out, job.sink, max_len, now) for i, (ids, prm, out) in enumerate(specs)]  # fmt: skip
         self.core.submit(seqs)
-        self._jobs.add(job)
+        self._jobs[job.rid] = job
         return job
 
-    async def _respond(self, request: web.Request, job: Job, fmt: ChatFormat, req: p.SamplingRequest) -> web.StreamResponse:  # fmt: skip
+    async def _respond(self, request: web.Request, job: Job, fmt, stream: bool, usage: bool) -> web.StreamResponse:  # fmt: skip
         try:
-            if req.stream:
-                usage = bool(req.stream_options and req.stream_options.include_usage)
+            if stream:
                 return await self._stream(request, job, fmt, usage)
             states = await self._collect(job)
-            return web.json_response(fmt.body(states, job.prompt_tokens))
+            return web.json_response(fmt.body(states))
         finally:
-            self._jobs.discard(job)
+            self._jobs.pop(job.rid, None)
             if not job.done:
                 self.core.abort(job.rid)
 
@@ -310,7 +429,7 @@ class EngineServer:
         job.done = True
         return states
 
-    async def _stream(self, request: web.Request, job: Job, fmt: ChatFormat, usage: bool) -> web.StreamResponse:  # fmt: skip
+    async def _stream(self, request: web.Request, job: Job, fmt, usage: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
         states = [p.ChoiceState(i) for i in range(job.n)]
@@ -327,10 +446,11 @@ class EngineServer:
                 for ev in events:
                     states[ev.index].add(ev)
                     left -= ev.finish is not None
-                await resp.write(b"".join(sse(c) for c in map(fmt.chunk, events) if c))
+                await resp.write(b"".join(sse(c) for c in fmt.chunks(events, states)))
             job.done = True
             if usage:
-                await resp.write(sse(fmt.usage_chunk(p.usage(states, job.prompt_tokens))))
+                prompt_tokens = sum(len(x) for x in fmt.prompts)
+                await resp.write(sse(fmt.usage_chunk(p.usage(states, prompt_tokens))))
             await resp.write(sse("[DONE]"))
             await resp.write_eof()
         except ConnectionResetError:  # the client left; `_respond` aborts the sequences
@@ -375,6 +495,10 @@ def _http_message(e: web.HTTPException, request: web.Request, max_body_mb: float
     if template is None:
         return e.text or e.reason
     return template.format(method=request.method, path=request.path, max_body_mb=max_body_mb)
+
+
+def _include_usage(req: p.SamplingRequest) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
 
 
 def _deliver(events: list[tuple[asyncio.Queue, SeqEvent]]) -> None:

@@ -11,6 +11,6 @@ Layout: `config` (the typed configuration and `--backend` specs), `pool` (backen
 admin state machine), `conversation` (what a request's messages tell the router), `sessions`
 (per-session turns, path and context), `upstream` (forwarding, SSE pass-through, retry),
 `metrics` (Prometheus), `tree_store` (causal-tree persistence), `server` (the aiohttp app),
-`admin` (the admin and session endpoints), `app` (builds and runs it from its config; `libra serve
+`admin` (the admin and session endpoints), `control` (the control plane, broadcast to every engine), `app` (builds and runs it from its config; `libra serve
 gateway` is its command line, in `libra.cli.serve`).
 """

@@ -21,7 +21,9 @@ Sessions and learning:
                                           rebuilt every K steps from recent trajectories);
 - `GET  /admin/tree`, `POST /admin/tree/save`   the persisted causal tree.
 
-Admin endpoints have no authentication: the gateway binds to 127.0.0.1 unless told otherwise.
+With an `admin_token` in the gateway's config, the /admin endpoints need `Authorization: Bearer
+<token>`, as the control plane (`control`) does; sessions and steps are the rollout's own feedback
+and stay open. Without one, the gateway binds to 127.0.0.1 unless told otherwise.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from libra.core.config import build
 from libra.core.trace import MAX_TOKENS
 from libra.rollout.tree import state_key
 from libra.runtime.gateway.config import BackendConfig
+from libra.runtime.gateway.control import require_admin
 from libra.runtime.gateway.errors import ApiError
 from libra.runtime.gateway.sessions import token_count
 from libra.runtime.openai_errors import read_json_object
@@ -39,16 +42,30 @@ from libra.runtime.openai_errors import read_json_object
 
 def register(app: web.Application, gw) -> None:
     h = _Handlers(gw)
-    app.router.add_get("/admin/instances", h.list_instances)
-    app.router.add_post("/admin/instances", h.add_instance)
-    app.router.add_post("/admin/instances/{iid}/drain", h.drain)
-    app.router.add_post("/admin/instances/{iid}/resume", h.resume)
-    app.router.add_delete("/admin/instances/{iid}", h.remove)
+    guard = _guarded(gw)
+    app.router.add_get("/admin/instances", guard(h.list_instances))
+    app.router.add_post("/admin/instances", guard(h.add_instance))
+    app.router.add_post("/admin/instances/{iid}/drain", guard(h.drain))
+    app.router.add_post("/admin/instances/{iid}/resume", guard(h.resume))
+    app.router.add_delete("/admin/instances/{iid}", guard(h.remove))
     app.router.add_get("/sessions/{sid}", h.session)
     app.router.add_post("/sessions/{sid}/finish", h.finish)
     app.router.add_post("/steps/end", h.end_step)
-    app.router.add_get("/admin/tree", h.tree)
-    app.router.add_post("/admin/tree/save", h.save_tree)
+    app.router.add_get("/admin/tree", guard(h.tree))
+    app.router.add_post("/admin/tree/save", guard(h.save_tree))
+
+
+def _guarded(gw):
+    """/admin/* changes the pool: with an admin token set, it needs it (as control calls do)."""
+
+    def guard(fn):
+        async def handler(request: web.Request) -> web.StreamResponse:
+            require_admin(gw, request)
+            return await fn(request)
+
+        return handler
+
+    return guard
 
 
 async def _json_body(request: web.Request, required: bool) -> dict:
@@ -80,6 +97,9 @@ class _Handlers:
         cfg = build(BackendConfig, await _json_body(request, required=True))
         inst = self.gw.pool.add(cfg)
         await self.gw.health.check(inst, threshold=1)
+        if inst.misfit:  # it could never take a turn: refuse it rather than keep a dead entry
+            self.gw.pool.remove(inst)
+            raise ApiError(400, f"max_context: {inst.misfit}", "max_context", "invalid_value")
         self.gw.pool.refresh()
         self.gw.refresh_models()
         return web.json_response(inst.describe(), status=201)

@@ -13,18 +13,19 @@ the order `libra.rollout` expects.
 from __future__ import annotations
 
 import ipaddress
-from typing import Annotated
+from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from libra.core.config import build
 from libra.core.errors import ConfigError
+from libra.costmodel.efficiency import DEFAULT_ENGINE, EngineName
 from libra.rollout.base import Bucket
 from libra.rollout.tool_state import SizeThresholds
 
-BACKEND_SPEC = "URL,bucket=NAME,tp=T,max_context=N[,cap=C][,node=K][,name=ID][,api_key=KEY]"
-BACKEND_KEYS = ("bucket", "tp", "max_context", "cap", "node", "name", "api_key")
+BACKEND_SPEC = "URL,bucket=NAME,tp=T,max_context=N[,cap=C][,node=K][,name=ID][,api_key=KEY][,control=sglang|vllm][,admin_token=T]"  # fmt: skip
+BACKEND_KEYS = ("bucket", "tp", "max_context", "cap", "node", "name", "api_key", "control", "admin_token")
 
 
 MAX_URL = 2048
@@ -81,6 +82,8 @@ class BackendConfig(_Strict):
     api_key: HeaderText | None = Field(
         None, description="Sent as a Bearer token (default: the client's header)."
     )
+    control: Literal["sglang", "vllm"] = Field("sglang", description="The control dialect it speaks (the built-in engine: sglang).")  # fmt: skip
+    admin_token: HeaderText | None = Field(None, description="Bearer token of its control calls (default: the caller's header).")  # fmt: skip
 
     @field_validator("url")
     @classmethod
@@ -123,6 +126,8 @@ class SessionConfig(_Strict):
     idle_timeout_s: float = Field(600.0, gt=0, description="A session idle this long is ended.")
     max_sessions: int = Field(200_000, ge=1, description="Beyond this, the least recently seen session is ended.")  # fmt: skip
     feed_idle: bool = Field(True, description="Feed sessions ended by idleness to the router's tree.")
+    key_header: HeaderText | None = Field(None, min_length=1, description="Another header that names the session.")  # fmt: skip
+    key_field: str | None = Field(None, min_length=1, max_length=64, description="Another body field that names the session.")  # fmt: skip
 
 
 class CostModelConfig(_Strict):
@@ -130,6 +135,9 @@ class CostModelConfig(_Strict):
 
     model: str = Field(description="A catalog model, e.g. qwen3-14b.")
     hardware: str = Field(description="A catalog GPU, e.g. a800-80g.")
+    engine: EngineName = Field(
+        DEFAULT_ENGINE, description="Engine preset for the CPU overhead: vllm-v1 or vllm-v0."
+    )
 
 
 class GatewayConfig(_Strict):
@@ -157,6 +165,11 @@ class GatewayConfig(_Strict):
     request_timeout_s: float = Field(600.0, gt=0, description="Whole upstream request, generation included.")
     no_instance_wait_s: float = Field(30.0, ge=0, description="How long a request waits for a healthy instance.")  # fmt: skip
     max_connections: int = Field(0, ge=0, description="Upstream connection pool size (0: unlimited).")
+    admin_token: HeaderText | None = Field(
+        None,
+        min_length=1,
+        description="When set, control and /admin calls need 'Authorization: Bearer <token>'.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> GatewayConfig:

@@ -109,13 +109,35 @@ def tool_state(name: str | None, raw: object, text: str, hint: object, th: SizeT
                     status_hint=hint if isinstance(hint, (str, bool)) else None)  # fmt: skip
 
 
-def prompt_chars(prompt: object) -> int:
-    """Characters of a /v1/completions prompt (a string or a list of strings)."""
+def prompt_size(prompt: object) -> tuple[int, int | None]:
+    """(characters, exact tokens or None) of a prompt: text, a batch of texts, token ids (vLLM's
+    /v1/completions, SGLang's input_ids) or a batch of token-id lists. A batch is sized by its
+    longest prompt: each of its sequences holds that much context, and the bucket rule is about
+    the context one sequence needs. Counting only looks at lengths and types, never at values."""
     if isinstance(prompt, str):
-        return len(prompt)
-    if isinstance(prompt, list):
-        return sum(len(p) for p in prompt if isinstance(p, str))
-    return 0
+        return len(prompt), None
+    if not isinstance(prompt, list) or not prompt:
+        return 0, None
+    first = prompt[0]
+    if isinstance(first, int):
+        return 0, len(prompt)
+    if isinstance(first, list):
+        return 0, max((len(p) for p in prompt if isinstance(p, list)), default=0)
+    return max((len(p) for p in prompt if isinstance(p, str)), default=0), None
+
+
+def prompt_key(prompt: object) -> str:
+    """What identifies a token-in or text-in prompt's GRPO group: its text, or its token ids
+    (the samples of one prompt share their first turn's prompt)."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, (str, list)):
+            return prompt_key(first)
+        if isinstance(first, int):
+            return ",".join(map(str, prompt[:4096]))
+    return ""
 
 
 def prompt_id_of(text: str | None) -> str:

@@ -33,8 +33,8 @@ from libra.runtime.gateway.config import BackendConfig, HealthConfig
 log = logging.getLogger("libra.gateway")
 
 
-# The OpenAI endpoints the gateway forwards, by the kind of request.
-ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+# The generation endpoints the gateway routes, by the kind of request (OpenAI's and SGLang's).
+ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "generate": "/generate"}
 
 
 class AdminState(IntEnum):
@@ -62,7 +62,9 @@ class Instance:
     health: Health = Health.UNKNOWN
     failed_checks: int = 0
     models: tuple[str, ...] = ()
+    cards: tuple[dict, ...] = ()  # the backend's /v1/models cards, as it sent them
     last_error: str = ""
+    misfit: str = ""  # why it can never be routable (a max_context its model cannot hold)
     changed_at: float = field(default_factory=time.monotonic)
     # Precomputed once, as parsed URLs and a ready header set: the hot path must not parse URLs or
     # build these per request.
@@ -110,6 +112,7 @@ class Instance:
         self.failed_checks = 0
         was = self.health
         self.health = Health.UP
+        self.last_error = self.misfit  # an error that no longer holds is not shown
         self._sync()
         return was != Health.UP
 
@@ -128,7 +131,18 @@ class Instance:
         return False
 
     def _sync(self) -> None:
-        self.view.healthy = self.state == AdminState.ACTIVE and self.health == Health.UP
+        self.view.healthy = self.state == AdminState.ACTIVE and self.health == Health.UP and not self.misfit
+
+    def learn(self, cards: tuple[dict, ...]) -> None:
+        """What the backend serves (its /v1/models): model names, and whether its context holds
+        the bucket's max_context (vLLM and the built-in engine report `max_model_len`)."""
+        self.cards = cards
+        self.models = tuple(c["id"] for c in cards)
+        lens = [c["max_model_len"] for c in cards if isinstance(c.get("max_model_len"), int)]
+        if lens and self.cfg.max_context > max(lens):
+            self.misfit = f"max_context {self.cfg.max_context} exceeds the backend's max_model_len {max(lens)} (its /v1/models)"  # fmt: skip
+            self.last_error = self.misfit
+            self._sync()
 
     def describe(self) -> dict:
         return {
@@ -145,6 +159,7 @@ class Instance:
             "routable": self.view.healthy,
             "outstanding": self.view.outstanding,
             "models": list(self.models),
+            "control": self.cfg.control,
             "last_error": self.last_error,
         }
 
@@ -211,6 +226,18 @@ class Pool:
             seen.update(dict.fromkeys(inst.models))
         return list(seen)
 
+    def cards(self) -> dict[str, dict]:
+        """One card per served model, as a backend sent it, with the largest `max_model_len`
+        among the backends that serve it (the gateway holds a session up to its largest bucket)."""
+        out: dict[str, dict] = {}
+        for inst in self.live():
+            for card in inst.cards:
+                have = out.setdefault(card["id"], dict(card))
+                mine, best = card.get("max_model_len"), have.get("max_model_len")
+                if isinstance(mine, int) and (not isinstance(best, int) or mine > best):
+                    have["max_model_len"] = mine
+        return out
+
     def _rebuild_views(self) -> None:
         # The router reads this list on every turn; rebuilding it only on admin changes keeps the
         # hot path free of filtering.
@@ -259,7 +286,7 @@ class HealthChecker:
             return False
         if ok:
             if not inst.models:
-                inst.models = await self._models(inst)
+                inst.learn(await self._cards(inst))
             if inst.mark_up():
                 log.info("instance %s is up", inst.id)
                 self._changed(inst, True)
@@ -268,13 +295,13 @@ class HealthChecker:
             self._changed(inst, False)
         return ok
 
-    async def _models(self, inst: Instance) -> tuple[str, ...]:
-        """The model names the backend serves (its /v1/models); none if it does not say."""
+    async def _cards(self, inst: Instance) -> tuple[dict, ...]:
+        """The model cards the backend serves (its /v1/models); none if it does not say."""
         try:
             async with self.http.get(inst.cfg.url + "/v1/models", timeout=self.timeout) as r:
                 data = await r.json(content_type=None)
             cards = data.get("data", [])
-            return tuple(m["id"] for m in cards if isinstance(m, dict) and isinstance(m.get("id"), str))
+            return tuple(m for m in cards if isinstance(m, dict) and isinstance(m.get("id"), str))
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, AttributeError, TypeError, RecursionError):  # fmt: skip
             return ()
 

@@ -1,9 +1,12 @@
 """The gateway's HTTP server: the OpenAI API in front, the backend pool behind, the router between.
 
-Every `POST /v1/chat/completions` or `/v1/completions` is one turn of a session:
+Every `POST /v1/chat/completions`, `/v1/completions` or SGLang's `/generate` is one turn of a
+session:
 
-1. the session is found (`X-Session-ID` header, else the body's `user` field, else the request is
-   a one-turn session of its own) and the conversation is scanned for new tool returns;
+1. the session is found (a header: the configured one, `X-Session-ID`, slime's
+   `X-SMG-Routing-Key`; else a body field: the configured one, SkyRL's `trajectory_id`, `user`;
+   else the request is a one-turn session of its own), the conversation is scanned for new tool
+   returns, and a prompt sent as token ids is counted exactly;
 2. the router is asked, with the same `RouteRequest` and `InstanceView`s the simulator builds;
 3. the decision is carried out: the body is sent as is to the chosen instance, and the response is
    returned as is (streams pass through chunk by chunk). A change of instance is a migration: the
@@ -14,7 +17,8 @@ Every `POST /v1/chat/completions` or `/v1/completions` is one turn of a session:
    shared by every router), and the instance is taken out.
 
 The hot path does no policy work of its own and no JSON encoding: the request body is decoded once
-(to read the messages), and the response body is searched for `usage`, not decoded.
+(to read the messages), and the response body is searched for `usage` (or /generate's token
+counts), not decoded. Control calls are not routed but broadcast to every engine (`control`).
 """
 
 from __future__ import annotations
@@ -38,12 +42,12 @@ from libra.rollout.base import (
     bucket_for_length,
 )
 from libra.rollout.placement import choose_instance, healthy_exists
-from libra.runtime.gateway import admin, upstream
+from libra.runtime.gateway import admin, control, upstream
 from libra.runtime.gateway.config import MAX_HEADER_TEXT, GatewayConfig, header_safe
-from libra.runtime.gateway.conversation import prompt_chars
+from libra.runtime.gateway.conversation import prompt_key, prompt_size
 from libra.runtime.gateway.errors import ApiError, http_message, json_error
 from libra.runtime.gateway.metrics import GatewayMetrics
-from libra.runtime.gateway.pool import HealthChecker, Instance, Pool, StateError
+from libra.runtime.gateway.pool import AdminState, Health, HealthChecker, Instance, Pool, StateError
 from libra.runtime.gateway.sessions import Session, SessionError, SessionTracker, TurnRecord
 from libra.runtime.gateway.tree_store import TreeStore
 from libra.runtime.openai_errors import read_json_object
@@ -53,6 +57,14 @@ log = logging.getLogger("libra.gateway")
 perf = time.perf_counter
 STEP = re.compile(r"[0-9]{1,9}")
 FAILOVER_POLL_S = 0.05
+UPSTREAM_S = web.RequestKey("upstream_s", float)  # time spent waiting on the backend
+# Where a session's name is found, after the configured header or field: the header Libra
+# documents, then SGLang's router's (slime sets it per sample); the body field SkyRL sets, then
+# OpenAI's `user`.
+SESSION_HEADERS = ("X-Session-ID", "X-SMG-Routing-Key")
+SESSION_FIELDS = ("trajectory_id", "user")
+# Proxied as they are to any healthy backend: they depend on the model, not on a session.
+PROXIED = {"/tokenize": "POST", "/detokenize": "POST"}
 
 
 class Gateway:
@@ -75,6 +87,9 @@ class Gateway:
         self.health: HealthChecker | None = None
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s, sock_read=cfg.request_timeout_s)  # fmt: skip
         self._tasks: list[asyncio.Task] = []
+        sc = cfg.sessions
+        self.session_headers = ((sc.key_header,) if sc.key_header else ()) + SESSION_HEADERS
+        self.session_fields = ((sc.key_field,) if sc.key_field else ()) + SESSION_FIELDS
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -82,10 +97,15 @@ class Gateway:
         )
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/generate", self.generate)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model_id}", self.model_card)
+        for path, method in PROXIED.items():
+            app.router.add_route(method, path, self.proxy_any)
         app.router.add_get("/health", self.health_endpoint)
         app.router.add_get("/metrics", self.prometheus)
         admin.register(app, self)
+        control.register(app, self)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
@@ -99,6 +119,7 @@ class Gateway:
         self.http = aiohttp.ClientSession(connector=conn, cookie_jar=aiohttp.DummyCookieJar(), skip_auto_headers=("User-Agent",))  # fmt: skip
         self.health = HealthChecker(self.pool, self.cfg.health, self.http, self._health_changed)
         await self.health.check_all()  # serve knowing which backends are up
+        self._refuse_misfits()
         self.refresh_models()
         self._tasks = [asyncio.create_task(_forever(f)) for f in (self.health.run, self._sweep)]
         if self.tree is not None:
@@ -114,6 +135,14 @@ class Gateway:
             except OSError as e:
                 log.error("could not save tree at shutdown: %s", e)
         await self.http.close()
+
+    def _refuse_misfits(self) -> None:
+        """A backend whose model cannot hold its bucket's max_context stops the start: the router
+        would send it sessions it must refuse (an engine of 8192 labelled 40960)."""
+        for i, be in enumerate(self.cfg.backends):
+            inst = self.pool.instances[be.id]
+            if inst.misfit:
+                raise ConfigError(f"backends[{i}].max_context", be.max_context, f"at most what {be.url} holds: {inst.misfit}")  # fmt: skip
 
     def _health_changed(self, inst: Instance, up: bool) -> None:
         self.refresh_models()
@@ -159,13 +188,55 @@ class Gateway:
         data, body = await self._read(request)
         prompt = data.get("prompt")
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt)):
-            raise ApiError(400, "'prompt' is required: a string or a non-empty list of strings", "prompt", "invalid_value")  # fmt: skip
+            raise ApiError(400, "'prompt' is required: a string, token ids, or a non-empty list of either", "prompt", "invalid_value")  # fmt: skip
         self._check_model(data)
-        return await self._proxy(request, "completions", data, body, None, prompt_chars(prompt))
+        chars, tokens = prompt_size(prompt)
+        return await self._proxy(request, "completions", data, body, None, chars, tokens, prompt)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        """SGLang's native /generate: `input_ids` (counted exactly) or `text`."""
+        data, body = await self._read(request)
+        prompt = data.get("input_ids")
+        if prompt is None:
+            prompt = data.get("text")
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt)):
+            raise ApiError(400, "'text' or 'input_ids' is required: a string, token ids, or a non-empty list of either", "input_ids", "invalid_value")  # fmt: skip
+        chars, tokens = prompt_size(prompt)
+        return await self._proxy(request, "generate", data, body, None, chars, tokens, prompt)
 
     async def models(self, request: web.Request) -> web.Response:
-        cards = [{"id": m, "object": "model", "created": self.started, "owned_by": "libra-gateway"} for m in sorted(self.known_models)]  # fmt: skip
-        return web.json_response({"object": "list", "data": cards})
+        cards = self.pool.cards()
+        data = [self._card(m, cards.get(m)) for m in sorted(self.known_models)]
+        return web.json_response({"object": "list", "data": data})
+
+    async def model_card(self, request: web.Request) -> web.Response:
+        model = request.match_info["model_id"]
+        if model not in self.known_models:
+            raise ApiError(404, f"model {model[:80]!r} does not exist; this gateway serves: {', '.join(sorted(self.known_models))}", "model", "model_not_found")  # fmt: skip
+        return web.json_response(self._card(model, self.pool.cards().get(model)))
+
+    def _card(self, model: str, card: dict | None) -> dict:
+        """A backend's card (keeping `root`, `max_model_len`, ...), or a bare one for a name the
+        config lists that no backend reported."""
+        base = {"id": model, "object": "model", "created": self.started, "owned_by": "libra-gateway"}
+        return {**base, **(card or {})}
+
+    async def proxy_any(self, request: web.Request) -> web.Response:
+        """/tokenize and /detokenize: any healthy backend answers (the least loaded)."""
+        _, body = await self._read(request)
+        views = [v for v in self.pool.views if v.healthy]
+        if not views:
+            raise ApiError(503, "no healthy backend instance", code="no_healthy_instance")
+        inst = self.pool.instances[min(views, key=lambda v: v.outstanding).id]
+        try:
+            async with self.http.post(inst.cfg.url + request.path, data=body, headers=self._headers(request, inst), timeout=self.timeout) as r:  # fmt: skip
+                out = await r.read()
+                ctype = r.headers.get("Content-Type", "application/json")
+                return web.Response(body=out, status=r.status, headers={"Content-Type": ctype})
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise ApiError(
+                502, f"backend {inst.id} failed ({type(e).__name__})", code="upstream_failed"
+            ) from None
 
     async def health_endpoint(self, request: web.Request) -> web.Response:
         routable = sum(1 for v in self.pool.views if v.healthy)
@@ -201,10 +272,7 @@ class Gateway:
     # ---- one turn -------------------------------------------------------------------------------
 
     def _session(self, request: web.Request, data: dict) -> Session:
-        sid, field = request.headers.get("X-Session-ID"), "X-Session-ID"
-        if not sid:
-            user = data.get("user")
-            sid, field = (user, "user") if isinstance(user, str) and user else (None, field)
+        sid, field = self._session_key(request, data)
         prompt = request.headers.get("X-Prompt-ID") or None
         step = self.step
         raw = request.headers.get("X-Libra-Step")
@@ -214,42 +282,79 @@ class Gateway:
             step = int(raw)
         return self.tracker.open(_check_id(sid, field), _check_id(prompt, "X-Prompt-ID"), step)
 
-    async def _proxy(self, request: web.Request, kind: str, data: dict, body: bytes, messages: list | None, chars: int) -> web.StreamResponse:  # fmt: skip
+    def _session_key(self, request: web.Request, data: dict) -> tuple[str | None, str]:
+        """The session's name and where it was found: a header (the configured one, X-Session-ID,
+        slime's X-SMG-Routing-Key), else a body field (the configured one, SkyRL's trajectory_id,
+        OpenAI's user). SkyRL's batched completions give one trajectory_id per prompt: the first
+        names the turn. None: a one-turn session."""
+        headers = request.headers
+        for name in self.session_headers:
+            value = headers.get(name)
+            if value:
+                return value, name
+        for name in self.session_fields:
+            value = data.get(name)
+            if isinstance(value, list) and value:
+                value = value[0]
+            if isinstance(value, int) and not isinstance(value, bool):
+                value = str(value)
+            if isinstance(value, str) and value:
+                return value, name
+        return None, "X-Session-ID"
+
+    async def _proxy(self, request: web.Request, kind: str, data: dict, body: bytes, messages: list | None, chars: int, tokens: int | None = None, prompt: object = None) -> web.StreamResponse:  # fmt: skip
         s = self._session(request, data)
-        req = self.tracker.begin_turn(s, messages, chars)
-        prev_bucket = s.bucket
+        key = prompt_key(prompt) if messages is None and s.prompt_id is None else ""
+        req = self.tracker.begin_turn(s, messages, chars, tokens, key)
+        prev_bucket, prev_inst = s.bucket, s.instance
         dec = await self._route(req)
         rec = self.tracker.routed(s, req, dec)
         self.metrics.decision(dec.bucket)
         if rec.migrated:
-            self.metrics.migration(prev_bucket, dec.bucket, "policy")
+            self._moved(s, rec, prev_bucket, prev_inst)
         inst = self.pool.instances[dec.instance]
-        stream = data.get("stream") is True
         for attempt in (0, 1):
-            url = inst.urls[kind]
+            # Released on every way out: answered, failed, timed out, or cancelled because the
+            # client left (aiohttp cancels the handler), so load and drain never see phantoms.
             inst.view.outstanding += 1
-            t_up = perf()
             try:
-                resp = await upstream.post(self.http, url, body, self._headers(request, inst), self.timeout)
+                return await self._forward(request, kind, body, data.get("stream") is True, s, inst)
             except upstream.NoByteError as e:
-                inst.view.outstanding -= 1
                 self._failed(inst, e)
                 if attempt:
                     raise ApiError(502, f"backend {inst.id} failed before answering ({e.detail}), and so did the retry", code="upstream_failed") from None  # fmt: skip
-                inst = await self._failover(s, rec, req, inst)
-                continue
-            except asyncio.TimeoutError:
-                inst.view.outstanding -= 1
-                self.metrics.error(inst.id, "timeout")
-                raise ApiError(504, f"backend {inst.id} did not answer within {self.cfg.request_timeout_s:g} s (request_timeout_s)", code="upstream_timeout") from None  # fmt: skip
-            try:
-                if stream and resp.status == 200:
-                    return await self._pipe(request, resp, s, inst, t_up)
-                return await self._whole(request, resp, s, inst, t_up)
             finally:
-                resp.release()
                 inst.view.outstanding -= 1
+            inst = await self._failover(s, rec, req, inst)
         raise AssertionError("unreachable")
+
+    def _moved(self, s: Session, rec: TurnRecord, prev_bucket: int | None, prev_inst: str | None) -> None:
+        """A session changed instance. When the one it left is gone (down, removed) or failed
+        under its last turn, the move is a failover: the client is retrying that turn."""
+        old = self.pool.instances.get(prev_inst) if prev_inst else None
+        gone = old is None or old.state == AdminState.REMOVED or old.health == Health.DOWN
+        if gone or s.failed_on == prev_inst:
+            rec.failover_to = rec.instance
+            self.metrics.migration(prev_bucket, rec.bucket, "failover")
+        else:
+            self.metrics.migration(prev_bucket, rec.bucket, "policy")
+        s.failed_on = None
+
+    async def _forward(self, request: web.Request, kind: str, body: bytes, stream: bool, s: Session, inst: Instance) -> web.StreamResponse:  # fmt: skip
+        t_up = perf()
+        try:
+            resp = await upstream.post(
+                self.http, inst.urls[kind], body, self._headers(request, inst), self.timeout
+            )
+        except asyncio.TimeoutError:
+            self.metrics.error(inst.id, "timeout")
+            raise ApiError(504, f"backend {inst.id} did not answer within {self.cfg.request_timeout_s:g} s (request_timeout_s)", code="upstream_timeout") from None  # fmt: skip
+        try:
+            if stream and resp.status == 200:
+                return await self._pipe(request, resp, s, inst, t_up, kind)
+            return await self._whole(request, resp, s, inst, t_up, kind)
+        finally:
+            resp.release()
 
     async def _route(self, req: RouteRequest) -> RouteDecision:
         if not healthy_exists(self.pool.views):
@@ -287,10 +392,18 @@ class Gateway:
                 pass
 
     def _headers(self, request: web.Request, inst: Instance) -> dict:
-        auth = request.headers.get("Authorization")
-        if auth is None or inst.cfg.api_key:
+        """The instance's headers, plus the client's Authorization (unless the backend has its
+        own api_key) and X-Request-Id (vLLM takes it as the request's id)."""
+        h = request.headers
+        auth, rid = h.get("Authorization"), h.get("X-Request-Id")
+        if rid is None and (auth is None or inst.cfg.api_key):
             return inst.headers
-        return {**inst.headers, "Authorization": auth}
+        out = dict(inst.headers)
+        if auth is not None and not inst.cfg.api_key:
+            out["Authorization"] = auth
+        if rid is not None:
+            out["X-Request-Id"] = rid
+        return out
 
     def _failed(self, inst: Instance, e: upstream.NoByteError) -> None:
         self.metrics.error(inst.id, e.kind)
@@ -328,33 +441,35 @@ class Gateway:
             h["X-Session-ID"] = s.id
         return h
 
-    async def _whole(self, request: web.Request, resp: aiohttp.ClientResponse, s: Session, inst: Instance, t_up: float) -> web.Response:  # fmt: skip
+    async def _whole(self, request: web.Request, resp: aiohttp.ClientResponse, s: Session, inst: Instance, t_up: float, kind: str) -> web.Response:  # fmt: skip
         try:
             out = await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             self.metrics.error(inst.id, "mid_response")
             self.health.probe_soon(inst)
+            s.failed_on = inst.id
             raise ApiError(502, f"backend {inst.id} failed mid-response ({type(e).__name__})", code="upstream_failed") from None  # fmt: skip
-        request["upstream_s"] = up = perf() - t_up
+        request[UPSTREAM_S] = up = perf() - t_up
         self.metrics.upstream_time(inst.view.bucket, up)
         if resp.status == 200:
-            usage = upstream.usage_in_body(out)
+            usage = upstream.generate_usage(out) if kind == "generate" else upstream.usage_in_body(out)
             if usage is not None:
                 self.tracker.metered(s, usage)
         headers = self._libra_headers(s, inst)
         headers["Content-Type"] = resp.headers.get("Content-Type", "application/json")
         return web.Response(body=out, status=resp.status, headers=headers)
 
-    async def _pipe(self, request: web.Request, resp: aiohttp.ClientResponse, s: Session, inst: Instance, t_up: float) -> web.StreamResponse:  # fmt: skip
+    async def _pipe(self, request: web.Request, resp: aiohttp.ClientResponse, s: Session, inst: Instance, t_up: float, kind: str) -> web.StreamResponse:  # fmt: skip
         out = web.StreamResponse(headers={**upstream.SSE_HEADERS, **self._libra_headers(s, inst)})
         await out.prepare(request)
-        watch = upstream.SSEUsage()
+        watch = upstream.GenerateUsage() if kind == "generate" else upstream.SSEUsage()
         while True:
             try:
                 chunk = await resp.content.readany()
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 self.metrics.error(inst.id, "mid_stream")
                 self.health.probe_soon(inst)
+                s.failed_on = inst.id
                 await _try_write(
                     out, upstream.sse_error(f"backend {inst.id} failed mid-stream ({type(e).__name__})")
                 )
@@ -364,7 +479,7 @@ class Gateway:
             watch.feed(chunk)
             if not await _try_write(out, chunk):
                 return out  # the client left; releasing the response closes the backend connection
-        request["upstream_s"] = up = perf() - t_up
+        request[UPSTREAM_S] = up = perf() - t_up
         self.metrics.upstream_time(inst.view.bucket, up)
         if watch.usage is not None:
             self.tracker.metered(s, watch.usage)
@@ -400,7 +515,7 @@ class Gateway:
         endpoint = res.canonical if res is not None else "unmatched"
         elapsed = perf() - t0
         self.metrics.request(endpoint, resp.status, elapsed)
-        up = request.get("upstream_s")
+        up = request.get(UPSTREAM_S)
         if up is not None:
             self.metrics.overhead_of(endpoint, elapsed - up)
         return resp

@@ -89,6 +89,7 @@ class Session:
     last_final: int = 0
     last_metered: bool = False
     assistant_chars_seen: int = 0
+    failed_on: str | None = None  # the instance that failed mid-response on its last turn
     state: SessionState = SessionState.ACTIVE
 
     def finish(self) -> None:
@@ -156,18 +157,23 @@ class SessionTracker:
             s.last_seen = now
         return s
 
-    def begin_turn(self, s: Session, messages: list | None, chars: int = 0) -> RouteRequest:
-        """The router's view of this turn. `messages` is None for a /v1/completions prompt."""
+    def begin_turn(self, s: Session, messages: list | None, chars: int = 0, tokens: int | None = None, key: str = "") -> RouteRequest:  # fmt: skip
+        """The router's view of this turn. `messages` is None for a prompt (/v1/completions,
+        /generate): then `chars` is its size in characters, or `tokens` in tokens when it came as
+        token ids (exact, so it anchors the context as a backend's usage would), and `key` what
+        identifies its prompt group."""
         if messages is not None:
             s.scan = scan_messages(s.scan, messages, self.thresholds)
         else:
             s.scan.chars = chars
+            if tokens is not None:
+                s.anchor_tokens, s.anchor_chars = min(tokens, MAX_TOKENS), chars
         self._count_unmetered_output(s)
         ctx = s.context_estimate()
         if not s.turns:
             s.prompt_tokens = ctx
         if s.prompt_id is None:
-            s.prompt_id = prompt_id_of(s.scan.first_user)
+            s.prompt_id = prompt_id_of(s.scan.first_user if messages is not None else key)
         return RouteRequest(s.id, s.prompt_id, s.step, len(s.turns), s.prompt_tokens, ctx, s.generated,
                             tuple(s.scan.path), s.bucket, s.instance, target_bucket=s.target)  # fmt: skip
 

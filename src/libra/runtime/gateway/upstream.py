@@ -17,6 +17,7 @@ client may already hold part of the answer.
 from __future__ import annotations
 
 import json
+import re
 
 import aiohttp
 
@@ -97,6 +98,38 @@ class SSEUsage:
                 if isinstance(u, dict):
                     self.usage = u
                     return
+
+
+# SGLang's /generate reports token counts in `meta_info`, beside arrays of logprobs. The keys are
+# found by bytes: inside a JSON string a quote is escaped, so `"prompt_tokens":` only matches a key.
+_PROMPT = re.compile(rb'"prompt_tokens":\s*(\d{1,9})')
+_COMPLETION = re.compile(rb'"completion_tokens":\s*(\d{1,9})')
+
+
+def generate_usage(body: bytes) -> dict | None:
+    """`prompt_tokens` and `completion_tokens` of a /generate answer (its first item, for a batch)."""
+    p, c = _PROMPT.search(body), _COMPLETION.search(body)
+    if p is None or c is None:
+        return None
+    return {"prompt_tokens": int(p.group(1)), "completion_tokens": int(c.group(1))}
+
+
+class GenerateUsage(SSEUsage):
+    """The token counts of a streamed /generate: each chunk holds them so far; the last wins."""
+
+    __slots__ = ()
+
+    def feed(self, chunk: bytes) -> None:
+        data = self.carry + chunk if self.carry else chunk
+        cut = data.rfind(b"\n") + 1
+        self.carry = data[cut:] if cut < len(data) and len(data) - cut <= 1 << 22 else b""
+        lines = data[:cut]
+        if b'"completion_tokens"' not in lines:
+            return
+        last = lines.rfind(b"data: {")
+        found = generate_usage(lines[last:]) if last >= 0 else None
+        if found is not None:
+            self.usage = found
 
 
 def sse_error(message: str) -> bytes:

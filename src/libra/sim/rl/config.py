@@ -1,7 +1,11 @@
 """The typed RL scenario: what a `kind: rl` YAML file holds, validated when it is loaded.
 
-Shallow on purpose: one level of sections (cluster, split, train, rollout, pipeline), each a small
-model whose fields are documented here and in the README.
+Shallow on purpose: one level of sections (cluster, split, train, rollout, pipeline, and the
+sections other packages own: workload, planner, elastic, selector), each a small model whose
+fields and defaults are documented where it is defined. Every default lives in exactly one model:
+code reads `sc.workload.prompts_per_step`, never a mapping with a fallback of its own.
+`problem_of` is the one way to turn a scenario into the planner's `PlanningProblem`, for the
+simulator and for `libra plan` alike.
 """
 
 from __future__ import annotations
@@ -12,7 +16,13 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 from libra.core.config import build
 from libra.core.errors import ConfigError
+from libra.core.specs import HardwareSpec
 from libra.costmodel.catalog import Catalog
+from libra.costmodel.efficiency import DEFAULT_ENGINE, EngineName, Profile
+from libra.planner.config import ElasticConfig, PlannerConfig, SelectorConfig
+from libra.planner.problem import PlanningProblem
+from libra.rollout.tail import TailConfig
+from libra.sim.workloads.base import WorkloadConfig
 
 
 class _Strict(BaseModel):
@@ -66,6 +76,9 @@ class RolloutCfg(_Strict):
         48, ge=1, description="outstanding requests per instance before new work spills to a neighbour bucket"
     )
     router_params: dict = Field(default_factory=dict)
+    engine: EngineName = Field(
+        DEFAULT_ENGINE, description="engine preset for the CPU overhead: vllm-v1 or vllm-v0"
+    )
 
     @model_validator(mode="after")
     def _sorted(self) -> RolloutCfg:
@@ -93,23 +106,29 @@ class RLScenario(_Strict):
     description: str = ""
     cluster: ClusterCfg
     model: str
-    workload: dict
+    workload: WorkloadConfig
     split: SplitCfg
     train: TrainCfg = TrainCfg()
     rollout: RolloutCfg
     pipeline: PipelineCfg = PipelineCfg()
     steps: int = Field(100, ge=1)
     systems: list[str] | None = None
-    planner: dict = Field(default_factory=dict, description="PlannerConfig overrides for planned systems")
-    elastic: dict = Field(default_factory=dict, description="ElasticConfig overrides (libra system)")
+    planner: PlannerConfig = PlannerConfig()
+    elastic: ElasticConfig = ElasticConfig()
+    selector: SelectorConfig = SelectorConfig()
+    tail: TailConfig = TailConfig()
     trace_step: int | None = Field(None, ge=0, description="the step drawn in trace.json")
 
-    def check(self, catalog: Catalog) -> None:
-        self._check_sections()
+    def check(self, catalog: Catalog, split: bool = True) -> None:
+        """Cross-field rules the catalog decides. `split=False` for `libra plan`, which chooses
+        the split itself (and may resize the cluster under it)."""
+        from libra.sim.workloads import make_workload
+
+        make_workload(self.workload)  # the family exists and its params validate
         hw = catalog.hardware(self.cluster.hardware, "cluster.hardware")
         model = catalog.model(self.model, "model")
         total = self.cluster.nodes * hw.gpus_per_node
-        if self.split.train_gpus + self.split.rollout_gpus != total:
+        if split and self.split.train_gpus + self.split.rollout_gpus != total:
             raise ConfigError("split", self.split.model_dump(), f"train_gpus + rollout_gpus == {total} GPUs")
         if sum(self.rollout.layout_per_node) > hw.gpus_per_node:
             raise ConfigError(
@@ -127,36 +146,25 @@ class RLScenario(_Strict):
                     "rollout tp", t, f"<= {hw.gpus_per_node} and a divisor of {model.heads} heads"
                 )
 
-    def _check_sections(self) -> None:
-        """The mappings other modules own (workload, planner, elastic), validated now, so a bad
-        value is a one-line error at load time rather than a traceback mid-run."""
-        from libra.sim.workloads import make_workload
 
-        owned = owned_sections()
-        make_workload(build(owned["workload"], self.workload, prefix="scenario.workload"))
-        for key in ("planner", "elastic"):
-            build(owned[key], getattr(self, key), prefix=f"scenario.{key}")
-
-
-def owned_sections() -> dict[str, type[BaseModel]]:
-    """The sections RLScenario keeps as plain mappings, and the model of the module that owns each."""
-    from libra.planner.config import ElasticConfig, PlannerConfig
-    from libra.sim.workloads.base import WorkloadConfig
-
-    return {"workload": WorkloadConfig, "planner": PlannerConfig, "elastic": ElasticConfig}
+def problem_of(
+    sc: RLScenario,
+    hw: HardwareSpec,
+    catalog: Catalog,
+    nodes: int | None = None,
+    profile: Profile | None = None,
+) -> PlanningProblem:
+    """The planner's problem for a scenario (on `nodes` nodes, default the scenario's)."""
+    w, r = sc.workload, sc.rollout
+    return PlanningProblem(hw, nodes or sc.cluster.nodes, catalog.model(sc.model, "model"), w.prompts_per_step,
+                           w.samples_per_prompt, w.max_length, r.max_num_seqs, r.max_num_batched_tokens,
+                           r.gpu_memory_utilization, profile=profile or Profile(),
+                           staleness=sc.pipeline.staleness, consume=sc.pipeline.consume,
+                           engine=r.engine)  # fmt: skip
 
 
-def section_models() -> dict[str, type[BaseModel]]:
-    """Every mapping section of an RL scenario and the model that validates it."""
-    typed = {
-        k: f.annotation
-        for k, f in RLScenario.model_fields.items()
-        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)
-    }
-    return {**typed, **owned_sections()}
-
-
-def parse_rl(data: dict, catalog: Catalog) -> RLScenario:
+def parse_rl(data: dict, catalog: Catalog, split: bool = True) -> RLScenario:
+    """Validate an RL scenario mapping, then check it against the catalog."""
     sc = build(RLScenario, data, prefix="scenario")
-    sc.check(catalog)
+    sc.check(catalog, split=split)
     return sc

@@ -19,10 +19,9 @@ the moment step s's groups are all in; GPU utilisation = busy GPU-seconds / (all
 from __future__ import annotations
 
 import gc
-import random
 from collections.abc import Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -34,24 +33,21 @@ from libra.core.trajectory import Trajectory
 from libra.costmodel.catalog import load_catalog
 from libra.costmodel.efficiency import Profile
 from libra.costmodel.training import TrainCostModel
+from libra.planner import StepReport
 from libra.planner.staleness import Finished, GroupQueue, StalenessGate
 from libra.rollout.registry import make_router, params_for, route_params
+from libra.rollout.tail import TailLane, TailStats
 from libra.sim import isolation
 from libra.sim.isolation import Progress
 from libra.sim.kernel import Kernel
-from libra.sim.rl.config import RLScenario, parse_rl
+from libra.sim.rl.config import RLScenario
 from libra.sim.rl.driver import RolloutDriver, RoutingStats, make_engines
+from libra.sim.rl.elastic_pool import ElasticPool
+from libra.sim.rl.limit import BatchFloor, Limit, StepTaken, makespan_bounds
+from libra.sim.rl.records import InFlight, SimRecord, StepRecord
 from libra.sim.rl.systems import Setup, System, make_system
 from libra.sim.tracing import Tracer
-
-
-@dataclass(slots=True)
-class SimRecord:
-    """One system's run as the report reads it: its per-step history and its traced step."""
-
-    name: str
-    history: list[dict]
-    tracer: Tracer
+from libra.sim.workloads import make_workload, step_rng
 
 
 class Batches:
@@ -59,15 +55,14 @@ class Batches:
 
     def __init__(self, sc: RLScenario, seed: int, trace: list[Trajectory] | None = None):
         self.trace = None
+        self._floors: dict[int, BatchFloor] = {}
         if trace is not None:
             by_step: dict[int, list[Trajectory]] = {}
             for t in trace:
                 by_step.setdefault(t.step, []).append(t)
             self.trace = [by_step[s] for s in sorted(by_step)]
             return
-        from libra.sim.workloads import WorkloadConfig, make_workload
-
-        self.workload = make_workload(WorkloadConfig(**sc.workload))
+        self.workload = make_workload(sc.workload)
         self.seed = seed
         # Every system of a run simulates the same batches: generate each step once. The sim
         # only reads trajectories, so sharing them is safe (about 0.5 MB per 512-trajectory step).
@@ -83,12 +78,17 @@ class Batches:
         if self.trace is None:
             batch = self._cache.get(step)
             if batch is None:
-                rng = random.Random(self.seed * 1_000_003 + step)
-                batch = self._cache[step] = self.workload.generate(step, rng)
+                batch = self._cache[step] = self.workload.generate(step, step_rng(self.seed, step))
             return batch
         cycle, i = divmod(step, len(self.trace))
         suffix = f"#{cycle}" if cycle else ""
         return [replace(t, id=t.id + suffix, step=step) for t in self.trace[i]]
+
+    def floors(self, limit: Limit, steps: int) -> dict[int, BatchFloor]:
+        """Every step's floors (`sim.rl.limit`); computed once per run, before the systems fork."""
+        if not self._floors:
+            self._floors = {s: limit.batch(self.get(s)) for s in range(steps)}
+        return self._floors
 
 
 class RLSim:
@@ -108,18 +108,19 @@ class RLSim:
         # Routing counts and engine token totals cover the whole run, across re-plans (each
         # re-plan builds new engines and a new driver).
         self.routing = RoutingStats()
+        self.tail_stats = TailStats()
         self.retired_tokens = self.retired_preemptions = 0
         self.bucketed = False  # whether any layout of the run had more than one bucket
         self.driver = self._build_driver(self.setup)
-        self.history: list[dict] = []
-        self.in_flight: dict[int, dict] = {}  # admitted batches whose training batch is not full yet
+        self.history: list[StepRecord] = []
+        self.in_flight: dict[int, InFlight] = {}
         self.group_left: dict[tuple[int, str], int] = {}  # (step, prompt) -> samples still running
         self.group_done: dict[tuple[int, str], list[Trajectory]] = {}
         self.gate = StalenessGate(sc.pipeline.staleness, sc.pipeline.consume, self.setup.colocated)
         self.finished: GroupQueue[list[Trajectory]] = GroupQueue(self.gate)
         self.filled = 0  # steps whose training batch is full
         self.version: dict[int, int] = {}  # step -> training steps done when its batch started
-        self.done_batches: dict[int, dict] = {}
+        self.done_batches: dict[int, StepRecord] = {}
         self.rollout_started = self.train_done = 0
         self.training = False
         self.weights_on_engines = 0
@@ -129,14 +130,11 @@ class RLSim:
         self.pending: Setup | None = None  # a new layout waiting for the batches in flight to drain
         self.next_batch_delay = 0.0
         self.replans = 0
-        self.prompts_per_step = int(sc.workload.get("prompts_per_step", 0))
         self.pool = self._make_pool() if system.elastic else None
+        self._bounds: list[float] | None = None
 
-    def _make_pool(self):
-        from libra.planner import ElasticConfig
-        from libra.sim.rl.elastic_pool import ElasticPool
-
-        return ElasticPool(self, ElasticConfig(**self.sc.elastic))
+    def _make_pool(self) -> ElasticPool:
+        return ElasticPool(self.setup.plan, self.driver, self.k, self.sc.elastic)
 
     def train_par(self):
         """The training layout of the next step: the plan's, plus hybrid replicas that are ACTIVE."""
@@ -146,7 +144,7 @@ class RLSim:
 
     # ---- construction -------------------------------------------------------------------------
 
-    def _build_driver(self, setup: Setup, router=None) -> RolloutDriver:
+    def _build_driver(self, setup: Setup) -> RolloutDriver:
         engines = make_engines(
             self.k, setup.instances, self.hw, self.model, self.sc, self.profile.rollout, self.tracer
         )
@@ -155,13 +153,12 @@ class RLSim:
         costs = {
             b: engines[[s.bucket for s in setup.instances].index(b)].cost for b in set(bucket_of.values())
         }
+        coster = _coster(costs, len(setup.buckets))
         router = make_router(
-            setup.router,
-            setup.buckets,
-            cost=_coster(costs, len(setup.buckets)),
-            seed=0,
-            **params_for(setup.router, setup.router_params),
+            setup.router, setup.buckets, cost=coster, seed=0, **params_for(setup.router, setup.router_params)
         )
+        if self.system.tail:
+            router = TailLane(router, self.sc.tail, coster, self.tail_stats)
         drv = RolloutDriver(self.k, engines, setup.buckets, bucket_of, router, node_of,
                             self.sc.pipeline.tool_latency_default_s, self.tracer)  # fmt: skip
         drv.set_caps(self.sc.rollout.instance_cap)
@@ -191,7 +188,7 @@ class RLSim:
         while self._may_roll(self.rollout_started):
             s = self.rollout_started
             self.rollout_started += 1
-            self.in_flight[s] = {"step": s}
+            self.in_flight[s] = InFlight(s)
             self.version[s] = self.train_done  # the weights batch s is generated with
             delay = self.sc.pipeline.switch_s if self.setup.colocated and s > 0 else 0.0
             delay, self.next_batch_delay = delay + self.next_batch_delay, 0.0
@@ -213,7 +210,8 @@ class RLSim:
         groups: dict[str, list[Trajectory]] = {}
         for t in trajs:
             groups.setdefault(t.prompt_id, []).append(t)
-        self.in_flight[s].update(t0=self.k.now, groups=len(groups))
+        b = self.in_flight[s]
+        b.t0, b.groups = self.k.now, len(groups)
         for pid, members in groups.items():
             self.group_left[(s, pid)] = len(members)
         for t in trajs:
@@ -237,8 +235,8 @@ class RLSim:
     def _fill(self) -> bool:
         """Fill the next steps' batches from finished groups; whether any step was filled."""
         filled = False
-        while (b := self.in_flight.get(self.filled)) is not None and "groups" in b:
-            taken = self.finished.take(self.filled, b["groups"])
+        while (b := self.in_flight.get(self.filled)) is not None and b.groups is not None:
+            taken = self.finished.take(self.filled, b.groups)
             if taken is None:
                 break
             self._batch_done(b, taken)
@@ -246,14 +244,14 @@ class RLSim:
             filled = True
         return filled
 
-    def _batch_done(self, b: dict, taken: Sequence[Finished[list[Trajectory]]]) -> None:
-        s = b["step"]
+    def _batch_done(self, b: InFlight, taken: Sequence[Finished[list[Trajectory]]]) -> None:
+        s = b.step
         trajs = [t for f in taken for t in f.group]
         del self.in_flight[s]
-        self.done_batches[s] = {"step": s, "rollout_start": b["t0"], "rollout_end": self.k.now,
-                                "generated_tokens": sum(t.generated_tokens for t in trajs),
-                                "lengths": [t.total_tokens for t in trajs], "trajs": trajs,
-                                "staleness": [s - f.version for f in taken]}  # fmt: skip
+        assert b.t0 is not None  # a batch with groups has started
+        self.done_batches[s] = StepRecord(s, b.t0, self.k.now, sum(t.generated_tokens for t in trajs),
+                                          [t.total_tokens for t in trajs], trajs,
+                                          [s - f.version for f in taken])  # fmt: skip
         self.driver.router.on_step_end(s)
 
     def _try_train(self) -> None:
@@ -264,18 +262,18 @@ class RLSim:
         rec = self.done_batches.pop(s)
         self.history.append(rec)
         par = self.train_par()
-        dt = self.train_cost.step(par, rec["lengths"]).step_time_s
+        dt = self.train_cost.step(par, rec.lengths).step_time_s
         delay = self.sc.pipeline.switch_s if self.setup.colocated else 0.0
-        rec["train_start"], rec["train_time"] = self.k.now + delay, dt
-        rec["train_gpus"], rec["rollout_gpus"] = par.gpus, self._serving_gpus()
-        rec["layout"] = [(b.tp, sum(1 for i in self.setup.instances if i.bucket == k), b.max_context)
-                         for k, b in enumerate(self.setup.buckets)]  # fmt: skip
+        rec.train_start, rec.train_time = self.k.now + delay, dt
+        rec.train_gpus, rec.rollout_gpus = par.gpus, self._serving_gpus()
+        rec.layout = [(b.tp, sum(1 for i in self.setup.instances if i.bucket == k), b.max_context)
+                      for k, b in enumerate(self.setup.buckets)]  # fmt: skip
         self.train_busy_gpu_s += dt * par.gpus
         self.tracer.train_span(s, self.k.now + delay, dt)
         self.k.after(delay + dt, self._train_end, s)
 
     def _train_end(self, s: int) -> None:
-        self.history[s]["train_end"] = self.k.now
+        self.history[s].train_end = self.k.now
         self.train_done += 1
         self.training = False
         self.tracer.step_ended(s, self.k.now)
@@ -290,14 +288,24 @@ class RLSim:
         return self.setup.rollout_gpus - (0 if self.pool is None else self.pool.lent_gpus())
 
     def _replan(self) -> None:
-        last = self.history[-1]
-        if self.pool is not None:
-            self.pool.at_step_end(
-                last["train_time"], last["rollout_end"] - last["rollout_start"], self._pressure()
-            )
-        new = self.system.between_steps(self.sc, self.hw, self.history, self.setup)
-        if new is None:
+        """Hand the finished step to the system's controller and carry out what it decides."""
+        ctrl = self.system.controller
+        if ctrl is None:
             return
+        last = self.history[-1]
+        report = StepReport(last.step, last.trajs, last.train_time, last.rollout_makespan, self._pressure())
+        pool = None
+        if self.pool is not None:
+            pool = self.pool.view(
+                self.setup.train.dp, self._serving_gpus(), self.sc.workload.prompts_per_step
+            )
+        dec = ctrl.observe(report, self.setup.plan, pool)
+        if dec.elastic is not None and self.pool is not None:
+            self.pool.apply(dec.elastic)
+        if dec.replan is not None:
+            self._switch(self.system.setup_for(dec.replan.plan, self.sc, self.hw, dec.replan.reconfig_s))
+
+    def _switch(self, new: Setup) -> None:
         if _same_layout(new, self.setup):  # only the bucket boundaries moved: router thresholds
             self.setup = replace(new, instances=self.setup.instances)
             self.driver.retune(new.buckets)
@@ -317,13 +325,9 @@ class RLSim:
         retiring = self.driver.engines.values()
         self.retired_tokens += sum(e.prefill_tokens + e.decode_tokens for e in retiring)
         self.retired_preemptions += sum(e.preemptions for e in retiring)
-        old = self.driver.router
-        keep = (
-            old if len(new.buckets) == len(self.setup.buckets) and new.router == self.setup.router else None
-        )
-        if keep is not None:
-            keep.buckets = list(new.buckets)
-        self.setup, self.driver = new, self._build_driver(new, keep)
+        # A new layout gets a new router: its cost model is the new engines', so nothing a router
+        # learned of the old layout (queue levels, per-bucket costs) carries over.
+        self.setup, self.driver = new, self._build_driver(new)
         self.next_batch_delay += new.reconfig_s
         self.replans += 1
         if self.pool is not None:  # the new layout's hybrid replicas; the counts run on
@@ -332,22 +336,35 @@ class RLSim:
 
     # ---- metrics ------------------------------------------------------------------------------
 
+    def bounds(self) -> list[float]:
+        """Each trained step's makespan lower bound (`sim.rl.limit`), computed once."""
+        if self._bounds is None:
+            floors = self.batches.floors(limit_of(self.sc, self.profile), self.steps)
+            taken = [StepTaken(r.step, r.rollout_start, sorted({(t.step, t.prompt_id) for t in r.trajs}))
+                     for r in self.history]  # fmt: skip
+            completion = self.sc.pipeline.consume == "completion" and not self.setup.colocated
+            self._bounds = makespan_bounds(taken, floors, self.total_gpus, completion)
+        return self._bounds
+
     def _engine_busy(self) -> float:
         return sum(e.busy_s * e.tp for e in self.driver.engines.values())
 
     def summary(self) -> dict:
         h = self.history
-        wall = h[-1]["train_end"]
-        gen = sum(r["generated_tokens"] for r in h)
+        wall = h[-1].train_end
+        gen = sum(r.generated_tokens for r in h)
         busy = self.engine_busy_gpu_s + self._engine_busy() + self.train_busy_gpu_s
         engines = self.driver.engines.values()
         rollout_tokens = self.retired_tokens + sum(e.prefill_tokens + e.decode_tokens for e in engines)
+        makespan, bound = float(np.mean([r.rollout_makespan for r in h])), float(np.mean(self.bounds()))
         return {
             "throughput_tokens_per_s": gen / wall,
             "mean_step_time_s": wall / len(h),
-            "mean_rollout_makespan_s": float(np.mean([r["rollout_end"] - r["rollout_start"] for r in h])),
-            "rollout_throughput_tokens_per_s": gen / sum(r["rollout_end"] - r["rollout_start"] for r in h),
-            "mean_train_time_s": float(np.mean([r["train_time"] for r in h])),
+            "mean_rollout_makespan_s": makespan,
+            "makespan_lower_bound_s": bound,
+            "distance_to_limit": makespan / bound - 1 if bound > 0 else 0.0,
+            "rollout_throughput_tokens_per_s": gen / sum(r.rollout_makespan for r in h),
+            "mean_train_time_s": float(np.mean([r.train_time for r in h])),
             "gpu_utilization": busy / (self.total_gpus * wall),
             "wall_time_s": wall,
             "generated_tokens": gen,
@@ -355,25 +372,31 @@ class RLSim:
             "rollout_gpus": self.setup.rollout_gpus,
             "preemptions": self.retired_preemptions + sum(e.preemptions for e in engines),
             "replans": self.replans,
-            "mean_staleness": float(np.mean([x for r in h for x in r["staleness"]])),
-            "max_staleness": max(x for r in h for x in r["staleness"]),
+            "mean_staleness": float(np.mean([x for r in h for x in r.staleness])),
+            "max_staleness": max(x for r in h for x in r.staleness),
             **({"elastic": self.pool.summary()} if self.pool else {}),
             **({"routing": self.routing.as_dict(rollout_tokens)} if self.bucketed else {}),
+            **(
+                {"tail": {"lane_turns": self.tail_stats.lane_turns, "evictions": self.tail_stats.evictions}}
+                if self.system.tail
+                else {}
+            ),  # fmt: skip
         }
 
     def record(self) -> SimRecord:
         """What the report needs of this run (without the trajectories: they stay with the batches)."""
-        history = [{k: v for k, v in r.items() if k != "trajs"} for r in self.history]
+        history = [replace(r, trajs=[]) for r in self.history]
         return SimRecord(self.system.name, history, self.tracer)
 
     def per_step(self) -> list[dict]:
         out, prev = [], 0.0
-        for r in self.history:
-            out.append({"step": r["step"], "step_time_s": r["train_end"] - prev,
-                        "throughput_tokens_per_s": r["generated_tokens"] / max(1e-9, r["train_end"] - prev),
-                        "rollout_makespan_s": r["rollout_end"] - r["rollout_start"], "train_time_s": r["train_time"],
-                        "mean_length": float(np.mean(r["lengths"])), "p90_length": float(np.percentile(r["lengths"], 90))})  # fmt: skip
-            prev = r["train_end"]
+        for r, bound in zip(self.history, self.bounds(), strict=True):
+            out.append({"step": r.step, "step_time_s": r.train_end - prev,
+                        "throughput_tokens_per_s": r.generated_tokens / max(1e-9, r.train_end - prev),
+                        "rollout_makespan_s": r.rollout_makespan, "makespan_lower_bound_s": bound,
+                        "train_time_s": r.train_time,
+                        "mean_length": float(np.mean(r.lengths)), "p90_length": float(np.percentile(r.lengths, 90))})  # fmt: skip
+            prev = r.train_end
         return out
 
 
@@ -411,6 +434,13 @@ def _same_layout(a: Setup, b: Setup) -> bool:
     return key(a) == key(b)
 
 
+def limit_of(sc: RLScenario, profile: Profile) -> Limit:
+    """The scenario's limit (`sim.rl.limit`): its cluster, model and engines' settings."""
+    cat = load_catalog()
+    hw, model = cat.hardware(sc.cluster.hardware), cat.model(sc.model)
+    return Limit(hw, model, profile.rollout, sc.rollout, sc.pipeline.tool_latency_default_s)
+
+
 def _coster(costs: dict, n_buckets: int):
     from libra.rollout.placement import CostModelCoster
 
@@ -419,7 +449,7 @@ def _coster(costs: dict, n_buckets: int):
     return CostModelCoster([costs[b] for b in range(n_buckets)])
 
 
-def run(scenario: dict, systems: list[str] | None, steps: int | None, seed: int, out_dir: Path | None,
+def run(sc: RLScenario, systems: list[str] | None, steps: int | None, seed: int, out_dir: Path | None,
         progress: Progress, trace: str | None = None, profile: Profile | None = None,
         isolate: bool = True) -> dict:  # fmt: skip
     """Simulate each system on the scenario; return the summary (and write plots/trace to out_dir).
@@ -427,8 +457,6 @@ def run(scenario: dict, systems: list[str] | None, steps: int | None, seed: int,
     Each system runs in a forked child process, one after another (`sim.isolation`); tests that
     spy on a system's objects pass `isolate=False` to keep it in this process.
     """
-    cat = load_catalog()
-    sc = parse_rl(scenario, cat)
     trajs = read_trace(trace) if trace else None
     names = systems or sc.systems or ["verl-colocated", "static-uniform"]
     batches = Batches(sc, seed, trajs)
@@ -436,9 +464,8 @@ def run(scenario: dict, systems: list[str] | None, steps: int | None, seed: int,
     if n < 1:
         raise ConfigError("steps", n, "an integer >= 1")
     trace_step = sc.trace_step if sc.trace_step is not None else min(2, n - 1)
-    if trajs is None:  # generated once, here: every system's process reads the same batches
-        for s in range(n):
-            batches.get(s)
+    # Generated once, here, with their floors: every system's process reads the same batches.
+    batches.floors(limit_of(sc, profile or Profile()), n)
     systems_ = [make_system(name) for name in names]  # an unknown name fails here, before anything runs
     route_params({s.router for s in systems_}, sc.rollout.router_params)  # a param no router has: error
     results, per_step, records, shared = {}, {}, {}, {}

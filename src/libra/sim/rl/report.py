@@ -1,12 +1,11 @@
-"""What `libra simulate` writes: summary.json, steps.json, PNG plots, and a Perfetto trace.
+"""What `libra simulate` writes for an RL scenario: summary.json and steps.json (`sim.output`),
+the PNG plots, and a Perfetto trace of one step (`sim.tracing`).
 
-`summary.json` holds {"scenario", "seed", "steps", "systems": {NAME: metrics}} and nothing that
-depends on the wall clock, so the same seed gives a byte-identical file.
+`summary.json` holds {"scenario", "seed", "steps", "systems": {NAME: metrics}}.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import matplotlib
@@ -15,28 +14,20 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-
-def write_json(obj: object, path: Path) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+from libra.sim.output import write_results  # noqa: E402
+from libra.sim.rl.records import StepRecord  # noqa: E402
 
 
 def write_outputs(out: dict, records: dict, out_dir: Path) -> list[Path]:
     """`records`: each system's `pipeline.SimRecord`, in the order the systems ran."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    summary = {k: out[k] for k in ("scenario", "seed", "steps", "systems")}
-    write_json(summary, out_dir / "summary.json")
-    write_json(out["per_step"], out_dir / "steps.json")
-    paths = [out_dir / "summary.json", out_dir / "steps.json"]
+    paths = write_results(out, out_dir)
     paths.append(plot_steps(out["per_step"], out_dir / "steps.png"))
     last = list(records.values())[-1]
     paths.append(plot_lengths(last.history, last.name, out_dir / "lengths.png"))
     focus = records.get("libra", last)
     paths.append(plot_split(focus.history, focus.name, out_dir / "split.png"))
     paths.append(plot_layout(focus.history, focus.name, out_dir / "layout.png"))
-    trace = last.tracer.chrome_trace()
-    trace["metadata"] = {"system": last.name, "step": last.tracer.step}
-    write_json(trace, out_dir / "trace.json")
-    paths.append(out_dir / "trace.json")
+    paths.append(last.tracer.write(last.name, out_dir / "trace.json"))
     return paths
 
 
@@ -70,41 +61,41 @@ def _moving_mean(xs: list[float], k: int) -> np.ndarray:
     return (c[n] - c[lo]) / (n - lo)
 
 
-def plot_lengths(history: list[dict], system: str, path: Path) -> Path:
+def plot_lengths(history: list[StepRecord], system: str, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    steps = [r["step"] for r in history]
-    qs = np.array([np.percentile(r["lengths"], [10, 50, 90, 99]) for r in history])
+    steps = [r.step for r in history]
+    qs = np.array([np.percentile(r.lengths, [10, 50, 90, 99]) for r in history])
     ax.fill_between(steps, qs[:, 0], qs[:, 2], alpha=0.25, label="p10-p90")
     ax.plot(steps, qs[:, 1], label="median")
     ax.plot(steps, qs[:, 3], ls="--", label="p99")
-    ax.plot(steps, [np.mean(r["lengths"]) for r in history], label="mean")
+    ax.plot(steps, [np.mean(r.lengths) for r in history], label="mean")
     ax.set(title=f"Trajectory length over steps ({system})", xlabel="RL step", ylabel="final context, tokens")
     ax.legend()
     return _save(fig, path)
 
 
-def plot_split(history: list[dict], system: str, path: Path) -> Path:
+def plot_split(history: list[StepRecord], system: str, path: Path) -> Path:
     """Training and rollout GPUs at each step (hybrid replicas move whole DP replicas)."""
     fig, ax = plt.subplots(figsize=(7, 4))
-    steps = [r["step"] for r in history]
-    ax.stackplot(steps, [r["train_gpus"] for r in history], [r["rollout_gpus"] for r in history],
+    steps = [r.step for r in history]
+    ax.stackplot(steps, [r.train_gpus for r in history], [r.rollout_gpus for r in history],
                  labels=["training", "rollout"], alpha=0.8, step="post")  # fmt: skip
     ax.set(title=f"GPU split over steps ({system})", xlabel="RL step", ylabel="GPUs")
     ax.legend(loc="lower right")
     return _save(fig, path)
 
 
-def plot_layout(history: list[dict], system: str, path: Path) -> Path:
+def plot_layout(history: list[StepRecord], system: str, path: Path) -> Path:
     """Rollout GPUs per bucket at each step, labelled by TP and the bucket's max context."""
     fig, ax = plt.subplots(figsize=(7, 4))
-    steps = [r["step"] for r in history]
-    width = max(len(r["layout"]) for r in history)
+    steps = [r.step for r in history]
+    width = max(len(r.layout) for r in history)
     for k in range(width):
-        gpus = [r["layout"][k][0] * r["layout"][k][1] if k < len(r["layout"]) else 0 for r in history]
-        bottom = [sum(b[0] * b[1] for b in r["layout"][:k]) for r in history]
-        tp = next((r["layout"][k][0] for r in history if k < len(r["layout"])), 0)
+        gpus = [r.layout[k][0] * r.layout[k][1] if k < len(r.layout) else 0 for r in history]
+        bottom = [sum(b[0] * b[1] for b in r.layout[:k]) for r in history]
+        tp = next((r.layout[k][0] for r in history if k < len(r.layout)), 0)
         ax.bar(steps, gpus, bottom=bottom, width=1.0, label=f"bucket {k} (TP{tp})")
-    last = history[-1]["layout"]
+    last = history[-1].layout
     ax.set(title=f"Rollout buckets over steps ({system}); last: " + ", ".join(f"<= {b[2] // 1024}K" for b in last),
            xlabel="RL step", ylabel="rollout GPUs")  # fmt: skip
     ax.legend(fontsize=8, loc="lower right")

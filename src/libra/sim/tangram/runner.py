@@ -21,71 +21,29 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from libra.actions.cpu import CpuNode
 from libra.actions.gpu import GpuService
 from libra.actions.profiles import load_profiles
-from libra.actions.quota import QuotaManager, QuotaSpec
-from libra.core.config import build
+from libra.actions.quota import QuotaManager
 from libra.core.errors import ConfigError
 from libra.costmodel.catalog import load_catalog
 from libra.sim.kernel import Kernel
-from libra.sim.rl.report import write_json
+from libra.sim.output import write_results
+from libra.sim.tangram.config import TangramScenario
 from libra.sim.tangram.systems import Resources, SimAction, make_system
-from libra.sim.tangram.workloads import CodingParams, CodingWorkload, MopdParams, MopdWorkload, TrajPlan
-
-
-class ClusterParams(BaseModel):
-    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
-    # Bounded so a typo cannot allocate the world; both are far past the setting (4 nodes x 32 cores).
-    nodes: int = Field(4, ge=1, le=4096)
-    cores_per_node: int = Field(32, ge=1, le=1024)
-    numa_per_node: int = Field(2, ge=1)
-    memory_gib_per_node: float = Field(512.0, gt=0)
-    hardware: str = Field(
-        "a800-80g", description="GPU type of GPU scenarios (see `libra costmodel catalog`)."
-    )
-    gpus: int | None = Field(
-        None, ge=1, le=65536, description="GPUs in the pooled system (default: the static system's)."
-    )
-
-
-class EqualActParams(BaseModel):
-    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
-    system: str = "tangram"
-    baseline: str = "static-services"
-    step: int = Field(4, ge=1, description="Pool sizes tried: step, 2 step, ... up to the baseline's GPUs.")
-
-
-class TangramScenario(BaseModel):
-    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
-    kind: str = "tangram"
-    name: str = "tangram"
-    description: str = ""
-    workload: str = Field(pattern="^(coding|mopd)$")
-    steps: int = Field(2, ge=1)
-    cluster: ClusterParams = ClusterParams()
-    profiles: dict = Field(default_factory=dict, description="Efficiency profiles by name.")
-    quotas: dict[str, QuotaSpec] = Field(default_factory=dict)
-    coding: CodingParams | None = None
-    mopd: MopdParams | None = None
-    systems: dict[str, dict]
-    default_systems: list[str] | None = None
-    equal_act: EqualActParams | None = None
+from libra.sim.tangram.workloads import ActionSpec, CodingParams, CodingWorkload, MopdWorkload, TrajPlan
+from libra.sim.tracing import span, write_trace
 
 
 def run(
-    scenario: dict,
+    sc: TangramScenario,
     systems: list[str] | None = None,
     steps: int | None = None,
     seed: int = 0,
     out_dir: Path | None = None,
     progress: Callable[[str, float], None] | None = None,
     profile=None,
-    **_: object,
 ) -> dict:
-    sc = build(TangramScenario, scenario, "scenario")
     names = _system_names(sc, systems)
     n_steps = steps or sc.steps
     progress = progress or (lambda label, frac: None)
@@ -131,6 +89,10 @@ class CodingSetup:
     def resources(self, gpus: int | None = None) -> Resources:
         return Resources(cpu_nodes=self.nodes, quota=_quota(self.sc))
 
+    def ideal_s(self, spec: ActionSpec) -> float:
+        """The action alone at its best number of cores on one node (see `ideal_exec_s`)."""
+        return ideal_exec_s(spec, self.sc.cluster.cores_per_node)
+
     def plans(self, step: int, seed: int) -> list[TrajPlan]:
         return self.workload.step(step, random.Random(f"{seed}:{step}"))
 
@@ -167,6 +129,22 @@ class MopdSetup:
 
     def plans(self, step: int, seed: int) -> list[TrajPlan]:
         return self.workload.step(step, random.Random(f"{seed}:{step}"), self.dops)
+
+    def ideal_s(self, spec: ActionSpec) -> float:
+        """The action at its best DoP the service fits at on one node, already resident."""
+        dops = self.dops.get(spec.service or "", ())
+        return ideal_exec_s(spec, max(dops, default=1), dops)
+
+
+def ideal_exec_s(spec: ActionSpec, most: int, allowed: tuple[int, ...] | None = None) -> float:
+    """An action's execution time at its best feasible degree of parallelism up to `most` units
+    (and in `allowed`, if given): what it takes with no queueing and no restore, the limit its
+    completion time is measured against."""
+    key = spec.demand.get(spec.demand.key) if spec.demand.key else None
+    if spec.profile is None or key is None:
+        return spec.t1
+    units = [m for m in key.values(most) if m > 0 and (allowed is None or m in allowed)]
+    return min((spec.profile.duration(spec.t1, m) for m in units), default=spec.t1)
 
 
 SETUPS = {"coding": CodingSetup, "mopd": MopdSetup}
@@ -209,6 +187,10 @@ def simulate_system(
         )
         progress(name, (i + 1) / steps)
     out = _metrics(system, records, step_times, tokens, k.now)
+    ideal = _mean([setup.ideal_s(a.spec) for a in records])
+    act = out["actions"]["mean_act_s"]
+    out["actions"]["ideal_mean_act_s"] = ideal
+    out["actions"]["distance_to_limit"] = act / ideal - 1 if ideal > 0 else 0.0
     out["per_step"] = per_step
     return out, records
 
@@ -327,16 +309,12 @@ def equal_act_sweep(
 
 def write_outputs(out: dict, records: dict[str, list[SimAction]], out_dir: Path) -> list[Path]:
     """summary.json, steps.json, the plots, and a Perfetto trace of the last system's first step."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_json({k: v for k, v in out.items() if k != "per_step"}, out_dir / "summary.json")
-    write_json(out["per_step"], out_dir / "steps.json")
-    paths = [out_dir / "summary.json", out_dir / "steps.json", *_plots(out, records, out_dir)]
+    paths = [*write_results(out, out_dir), *_plots(out, records, out_dir)]
     name, recs = list(records.items())[-1]
-    write_json(chrome_trace(name, recs), out_dir / "trace.json")
-    return [*paths, out_dir / "trace.json"]
+    return [*paths, write_trace(action_spans(recs), {"system": name}, out_dir / "trace.json")]
 
 
-def chrome_trace(system: str, recs: list[SimAction], limit: int = 20000) -> dict:
+def action_spans(recs: list[SimAction], limit: int = 20000) -> list[dict]:
     """Actions as slices, one process per trajectory node or service, lanes packed greedily."""
     events, lanes = [], {}
     for a in sorted(recs, key=lambda a: a.start)[:limit]:
@@ -346,10 +324,9 @@ def chrome_trace(system: str, recs: list[SimAction], limit: int = 20000) -> dict
         if lane == len(ends):
             ends.append(0.0)
         ends[lane] = a.end
-        events.append({"name": a.spec.kind, "ph": "X", "pid": pid, "tid": lane, "ts": a.start * 1e6,
-                       "dur": (a.end - a.start) * 1e6, "args": {"traj": a.traj, "units": a.units,
-                       "queue_s": a.start - a.submit, "restore_s": a.restore_s}})  # fmt: skip
-    return {"traceEvents": events, "displayTimeUnit": "ms", "metadata": {"system": system}}
+        events.append(span(pid, lane, a.spec.kind, a.start, a.end - a.start, {"traj": a.traj, "units": a.units,
+                           "queue_s": a.start - a.submit, "restore_s": a.restore_s}))  # fmt: skip
+    return events
 
 
 def _plots(out: dict, records: dict[str, list[SimAction]], out_dir: Path) -> list[Path]:

@@ -30,6 +30,7 @@ from libra.actions.quota import QuotaManager
 from libra.actions.resources import Discrete, fixed
 from libra.core.config import build
 from libra.core.errors import ConfigError
+from libra.core.registry import Registry
 from libra.sim.kernel import Handle, Kernel
 from libra.sim.tangram.workloads import ActionSpec
 
@@ -408,11 +409,12 @@ class StaticServicesSystem(ActionSystem):
         self._next(service)
 
 
-SYSTEM_TYPES: dict[str, type[ActionSystem]] = {
-    "tangram": TangramSystem,
-    "k8s": K8sSystem,
-    "static-services": StaticServicesSystem,
-}
+SYSTEM_TYPES: Registry[type[ActionSystem]] = Registry(
+    "action system",
+    "systems.NAME.type",
+    {"tangram": TangramSystem, "k8s": K8sSystem, "static-services": StaticServicesSystem},
+    outside=False,
+)
 
 
 def make_system(
@@ -421,8 +423,8 @@ def make_system(
     if not isinstance(spec, dict) or "type" not in spec:
         raise ConfigError(f"systems.{name}", spec, "a mapping with `type` and that type's parameters")
     kind = spec["type"]
-    if not isinstance(kind, str) or kind not in SYSTEM_TYPES:
-        raise ConfigError(f"systems.{name}.type", kind, SYSTEM_TYPES)
-    cls = SYSTEM_TYPES[kind]
+    if not isinstance(kind, str):
+        raise ConfigError(f"systems.{name}.type", kind, SYSTEM_TYPES.allowed())
+    cls = SYSTEM_TYPES.get_entry(kind, f"systems.{name}.type")
     params = {k: v for k, v in spec.items() if k != "type"} | (overrides or {})
     return cls(name, build(cls.Params, params, f"systems.{name}"), res, kernel)

@@ -7,37 +7,28 @@ by name in `FAMILIES`; outside code plugs in a family as "package.module:Class".
 
     wl = make_workload(WorkloadConfig(family="r2e-gym", prompts_per_step=32, samples_per_prompt=16,
                                       max_length=40960, params={"drift_steps": 200}))
-    trajectories = wl.generate(step, random.Random(seed))
+    trajectories = wl.generate(step, step_rng(seed, step))
 """
 
 from __future__ import annotations
 
-import importlib
-
 from libra.core.config import build
-from libra.core.errors import ConfigError
-from libra.sim.workloads.base import Workload, WorkloadConfig
+from libra.core.registry import Registry
+from libra.sim.workloads.base import Workload, WorkloadConfig, step_rng
 from libra.sim.workloads.dapo_math import DapoMathWorkload
 from libra.sim.workloads.r2e_gym import R2EGymWorkload
 from libra.sim.workloads.search_r1 import SearchR1Workload
 
-FAMILIES: dict[str, type] = {cls.name: cls for cls in (SearchR1Workload, DapoMathWorkload, R2EGymWorkload)}
+FAMILIES: Registry[type] = Registry(
+    "workload family", "workload.family", (SearchR1Workload, DapoMathWorkload, R2EGymWorkload)
+)
 
-__all__ = ["FAMILIES", "Workload", "WorkloadConfig", "make_workload", "family_class"]
+__all__ = ["FAMILIES", "Workload", "WorkloadConfig", "family_class", "make_workload", "step_rng"]
 
 
 def family_class(name: str) -> type:
     """The class of a registered family, or of 'package.module:Class'; ConfigError otherwise."""
-    if name in FAMILIES:
-        return FAMILIES[name]
-    allowed = [*FAMILIES, "package.module:Class"]
-    module, sep, attr = name.partition(":")
-    if not sep:
-        raise ConfigError("workload.family", name, allowed)
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError, ValueError):
-        raise ConfigError("workload.family", name, allowed) from None
+    return FAMILIES.get_entry(name)
 
 
 def make_workload(cfg: WorkloadConfig | dict) -> Workload:

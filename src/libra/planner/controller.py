@@ -1,0 +1,142 @@
+"""The planner's controller: one object per run that turns each finished step into a decision.
+
+Why it is here and pure: re-planning and borrowing are policy, and "the same policy code runs in
+the simulator and live" must hold for them as it does for routing. The simulator feeds this object
+simulated step reports and `libra train` feeds it live ones; neither adapter decides anything.
+
+Per step it answers, in this order:
+1. **Elastic**: should hybrid replicas join training or go back to rollout? (`ElasticController`,
+   hysteresis on T_train / T_rollout), with the hosts of each replica chosen by `hybrid_hosts`.
+2. **Re-plan**: is there a reason to search (`check_triggers`: every K steps, or pressure), and is
+   the new plan worth switching to (the planner's gain-versus-cost rule, `should_apply`)? The
+   search reads the statistics window: the last `window_steps` finished steps, never future
+   lengths.
+
+The first plan comes from a profiling sample (`initial`), as a real deployment profiles before
+training. Everything is pure: no clock, no I/O; reports carry measured times.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from libra.core.trajectory import Trajectory
+from libra.planner.elastic import ElasticController, ElasticDecision, ElasticSignals, HybridReplica
+from libra.planner.plan import Plan, diff, reconfig_cost_s
+from libra.planner.planner import GlobalPlanner
+from libra.planner.stats import WorkloadStats
+from libra.planner.triggers import PipelineSignals, Trigger, check_triggers
+
+WINDOW_STEPS = 3  # finished steps the planner's statistics cover
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """What a mechanism measured of one finished (trained) step."""
+
+    step: int
+    trajectories: Sequence[Trajectory]  # the step's trained trajectories: lengths and tool latencies
+    t_train_s: float
+    t_rollout_s: float  # the batch's rollout makespan
+    rollout_pressure: float = 0.0  # waiting requests / what the engines admit, 0..1+
+    stale_samples: int = 0  # finished samples too stale to train on
+
+
+@dataclass(frozen=True, slots=True)
+class PoolView:
+    """The hybrid pool as the elastic decision needs it: the replicas (whose state the mechanism
+    drives), the core's DP size, and the GPUs serving rollout now."""
+
+    replicas: Sequence[HybridReplica]
+    core_dp: int
+    rollout_gpus: int
+    prompts_per_step: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Replan:
+    """Switch to `plan`; the switch costs `reconfig_s` (engines restart, training reshards)."""
+
+    plan: Plan
+    reconfig_s: float
+    trigger: Trigger
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ControlDecision:
+    step: int
+    elastic: ElasticDecision | None = None
+    replan: Replan | None = None
+    trigger: Trigger = Trigger.NONE
+    reason: str = ""  # why the planner did (or did not) switch
+
+
+class PlanController:
+    """Owns the triggers' bookkeeping, the statistics window and the apply rule for one run."""
+
+    def __init__(
+        self,
+        planner: GlobalPlanner,
+        replan: bool = True,
+        elastic: ElasticController | None = None,
+        default_tool_latency_s: float = 0.0,
+        window_steps: int = WINDOW_STEPS,
+    ):
+        self.planner, self.replan, self.elastic = planner, replan, elastic
+        self.default_tool_latency_s = default_tool_latency_s
+        self.window: deque[StepReport] = deque(maxlen=window_steps)
+        self.last_plan_step: int | None = None
+        self.last_pressure_step: int | None = None
+
+    def initial(self, sample: Sequence[Trajectory]) -> Plan:
+        """The first plan, from a profiling sample of the workload."""
+        stats = WorkloadStats.from_trajectories(sample, default_tool_latency_s=self.default_tool_latency_s)
+        self.last_plan_step = 0
+        return self.planner.decide(stats, None).plan
+
+    def observe(
+        self, report: StepReport, current: Plan | None, pool: PoolView | None = None
+    ) -> ControlDecision:
+        """The decision after step `report.step` has trained."""
+        self.window.append(report)
+        elastic = self._elastic(report, pool)
+        if not self.replan or current is None:
+            return ControlDecision(report.step, elastic, reason="this system does not re-plan")
+        trigger = self._trigger(report)
+        if trigger == Trigger.NONE:
+            return ControlDecision(report.step, elastic, reason="no trigger")
+        return self._replan(report, current, elastic, trigger)
+
+    def _elastic(self, report: StepReport, pool: PoolView | None) -> ElasticDecision | None:
+        if self.elastic is None or pool is None or not pool.replicas:
+            return None
+        sig = ElasticSignals(report.t_train_s, report.t_rollout_s, report.rollout_pressure, pool.core_dp,
+                             pool.rollout_gpus, pool.prompts_per_step)  # fmt: skip
+        return self.elastic.decide(sig, pool.replicas)
+
+    def _trigger(self, report: StepReport) -> Trigger:
+        sig = PipelineSignals(step=report.step, last_plan_step=self.last_plan_step,
+                              last_pressure_step=self.last_pressure_step, stale_samples=report.stale_samples,
+                              batch_size=len(report.trajectories), t_train_s=report.t_train_s,
+                              t_rollout_s=report.t_rollout_s)  # fmt: skip
+        trigger = check_triggers(sig, self.planner.config)
+        if trigger not in (Trigger.NONE, Trigger.INTERVAL):
+            self.last_pressure_step = report.step
+        if trigger != Trigger.NONE:
+            self.last_plan_step = report.step
+        return trigger
+
+    def _replan(self, report: StepReport, current: Plan, elastic, trigger: Trigger) -> ControlDecision:
+        window = [t for r in self.window for t in r.trajectories]
+        stats = WorkloadStats.from_trajectories(window, train_time_s=report.t_train_s,
+                                                rollout_time_s=report.t_rollout_s,
+                                                default_tool_latency_s=self.default_tool_latency_s)  # fmt: skip
+        dec = self.planner.decide(stats, current)
+        reason = dec.verdict.reason
+        if dec.plan == current:
+            return ControlDecision(report.step, elastic, trigger=trigger, reason=reason)
+        cost = reconfig_cost_s(diff(current, dec.plan), self.planner.elastic)
+        return ControlDecision(report.step, elastic, Replan(dec.plan, cost, trigger, reason), trigger, reason)

@@ -1,0 +1,173 @@
+"""`libra train`'s configuration: one typed model, one default per field.
+
+The embedded default (`configs/default.yaml`) runs on a laptop in a few minutes; a `--config FILE`
+is merged over it and `--set a.b=c` overrides single values, then everything is validated at once,
+so a bad value stops the run before any process starts, as one line naming the field (exit 2).
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from libra.core.config import apply_overrides, build, load_yaml
+from libra.core.errors import ConfigError
+from libra.runtime.engine.config import PRESETS
+
+CONFIGS = "libra.runtime.train.configs"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", frozen=True)
+
+
+class TaskConfig(_Strict):
+    lo: int = Field(10, ge=0, le=9999, description="Smallest operand.")
+    hi: int = Field(99, ge=0, le=9999, description="Largest operand.")
+    ops: str = Field("+-*", pattern=r"^[-+*]{1,3}$", description="Operators to draw from.")
+    tool: Literal["sandbox", "in_process"] = Field("sandbox", description="Where calc runs.")
+
+    @model_validator(mode="after")
+    def _range(self) -> TaskConfig:
+        if self.hi < self.lo:
+            raise ConfigError("task.hi", self.hi, f">= task.lo ({self.lo})")
+        return self
+
+
+class RolloutConfig(_Strict):
+    groups_per_step: int = Field(8, ge=1, le=1024, description="GRPO groups (prompts) a step trains.")
+    group_size: int = Field(8, ge=2, le=64, description="Samples per prompt.")
+    temperature: float = Field(1.0, gt=0, le=2.0)
+    top_p: float = Field(1.0, gt=0, le=1.0)
+    max_tokens: int = Field(64, ge=8, le=4096, description="Per model call.")
+    agent_loop: str = Field("calc", description="A registered agent loop or pkg.module:Class.")
+    max_drop_fraction: float = Field(0.5, ge=0, le=1, description="Dropped groups in a batch that stop the run.")  # fmt: skip
+    turn_timeout_s: float = Field(120.0, gt=0, le=3600)
+
+
+class PipelineConfig(_Strict):
+    staleness: int = Field(1, ge=0, le=64, description="Batch s starts once s - k steps are trained.")
+    consume: Literal["completion", "batch"] = "completion"
+
+
+class BucketSpec(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,32}$")
+    tp: int = Field(
+        1, ge=1, le=64, description="The bucket's TP label (the built-in engine runs on one core)."
+    )
+    max_context: int = Field(ge=16, le=8192)
+    instances: int = Field(1, ge=1, le=64)
+
+
+class EngineSettings(_Strict):
+    model: str = "tiny"
+    max_num_seqs: int = Field(64, ge=1, le=4096)
+    kv_cache_mb: int = Field(32, ge=17, le=65536)
+    threads: int = Field(1, ge=1, le=256)
+
+    @field_validator("model")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in PRESETS:
+            raise ValueError("one of: " + ", ".join(sorted(PRESETS)))
+        return v
+
+
+class GatewaySettings(_Strict):
+    router: str = Field("cmlfq", description="A registered router name or pkg.module:Class.")
+    router_params: dict = Field(default_factory=dict)
+
+
+class ActionsSettings(_Strict):
+    url: str | None = Field(None, pattern=r"^https?://", description="An actions service to use (default: start one).")  # fmt: skip
+    insecure_no_sandbox: bool = Field(
+        False, description="Start it without bubblewrap (never on shared machines)."
+    )
+    warm_pool: int = Field(4, ge=0, le=256)
+    connect_timeout_s: float = Field(10.0, gt=0, le=600, description="How long to wait for it at start.")
+
+
+class TrainerConfig(_Strict):
+    replicas: int = Field(2, ge=1, le=64, description="Core data-parallel trainer replicas (one gloo group).")
+    lr: float = Field(2e-3, gt=0, le=1)
+    betas: tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = Field(0.0, ge=0, le=1)
+    grad_clip: float = Field(1.0, gt=0)
+    clip_low: float = Field(0.2, ge=0, le=1)
+    clip_high: float = Field(0.28, ge=0, le=10)
+    normalize_std: bool = Field(
+        True, description="Divide advantages by the group's std (GRPO); false: Dr. GRPO."
+    )
+    micro_batch_tokens: int = Field(8192, ge=256)
+    threads: int = Field(1, ge=1, le=256)
+    collective_timeout_s: float = Field(120.0, gt=0, le=3600, description="A replica waiting longer on its peers fails.")  # fmt: skip
+    keep_checkpoints: int = Field(3, ge=1, le=1000)
+
+
+class WarmStartConfig(_Strict):
+    steps: int = Field(400, ge=0, le=100_000, description="Supervised steps on demonstrations before RL.")
+    lr: float = Field(3e-3, gt=0, le=1)
+    batch: int = Field(32, ge=1, le=4096)
+
+
+class PublishConfig(_Strict):
+    pause_mode: Literal["abort", "in_place", "retract"] = Field("in_place", description="How engines pause for new weights.")  # fmt: skip
+    admin_token: str | None = Field(None, description="Bearer token of the engines' control endpoints.")
+
+
+class TrainConfig(_Strict):
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    steps: int = Field(100, ge=1, le=100_000)
+    task: TaskConfig = TaskConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    buckets: list[BucketSpec] = Field(
+        default_factory=lambda: [
+            BucketSpec(name="short", tp=1, max_context=256),
+            BucketSpec(name="long", tp=2, max_context=8192),
+        ],  # fmt: skip
+        min_length=1,
+    )
+    engine: EngineSettings = EngineSettings()
+    gateway: GatewaySettings = GatewaySettings()
+    actions: ActionsSettings = ActionsSettings()
+    trainer: TrainerConfig = TrainerConfig()
+    warmstart: WarmStartConfig = WarmStartConfig()
+    publish: PublishConfig = PublishConfig()
+    metrics_port: int = Field(0, ge=-1, le=65535, description="The driver's Prometheus port (0: any free one, -1: none).")  # fmt: skip
+    save_trajectories: bool = Field(False, description="Write every trained trajectory's tokens to RUN/trajectories.jsonl.")  # fmt: skip
+    ray_address: str | None = Field(None, description="With --launcher ray: a cluster address (default: start a local one).")  # fmt: skip
+
+    @model_validator(mode="after")
+    def _buckets(self) -> TrainConfig:
+        names = [b.name for b in self.buckets]
+        if len(set(names)) != len(names):
+            raise ConfigError("buckets", names, "unique bucket names")
+        ctx = [b.max_context for b in self.buckets]
+        if len(set(ctx)) != len(ctx):
+            raise ConfigError("buckets", ctx, "a different max_context for every bucket")
+        return self
+
+
+def embedded(name: str = "default") -> Path:
+    return Path(str(resources.files(CONFIGS).joinpath(f"{name}.yaml")))
+
+
+def load_train_config(path: str | None, overrides: list[str], base: dict | None = None) -> TrainConfig:
+    """The embedded default, then the file's values, then each `--set`, validated as one."""
+    data = load_yaml(embedded())
+    if base:
+        data = _merge(data, base)
+    if path:
+        data = _merge(data, load_yaml(path))
+    return build(TrainConfig, apply_overrides(data, overrides))
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out

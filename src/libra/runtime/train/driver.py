@@ -1,0 +1,163 @@
+"""`libra train`: the driver. Its loop is the algorithm; everything else is in small modules.
+
+start the processes (engines, gateway, actions service, trainer replicas)
+warm-start the trainers (or resume a checkpoint) and publish those weights
+start rollouts in the background (bounded staleness)
+for each step:
+    groups  <- the step's finished GRPO groups (rollouts, with rewards)
+    samples <- advantages, one token sequence and loss mask per trajectory
+    train the replicas on them (gradients summed over the gloo group), checkpoint
+    publish the new weights through the gateway (pause, update, continue)
+    record the step (steps.json, timeline, metrics)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from libra.planner.staleness import StalenessGate
+from libra.runtime.launch.base import Launcher, LaunchError
+from libra.runtime.train import checkpoint as ckpt
+from libra.runtime.train import cluster as procs
+from libra.runtime.train.agent import AgentEnv, make_agent_loop
+from libra.runtime.train.chat import GatewayChat, Sampling
+from libra.runtime.train.config import TrainConfig
+from libra.runtime.train.control import Publisher, PublishFailed, TrainerLost, Trainers
+from libra.runtime.train.metrics import DriverMetrics
+from libra.runtime.train.report import RunFolder
+from libra.runtime.train.rollout import RolloutFailed, Rollouts, RolloutShape
+from libra.runtime.train.samples import to_samples
+from libra.runtime.train.steps import StepClock, step_record, trace_step
+from libra.runtime.train.task import ProblemStream
+from libra.runtime.train.tools import ActionsUnreachable, InProcessTools, SandboxTools
+
+
+class RunStopped(RuntimeError):
+    """The run cannot go on; the message says why and how to resume."""
+
+
+@dataclass(slots=True)
+class Start:
+    step: int
+    version: int
+    checkpoint: str
+
+
+async def train(cfg: TrainConfig, run: Path, launcher: Launcher, resume: bool, progress=None) -> dict:
+    folder, metrics = RunFolder(run, time.time()), DriverMetrics()
+    port = metrics.serve(cfg.metrics_port)
+    if progress is not None and port:
+        progress.note(f"driver metrics on http://127.0.0.1:{port}/metrics")
+    try:
+        cluster = await asyncio.to_thread(procs.start, cfg, run, launcher)
+    except LaunchError as e:
+        raise RunStopped(f"could not start the run's processes: {e}") from None
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+            await _loop(cfg, cluster, http, folder, metrics, resume, progress)
+    except (TrainerLost, RolloutFailed, ActionsUnreachable, PublishFailed) as e:
+        raise RunStopped(stop_message(e, run)) from None
+    finally:
+        await asyncio.to_thread(cluster.save_metrics)
+        await asyncio.to_thread(cluster.stop)
+        summary = folder.finish(metrics.text())
+    return summary
+
+
+def stop_message(e: Exception, run: Path) -> str:
+    what = {TrainerLost: "a trainer replica was lost", RolloutFailed: "rollout failed",
+            ActionsUnreachable: "the actions service is unreachable", PublishFailed: "weight publication failed"}[type(e)]  # fmt: skip
+    found = ckpt.latest(run / "checkpoints")
+    where = (f"the newest checkpoint is step {found.step} ({found.path}); resume with: libra train --out {run} --resume"
+             if found else "no checkpoint was written yet")  # fmt: skip
+    return f"{what}: {e}. The run stopped; {where}"
+
+
+async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
+    trainers = Trainers(cluster.trainer_urls, http, cfg.trainer.collective_timeout_s + 60)
+    publisher = Publisher(cluster.gateway_url, http, cfg.publish.pause_mode, cfg.publish.admin_token)
+    start = await _guard(cluster, _prepare(cfg, trainers, folder, resume))
+    await publisher.publish(str(Path(start.checkpoint) / ckpt.MODEL), start.version)
+    rollouts = _rollouts(cfg, cluster, http, start.step)
+    rollouts.start()
+    try:
+        for step in range(start.step, cfg.steps):
+            clock = StepClock(time.time())
+            groups = await _guard(cluster, rollouts.take(step))  # rollouts and rewards
+            clock.mark("rollout")
+            samples = to_samples(groups, cfg.trainer.normalize_std)  # advantages
+            result = await _guard(cluster, trainers.train(step, samples))  # train, checkpoint
+            clock.mark("train")
+            pub = await publisher.publish(str(Path(result.checkpoint) / ckpt.MODEL), result.version)
+            rollouts.mark_trained(step + 1)
+            await publisher.end_step()
+            clock.mark("publish")
+            rec = step_record(step, groups, samples, result, pub, clock, rollouts.drops.take())
+            folder.record(rec)
+            if cfg.save_trajectories:
+                folder.save_trajectories(step, groups)
+            trace_step(folder.timeline, step, groups, clock)
+            _observe(metrics, rec)
+            if progress is not None:
+                progress.step(rec)
+        folder.unfinished = rollouts.running()
+    finally:
+        await rollouts.stop()
+
+
+async def _prepare(cfg: TrainConfig, trainers: Trainers, folder: RunFolder, resume: bool) -> Start:
+    """Resume the newest checkpoint, or warm-start from scratch."""
+    found = ckpt.latest(folder.path / "checkpoints") if resume else None
+    if found is not None:
+        await trainers.resume(str(found.path))
+        folder.load_previous(found.step)
+        return Start(found.step, found.version, str(found.path))
+    out = await trainers.warmstart()
+    return Start(0, 0, next(r["checkpoint"] for r in out if r.get("checkpoint")))
+
+
+def _rollouts(cfg: TrainConfig, cluster, http: aiohttp.ClientSession, step: int) -> Rollouts:
+    r = cfg.rollout
+    chat = GatewayChat(cluster.gateway_url, procs.MODEL_NAME, http, r.turn_timeout_s)
+    tools = SandboxTools(cluster.actions_url, http) if cfg.task.tool == "sandbox" else InProcessTools()
+    env = AgentEnv(chat, tools, Sampling(r.temperature, r.top_p, r.max_tokens))
+    gate = StalenessGate(cfg.pipeline.staleness, cfg.pipeline.consume)
+    # Each resumed step draws fresh problems: the stream is seeded by the step it starts at.
+    problems = ProblemStream(cfg.seed * 1_000_003 + 2 + step, cfg.task.lo, cfg.task.hi, cfg.task.ops)
+    shape = RolloutShape(r.groups_per_step, r.group_size, r.max_drop_fraction)
+    return Rollouts(shape, gate, problems, make_agent_loop(r.agent_loop), env, step, cfg.steps - 1)
+
+
+async def _guard(cluster, coro):
+    """Await `coro`, but stop at once if a trainer replica's process has died meanwhile (a dead
+    replica's peers would otherwise wait on their collective until it times out)."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            dead = [p for p in cluster.dead() if p.role == "trainer"]
+            if dead:
+                raise TrainerLost(f"{dead[0].handle.name} exited with code {dead[0].handle.returncode()}")
+    finally:
+        task.cancel()
+
+
+def _observe(m: DriverMetrics, rec) -> None:
+    m.step.set(rec.step + 1)
+    m.version.set(rec.weight_version)
+    m.success.set(rec.success)
+    m.reward.set(rec.reward)
+    for phase in ("rollout_wait_s", "train_s", "publish_s"):
+        m.step_s.labels(phase.removesuffix("_s")).observe(getattr(rec, phase))
+    m.trained.inc(rec.trained)
+    for reason, n in rec.dropped["reasons"].items():
+        m.dropped.labels(reason).inc(n)
+    m.tokens.labels("all").inc(rec.tokens["total"])
+    m.tokens.labels("model").inc(rec.tokens["model"])

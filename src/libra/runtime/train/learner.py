@@ -1,0 +1,139 @@
+"""One trainer replica's model and optimizer: the engine's own model class, trained.
+
+`Learner` does the arithmetic of a step and nothing else (no HTTP, no processes), so the trainer
+worker, the in-process learning loop and the tests all train through the same code:
+
+- `rl_step`: token-level GRPO over this replica's samples in micro-batches, the loss divided by
+  the step's global token count, gradients reduced by the reducer (summed over replicas), clipped
+  by global norm, one AdamW step;
+- `sft_step`: the supervised warm-start, with the same normalisation and reduction;
+- `state` / `load`: weights, optimizer, step and version, for checkpoints and `--resume`.
+
+Replicas start from the same seed, receive the same reduced gradients and run the same
+deterministic optimizer, so they stay bitwise equal without any broadcast of weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from libra.runtime.engine.config import ModelPreset
+from libra.runtime.engine.model import TinyTransformer, token_logprobs
+from libra.runtime.train.batch import TrainSample, micro_batches, pad
+from libra.runtime.train.grpo import Clip, policy_loss
+from libra.runtime.train.reducer import Reducer
+
+
+@dataclass(frozen=True, slots=True)
+class OptimConfig:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    micro_batch_tokens: int = 8192
+
+
+@dataclass(slots=True)
+class StepStats:
+    """One replica's figures for one step (sums over its tokens; the driver adds replicas up)."""
+
+    loss: float = 0.0
+    tokens: int = 0
+    samples: int = 0
+    clipped: float = 0.0
+    ratio_sum: float = 0.0
+    kl_sum: float = 0.0
+    logprob_diff_max: float = 0.0
+    grad_norm: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class Learner:
+    def __init__(self, preset: ModelPreset, seed: int, optim: OptimConfig, reducer: Reducer):
+        self.model = TinyTransformer(preset, seed).train()
+        self.optim_cfg, self.reducer = optim, reducer
+        self.opt = self._new_optimizer()
+        self.step, self.version = 0, 0
+
+    def _new_optimizer(self) -> torch.optim.AdamW:
+        o = self.optim_cfg
+        return torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+
+    def reset_optimizer(self, optim: OptimConfig | None = None) -> None:
+        """Fresh AdamW moments, optionally new settings (the warm-start and RL differ in both)."""
+        self.optim_cfg = optim or self.optim_cfg
+        self.opt = self._new_optimizer()
+
+    def rl_step(self, samples: list[TrainSample], global_tokens: int, clip: Clip) -> StepStats:
+        st = StepStats(samples=len(samples))
+        self.opt.zero_grad(set_to_none=False)
+        for mb in micro_batches(samples, self.optim_cfg.micro_batch_tokens):
+            b = pad(mb)
+            new = token_logprobs(self.model, b.tokens)
+            parts = policy_loss(new, b.old, b.adv, b.mask, clip, global_tokens)
+            parts.loss.backward()
+            st.loss += parts.loss.item()
+            st.tokens += int(b.mask.sum().item())
+            st.clipped += parts.clipped
+            st.ratio_sum += parts.ratio
+            st.kl_sum += parts.kl
+            st.logprob_diff_max = max(st.logprob_diff_max, parts.logprob_diff)
+        st.grad_norm = self._apply()
+        self.step, self.version = self.step + 1, self.version + 1
+        return st
+
+    def sft_step(self, batch: list[tuple[list[int], list[int]]], global_tokens: int) -> float:
+        """Cross-entropy on the masked tokens of (ids, mask) demonstrations; returns this
+        replica's share of the global mean loss."""
+        self.opt.zero_grad(set_to_none=False)
+        samples = [TrainSample(ids=ids, mask=mask, logprobs=[0.0] * len(ids)) for ids, mask in batch]
+        total = 0.0
+        for mb in micro_batches(samples, self.optim_cfg.micro_batch_tokens):
+            b = pad(mb)
+            logits = self.model.forward_train(b.tokens[:, :-1])
+            nll = F.cross_entropy(logits.flatten(0, 1).float(), b.tokens[:, 1:].flatten(), reduction="none")
+            loss = (nll * b.mask.flatten()).sum() / global_tokens
+            loss.backward()
+            total += loss.item()
+        self._apply()
+        return total
+
+    def _apply(self) -> float:
+        """Reduce, clip, step. Replicas with no samples still take part with zero gradients."""
+        for p in self.model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self.reducer.reduce(self.model)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
+        self.opt.step()
+        return float(norm)
+
+    def logprobs(self, samples: list[TrainSample]) -> list[list[float]]:
+        """The current model's log-prob of every token (position 0 gets 0.0), without gradients."""
+        with torch.no_grad():
+            b = pad(samples)
+            lp = token_logprobs(self.model, b.tokens)
+        return [[0.0, *lp[i, : len(s.ids) - 1].tolist()] for i, s in enumerate(samples)]
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+
+    def load(self, weights: dict, optimizer: dict | None, step: int, version: int) -> None:
+        """Resume: weights, AdamW's moments (fresh when the checkpoint has none), step, version."""
+        self.model.load_state_dict(weights, strict=True)
+        self.opt = self._new_optimizer()
+        if optimizer is not None:
+            self.opt.load_state_dict(optimizer)
+        self.step, self.version = step, version
+
+    def fingerprint(self) -> str:
+        """A digest of every parameter's bytes: replicas that agree bit for bit print the same."""
+        h = hashlib.sha256()
+        for p in self.model.parameters():
+            h.update(p.detach().numpy().tobytes())
+        return h.hexdigest()[:16]

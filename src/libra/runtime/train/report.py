@@ -1,0 +1,169 @@
+"""The run folder: steps.json, the reward curve, the Perfetto timeline, the final table.
+
+RUN/steps.json      one object per step (see `StepRecord`; appended across --resume)
+RUN/reward.png      success and reward per step, and the step time split
+RUN/trace.json      Chrome-trace timeline (ui.perfetto.dev): the driver's phases, each rollout
+                    batch, and every model turn on the engine that served it
+RUN/summary.json    the figures of the final table
+RUN/metrics.prom    the driver's Prometheus metrics at the end
+RUN/checkpoints/    step-NNNNNN/{model.pt, optimizer.pt, state.json}
+RUN/logs/           one log per process; processes.json says which is which
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+MOVING = 5  # steps in the moving average that `steps_to_success_0_8` and `final_success` use
+
+
+@dataclass(slots=True)
+class StepRecord:
+    step: int
+    reward: float
+    success: float
+    weight_version: int
+    trained: int
+    dropped: dict
+    step_time_s: float
+    rollout_wait_s: float
+    train_s: float
+    publish_s: float
+    tokens: dict
+    tokens_per_s: float
+    staleness: dict
+    sampled_versions: dict
+    routing: dict
+    tools: dict
+    loss: dict
+    replicas_equal: bool
+    planner: dict | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class Timeline:
+    """Chrome-trace complete events ("ph": "X"), wall-clock microseconds from the run's start."""
+
+    t0: float
+    events: list[dict] = field(default_factory=list)
+    _tids: dict[str, int] = field(default_factory=dict)
+
+    def span(self, track: str, name: str, start: float, end: float, **args) -> None:
+        tid = self._tids.setdefault(track, len(self._tids) + 1)
+        self.events.append({"name": name, "ph": "X", "pid": 1, "tid": tid, "ts": round((start - self.t0) * 1e6),
+                            "dur": max(1, round((end - start) * 1e6)), "args": args})  # fmt: skip
+
+    def chrome(self) -> dict:
+        names = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": t, "args": {"name": n}} for n, t in self._tids.items()]  # fmt: skip
+        return {"traceEvents": names + self.events, "displayTimeUnit": "ms"}
+
+
+def moving(xs: list[float], k: int = MOVING) -> list[float]:
+    return [sum(xs[max(0, i - k + 1) : i + 1]) / len(xs[max(0, i - k + 1) : i + 1]) for i in range(len(xs))]
+
+
+def summarize(records: list[dict]) -> dict:
+    """The final figures (also `bench_train.py --json`'s)."""
+    if not records:
+        return {"steps": 0}
+    succ = [r["success"] for r in records]
+    avg = moving(succ)
+    reach = next((r["step"] for r, a in zip(records, avg, strict=True) if a >= 0.8), None)
+    step_s = sum(r["step_time_s"] for r in records)
+    pub = sum(r["publish_s"] for r in records)
+    return {
+        "steps": len(records),
+        "first_success": succ[0],
+        "final_success": avg[-1],
+        "best_success": max(avg),
+        "steps_to_success_0_8": reach,
+        "mean_step_s": step_s / len(records),
+        "mean_rollout_wait_s": sum(r["rollout_wait_s"] for r in records) / len(records),
+        "mean_train_s": sum(r["train_s"] for r in records) / len(records),
+        "mean_publish_s": pub / len(records),
+        "tokens_per_s": sum(r["tokens"]["total"] for r in records) / max(step_s, 1e-9),
+        "control_share": pub / max(step_s, 1e-9),
+        "trained": sum(r["trained"] for r in records),
+        "dropped": sum(r["dropped"]["trajectories"] for r in records),
+        "final_weight_version": records[-1]["weight_version"],
+    }
+
+
+class RunFolder:
+    def __init__(self, path: Path, t0: float):
+        self.path = path
+        self.timeline = Timeline(t0)
+        self.records: list[dict] = []
+        self.unfinished = 0  # trajectories still generating when the run ended
+
+    def save_trajectories(self, step: int, groups) -> None:
+        """Every trained trajectory of the step, turn by turn, as the engines reported it."""
+        with open(self.path / "trajectories.jsonl", "a") as f:
+            for g in groups:
+                for t in g.group.trajs:
+                    turns = [{"prompt_ids": x.prompt_ids, "token_ids": x.token_ids, "logprobs": x.logprobs,
+                              "weight_versions": x.weight_versions, "bucket": x.bucket, "instance": x.instance}
+                             for x in t.turns]  # fmt: skip
+                    f.write(json.dumps({"step": step, "id": t.id, "batch": t.batch, "reward": t.reward, "turns": turns}) + "\n")  # fmt: skip
+
+    def load_previous(self, upto: int) -> None:
+        """On --resume: keep the steps before the checkpoint's."""
+        f = self.path / "steps.json"
+        if f.exists():
+            self.records = [r for r in json.loads(f.read_text()) if r["step"] < upto]
+
+    def record(self, rec: StepRecord) -> None:
+        self.records.append(rec.as_dict())
+        self._write("steps.json", self.records)
+
+    def _write(self, name: str, obj: object) -> None:
+        tmp = self.path / (name + ".tmp")
+        tmp.write_text(json.dumps(obj, indent=1) + "\n")
+        tmp.replace(self.path / name)
+
+    def finish(self, metrics_text: bytes | None) -> dict:
+        summary = {**summarize(self.records), "unfinished": self.unfinished}
+        self._write("summary.json", summary)
+        self._write("trace.json", self.timeline.chrome())
+        if metrics_text is not None:
+            (self.path / "metrics.prom").write_bytes(metrics_text)
+        if self.records:
+            plot(self.records, self.path / "reward.png")
+        return summary
+
+
+def plot(records: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.plot(steps, [r["success"] for r in records], ".", alpha=0.4, label="success (step)")
+    a.plot(steps, moving([r["success"] for r in records]), "-", label=f"success ({MOVING}-step mean)")
+    a.plot(steps, moving([r["reward"] for r in records]), "--", label="reward (mean)")
+    a.set(
+        xlabel="step", ylabel="fraction of trajectories", ylim=(-0.02, 1.02), title="libra train: calc task"
+    )
+    a.legend(loc="lower right")
+    parts = [
+        ("rollout_wait_s", "waiting for rollouts"),
+        ("train_s", "train"),
+        ("publish_s", "publish weights"),
+    ]
+    bottom = [0.0] * len(records)
+    for key, label in parts:
+        vals = [r[key] for r in records]
+        b.bar(steps, vals, bottom=bottom, label=label, width=1.0)
+        bottom = [x + y for x, y in zip(bottom, vals, strict=True)]
+    b.set(xlabel="step", ylabel="seconds", title="step time")
+    b.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,185 @@
+"""A core trainer replica: one process, one rank of the fixed gloo group, an HTTP door for the driver.
+
+    python -m libra.runtime.train.worker --rank R --world N --config RUN/config.json --run RUN [--store HOST:PORT]
+
+Rank 0 creates the group's rendezvous store on a free port and prints it (`trainer store on
+HOST:PORT`), so the launcher starts the other ranks with it; no fixed port is ever needed. Once
+every rank has joined, each serves:
+
+- `POST /warmstart`: the supervised warm-start (every replica draws the same seeded demonstrations
+  and trains its share; gradients summed), then rank 0 writes the step-0 checkpoint;
+- `POST /resume {path}`: load a checkpoint (weights, optimizer, step, version);
+- `POST /train {step, samples, global_tokens}`: one GRPO step on this replica's samples, the
+  gradient sum over the group, AdamW; rank 0 writes the checkpoint the engines then load;
+- `GET /health`, `GET /metrics` (Prometheus).
+
+The driver calls every replica at once; the collective inside each step is what keeps them in
+lockstep. A replica that dies makes its peers' collective fail within `collective_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import random
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from libra.runtime.engine.config import PRESETS
+from libra.runtime.serving import bind, serve_until_signalled
+from libra.runtime.train import checkpoint as ckpt
+from libra.runtime.train.batch import TrainSample
+from libra.runtime.train.config import TrainConfig
+from libra.runtime.train.grpo import Clip
+from libra.runtime.train.learner import Learner, OptimConfig
+from libra.runtime.train.reducer import SumAllReduce
+from libra.runtime.train.task import ProblemStream, call_id, demonstration
+
+HOST = "127.0.0.1"
+
+
+def optim_of(cfg: TrainConfig, lr: float) -> OptimConfig:
+    t = cfg.trainer
+    return OptimConfig(lr, t.betas, t.weight_decay, t.grad_clip, t.micro_batch_tokens)
+
+
+class Replica:
+    def __init__(self, cfg: TrainConfig, rank: int, world: int, run: Path):
+        self.cfg, self.rank, self.world, self.run = cfg, rank, world, run
+        self.learner = Learner(
+            PRESETS[cfg.engine.model], cfg.seed, optim_of(cfg, cfg.warmstart.lr), SumAllReduce()
+        )
+        self.lock = asyncio.Lock()
+        self.registry = CollectorRegistry()
+        self.m_step = Histogram(
+            "libra_trainer_step_seconds", "Wall time of one GRPO step", registry=self.registry
+        )
+        self.m_tokens = Counter("libra_trainer_tokens", "Model tokens trained", registry=self.registry)
+        self.m_version = Gauge("libra_trainer_weight_version", "Weight version after the last step", registry=self.registry)  # fmt: skip
+
+    # ---- the work (run in a thread: torch releases the GIL, the event loop stays responsive) ----
+
+    def warmstart(self) -> dict:
+        w, t0 = self.cfg.warmstart, time.perf_counter()
+        rng, problems = random.Random(self.cfg.seed), ProblemStream(self.cfg.seed + 1, self.cfg.task.lo, self.cfg.task.hi, self.cfg.task.ops)  # fmt: skip
+        losses = []
+        for _ in range(w.steps):
+            batch = [demonstration(problems.next(), call_id(rng)) for _ in range(w.batch)]
+            total = sum(sum(m) for _, m in batch)
+            mine = batch[self.rank :: self.world]
+            losses.append(self.learner.sft_step(mine, total))
+        self.learner.reset_optimizer(optim_of(self.cfg, self.cfg.trainer.lr))
+        path = self._save(0, 0, with_optimizer=False)
+        return {"losses": losses, "seconds": time.perf_counter() - t0, "checkpoint": path, "fingerprint": self.learner.fingerprint()}  # fmt: skip
+
+    def resume(self, path: str) -> dict:
+        info = next((c for c in ckpt.complete(Path(path).parent) if str(c.path) == path), None)
+        if info is None:
+            raise ValueError(f"no complete checkpoint at {path}")
+        weights, opt = ckpt.load(info)
+        self.learner.load(weights, opt, info.step, info.version)
+        return {"step": info.step, "version": info.version, "fingerprint": self.learner.fingerprint()}
+
+    def train(self, body: dict) -> dict:
+        t0 = time.perf_counter()
+        samples = [TrainSample.model_validate(s) for s in body["samples"]]
+        t = self.cfg.trainer
+        stats = self.learner.rl_step(samples, int(body["global_tokens"]), Clip(t.clip_low, t.clip_high))
+        path = self._save(self.learner.step, self.learner.version, with_optimizer=True)
+        self.m_step.observe(time.perf_counter() - t0)
+        self.m_tokens.inc(stats.tokens)
+        self.m_version.set(self.learner.version)
+        return {**stats.as_dict(), "rank": self.rank, "version": self.learner.version, "checkpoint": path,
+                "fingerprint": self.learner.fingerprint(), "seconds": time.perf_counter() - t0}  # fmt: skip
+
+    def _save(self, step: int, version: int, with_optimizer: bool) -> str | None:
+        if self.rank != 0:
+            return None
+        opt = self.learner.opt.state_dict() if with_optimizer else None
+        info = ckpt.save(self.run / "checkpoints", step, version, self.learner.model.state_dict(), opt, self.cfg.trainer.keep_checkpoints)  # fmt: skip
+        return str(info.path)
+
+    # ---- HTTP ---------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=512 * 2**20)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/warmstart", lambda r: self._call(r, lambda body: self.warmstart()))
+        app.router.add_post("/resume", lambda r: self._call(r, lambda body: self.resume(body["path"])))
+        app.router.add_post("/train", lambda r: self._call(r, self.train))
+        return app
+
+    async def _call(self, request: web.Request, fn) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return web.json_response({"error": "the body must be JSON"}, status=400)
+        async with self.lock:
+            try:
+                return web.json_response(await asyncio.to_thread(fn, body))
+            except (KeyError, TypeError, ValueError) as e:
+                return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=400)
+            except RuntimeError as e:  # a collective that failed: a peer is gone
+                return web.json_response({"error": f"rank {self.rank}: {e}"}, status=503)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "rank": self.rank, "world": self.world, "step": self.learner.step, "version": self.learner.version})  # fmt: skip
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.registry), headers={"Content-Type": "text/plain; version=0.0.4"}
+        )
+
+
+def join_group(rank: int, world: int, store_addr: str | None, timeout_s: float) -> None:
+    """Rank 0 opens the rendezvous store on a free port and says where; the others connect."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank == 0:
+        store = dist.TCPStore(HOST, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        print(f"trainer store on {HOST}:{store.port}", flush=True)
+    else:
+        host, port = store_addr.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), world, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+async def _serve(replica: Replica, sock: socket.socket) -> None:
+    runner = web.AppRunner(replica.app(), access_log=None)
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    print(f"trainer rank {replica.rank}/{replica.world} listening on http://{HOST}:{sock.getsockname()[1]}", flush=True)  # fmt: skip
+    await serve_until_signalled(runner)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m libra.runtime.train.worker")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--config", required=True, help="The run's TrainConfig as JSON.")
+    ap.add_argument("--run", required=True, help="The run folder (checkpoints go under it).")
+    ap.add_argument("--store", default=None, help="HOST:PORT of rank 0's store (ranks > 0).")
+    a = ap.parse_args(argv)
+    cfg = TrainConfig.model_validate(json.loads(Path(a.config).read_text()))
+    torch.set_num_threads(cfg.trainer.threads)
+    sock = bind(HOST, 0)
+    join_group(a.rank, a.world, a.store, cfg.trainer.collective_timeout_s)
+    replica = Replica(cfg, a.rank, a.world, Path(a.run))
+    asyncio.run(_serve(replica, sock))
+    # No destroy_process_group: it waits on peers that may be gone; exiting closes the sockets.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

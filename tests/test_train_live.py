@@ -1,0 +1,158 @@
+"""`libra train` end to end, as a user runs it: real processes (2 engines in 2 buckets behind the
+C-MLFQ gateway, the bubblewrap actions service, 2 gloo trainer replicas), real HTTP, real faults.
+
+- the smoke run (local subprocesses, and the same under Ray): every trained trajectory's model
+  tokens have ids, logprobs and a weight version, the logprobs are what the checkpoint of that
+  version gives, weight versions increase, replicas stay bitwise equal, nothing is lost;
+- an engine SIGKILLed mid-rollout: the gateway fails its sessions over, the run completes, and
+  every trajectory is trained or counted as dropped with a reason;
+- a trainer replica SIGKILLed: the run stops with a clear message naming the checkpoint, and
+  `--resume` continues from it;
+- an unreachable actions service: a clear error within seconds, not a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from libra.runtime.engine.config import PRESETS
+from libra.runtime.engine.model import TinyTransformer, token_logprobs
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(shutil.which("bwrap") is None, reason="the actions service needs bubblewrap"),
+]
+
+SMALL = ["--set", "warmstart.steps=2", "--set", "warmstart.batch=4", "--set", "rollout.groups_per_step=2",
+         "--set", "rollout.group_size=4", "--set", "trainer.keep_checkpoints=20", "--set", "metrics_port=-1"]  # fmt: skip
+
+
+def libra_train(out: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "libra", "train", "--out", str(out), *SMALL, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def start_train(out: Path, *args: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "libra", "train", "--out", str(out), *SMALL, *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def steps_of(out: Path) -> list[dict]:
+    f = out / "steps.json"
+    return json.loads(f.read_text()) if f.exists() else []
+
+
+def wait_for_steps(out: Path, n: int, proc: subprocess.Popen, timeout: float = 400) -> None:
+    deadline = time.monotonic() + timeout
+    while len(steps_of(out)) < n:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the run made no progress"
+        time.sleep(0.2)
+
+
+def pid_of(out: Path, name: str) -> int:
+    return next(p["pid"] for p in json.loads((out / "processes.json").read_text()) if p["name"] == name)
+
+
+def check_smoke(out: Path, r: subprocess.CompletedProcess, steps: int) -> None:
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = steps_of(out)
+    assert [x["step"] for x in recs] == list(range(steps))
+    assert [x["weight_version"] for x in recs] == list(range(1, steps + 1))
+    assert all(x["trained"] == 8 and x["dropped"]["trajectories"] == 0 for x in recs)
+    assert all(x["replicas_equal"] for x in recs)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["unfinished"] == 0 and summary["trained"] == 8 * steps
+    for f in ("reward.png", "trace.json", "metrics.prom", "processes.json"):
+        assert (out / f).stat().st_size > 0, f
+    check_tokens(out, recs)
+
+
+def check_tokens(out: Path, recs: list[dict]) -> None:
+    """Every model token has an id, a logprob and a version, and the logprob is the checkpoint's."""
+    trajs = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert len(trajs) == sum(x["trained"] for x in recs)
+    models: dict[int, TinyTransformer] = {}
+    worst = 0.0
+    for t in trajs:
+        for turn in t["turns"]:
+            ids, lps, vers = turn["token_ids"], turn["logprobs"], turn["weight_versions"]
+            assert ids and len(ids) == len(lps) == len(vers)
+            assert all(math.isfinite(x) and x <= 0 for x in lps) and all(v >= 0 for v in vers)
+            v = vers[0]
+            if v not in models:
+                m = models[v] = TinyTransformer(PRESETS["tiny"], 0)
+                m.load_state_dict(
+                    torch.load(out / "checkpoints" / f"step-{v:06d}" / "model.pt", weights_only=True)
+                )
+            if len(set(vers)) == 1:
+                seq = torch.tensor([turn["prompt_ids"] + ids])
+                ours = token_logprobs(models[v], seq)[0, len(turn["prompt_ids"]) - 1 :]
+                worst = max(worst, (ours - torch.tensor(lps)).abs().max().item())
+    assert worst < 1e-3, worst
+
+
+def test_smoke_local(tmp_path):
+    out = tmp_path / "run"
+    r = libra_train(out, "--steps", "3", "--set", "save_trajectories=true")
+    check_smoke(out, r, 3)
+    assert "libra train" in r.stdout  # the final table
+
+
+def test_smoke_ray(tmp_path):
+    pytest.importorskip("ray")
+    out = tmp_path / "run"
+    r = libra_train(out, "--steps", "3", "--launcher", "ray", "--set", "save_trajectories=true")
+    check_smoke(out, r, 3)
+
+
+def test_engine_killed_mid_rollout_fails_over(tmp_path):
+    out = tmp_path / "run"
+    proc = start_train(out, "--steps", "4")
+    wait_for_steps(out, 1, proc)
+    os.kill(pid_of(out, "engine-long-0"), signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    recs = steps_of(out)
+    assert len(recs) == 4 and [x["weight_version"] for x in recs] == [1, 2, 3, 4]
+    for x in recs:  # nothing lost: trained, or dropped with a reason
+        assert x["trained"] == 8
+        assert sum(x["dropped"]["reasons"].values()) == x["dropped"]["trajectories"]
+    after = recs[2:]
+    assert all(set(x["routing"]["turns_by_bucket"]) == {"short"} for x in after)  # only the survivor serves
+
+
+def test_trainer_killed_stops_clearly_and_resumes(tmp_path):
+    out = tmp_path / "run"
+    proc = start_train(out, "--steps", "6")
+    wait_for_steps(out, 1, proc)
+    os.kill(pid_of(out, "trainer-1"), signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1
+    assert "trainer" in stderr and "resume with: libra train" in stderr, stderr[-2000:]
+    done = len(steps_of(out))
+    assert done >= 1
+    r = libra_train(out, "--steps", str(done + 1), "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = steps_of(out)
+    assert [x["step"] for x in recs] == list(range(done + 1))
+    assert [x["weight_version"] for x in recs] == list(range(1, done + 2))
+
+
+def test_unreachable_actions_service_is_a_clear_error(tmp_path):
+    t0 = time.monotonic()
+    r = libra_train(tmp_path / "run", "--steps", "2", "--set", "actions.url=http://127.0.0.1:9", "--set", "actions.connect_timeout_s=2", timeout=120)  # fmt: skip
+    assert r.returncode == 1 and "actions service" in r.stderr and "unreachable" in r.stderr, r.stderr[-2000:]
+    assert time.monotonic() - t0 < 60
