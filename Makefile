@@ -30,7 +30,8 @@ native: $(STAMP_CORE)
 
 # The actions service sandboxes with bubblewrap and util-linux (setpriv, prlimit, taskset) and runs
 # /run_code's languages with Debian's toolchains (as the sandbox finds them: /usr/local/bin, /usr/bin,
-# /bin). Each missing one is installed when run as root; otherwise its tests skip, saying why.
+# /bin). Each missing one is installed when run as root (one by one if they fail together); otherwise
+# its tests skip, saying why, except on CI (CI set), where a missing one fails its tests.
 SYSDEPS := bwrap:bubblewrap setpriv:util-linux prlimit:util-linux taskset:util-linux g++:g++ \
 	javac:default-jdk-headless node:nodejs esbuild:esbuild go:golang-go rustc:rustc \
 	/usr/share/java/junit-platform-console-standalone.jar:junit5 \
@@ -41,9 +42,10 @@ sysdeps:
 	    || missing="$$missing $$pkg"; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "installing Debian packages:$$missing"; \
-	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing) >/dev/null 2>&1 \
-	      || echo "warning: could not install:$$missing"; \
+	    echo "installing Debian packages:$$missing"; apt-get update -qq >/dev/null 2>&1; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null 2>&1 \
+	      || for pkg in $$missing; do DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$pkg >/dev/null 2>&1 \
+	        || echo "warning: could not install $$pkg"; done; \
 	  else echo "note: not installed:$$missing (sandbox tests skip without bubblewrap; a language without its toolchain is skipped)"; fi; \
 	fi
 
