@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 from dataclasses import dataclass
 
 from libra.runtime.sandbox.cgroups import Cgroup, CgroupTree
-from libra.runtime.sandbox.sandbox import reap_uid
 from libra.runtime.sandbox.storage import Storage, Storages
 from libra.runtime.sandbox.uidrange import UidPool
 
@@ -100,3 +101,19 @@ class Boxes:
         for t in list(self._removing):
             with contextlib.suppress(Exception):
                 await t
+
+
+def reap_uid(uid: int) -> int:
+    """SIGKILL any process still running as `uid` (a uid of this service's own range: its own
+    processes only) and count them."""
+    killed = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat().st_uid == uid:
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed += 1
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return killed

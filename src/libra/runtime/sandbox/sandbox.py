@@ -393,22 +393,6 @@ class _Capture:
         return s + TRUNCATION_MARKER.format(n=self.dropped) if self.dropped else s
 
 
-def reap_uid(uid: int) -> int:
-    """SIGKILL any process still running as `uid` (a uid of this service's own range: its own
-    processes only) and count them."""
-    killed = 0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            if entry.stat().st_uid == uid:
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed += 1
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-    return killed
-
-
 def processes_of(uids: range) -> list[int]:
     """PIDs running under any of `uids` (tests use it to check nothing outlives its action)."""
     out = []
