@@ -5,10 +5,10 @@
 It starts on standby: the pool prestarts it (interpreter, imports, its model) while the slot's
 engine still serves, so a borrow does not pay a process start on the critical path; it touches
 nothing of the core until `POST /join`. It never joins the core gloo group. It runs
-`libra.runtime.elastic.Joiner` against its core partner (found through the core's rendezvous store): REQUESTED -> FETCHING_STATE (the partner's
-snapshot of weights and AdamW) -> ZERO_SYNC -> ACTIVATING -> ACTIVE, then trains its share of
-each step until the partner releases it, and exits; any failure makes it exit too (the slot goes
-back to rollout). It trains with the core's own `Learner` (same model class, same GRPO loss over
+`libra.runtime.elastic.Joiner` against its core partner (found through the core's rendezvous
+store): REQUESTED -> FETCHING_STATE (the partner's snapshot of weights and AdamW) -> ZERO_SYNC ->
+ACTIVATING -> ACTIVE, then trains its share of each step until the partner releases it, and
+exits; any failure makes it exit too (the slot goes back to rollout). It trains with the core's own `Learner` (same model class, same GRPO loss over
 the step's global tokens, same clip and AdamW step), so it is bitwise equal to the core.
 
 Its HTTP door: `POST /join` (leave standby and join), `POST /samples {step, samples,

@@ -136,8 +136,9 @@ class HybridPool:
             self._fail(slot, f"hybrid trainer did not join: {str(e)[:200]}")
             return
         slot.joined = True
-        self._event(slot, f"trainer joins in {name}'s slot: drained in {t1 - t0:.1f} s, engine stopped in "
-                          f"{t2 - t1:.1f} s, standby trainer told to join {time.monotonic() - t2:.1f} s later")  # fmt: skip
+        took = f"drained in {t1 - t0:.1f} s, engine stopped in {t2 - t1:.1f} s"
+        self._event(slot, f"trainer joins in {name}'s slot: {took}, standby trainer told to join "
+                          f"{time.monotonic() - t2:.1f} s later")  # fmt: skip
 
     async def _post(self, url: str) -> None:
         async with self.http.post(url, json={}, timeout=aiohttp.ClientTimeout(total=30)) as r:
