@@ -144,7 +144,7 @@ POOL_RUN = [_record(0, 10.0, _counts(0, 0, 0, 0)), _record(1, 10.0, _counts(1, 0
             _record(6, 10.0, _counts(2, 1, 1, 0))]  # fmt: skip
 
 
-def test_the_summary_and_the_table_show_the_counts():
+def test_the_summary_and_the_table_show_the_pool():
     from libra.cli.train import summary_table
     from libra.runtime.train.report import pool_changes, summarize
 
