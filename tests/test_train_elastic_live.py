@@ -4,7 +4,8 @@ behind the gateway, gloo trainer replicas, a hybrid trainer process), real drain
 One short run of `elastic-demo`'s shape whose settings make the planner's controller borrow early
 (one core replica trains 192 samples a step, so training is the slower stage) and release later
 (from step 6 every tool call waits 20 s, so rollout becomes the slower stage); the join needs one
-zero-gradient step (`elastic.runtime.sync_steps`) instead of two. It checks, from what the run
+zero-gradient step (`elastic.runtime.sync_steps`) instead of two, and the controller borrows
+from r >= 1.05 (the default 1.15 leaves less margin on a machine where the stages are closer). It checks, from what the run
 leaves behind: the engine was drained and the join reached ACTIVE (the borrowed replica counted
 for a step at least); a release happened and the slot's engine came back (loaded the newest
 weights, and the gateway lists it again, up); the hybrid replica's weights after its last step
@@ -40,7 +41,7 @@ buckets:
   - {name: long, tp: 2, max_context: 8192, instances: 1}
 trainer: {replicas: 1, micro_batch_tokens: 1024, keep_checkpoints: 100}
 warmstart: {steps: 50, batch: 16}
-elastic: {enabled: true, hybrid: 1, runtime: {sync_steps: 1}}
+elastic: {enabled: true, hybrid: 1, runtime: {sync_steps: 1}, policy: {borrow_ratio: 1.05}}
 metrics_port: -1
 """
 
