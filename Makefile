@@ -28,13 +28,26 @@ demo: $(STAMP_CORE) native
 native: $(STAMP_CORE)
 	-$(BIN)/libra native build --if-stale
 
-# The actions service sandboxes with bubblewrap and uses util-linux's setpriv/prlimit/taskset.
+# The actions service sandboxes with bubblewrap and util-linux (setpriv, prlimit, taskset) and runs
+# /run_code's languages with Debian's toolchains (as the sandbox finds them: /usr/local/bin, /usr/bin,
+# /bin). Each missing one is installed when run as root (one by one if they fail together); otherwise
+# its tests skip, saying why, except on CI (CI set), where a missing one fails its tests.
+SYSDEPS := bwrap:bubblewrap setpriv:util-linux prlimit:util-linux taskset:util-linux g++:g++ \
+	javac:default-jdk-headless node:nodejs esbuild:esbuild go:golang-go rustc:rustc \
+	/usr/share/java/junit-platform-console-standalone.jar:junit5 \
+	/usr/share/gocode/src/github.com/stretchr/testify:golang-github-stretchr-testify-dev
 sysdeps:
-	@{ command -v bwrap && command -v setpriv && command -v prlimit; } >/dev/null 2>&1 || { \
+	@missing=""; for dep in $(SYSDEPS); do what=$${dep%%:*}; pkg=$${dep#*:}; \
+	  case $$what in /*) [ -e "$$what" ] ;; *) PATH=/usr/local/bin:/usr/bin:/bin command -v "$$what" >/dev/null ;; esac \
+	    || missing="$$missing $$pkg"; done; \
+	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    (apt-get update -qq && apt-get install -y -qq bubblewrap util-linux) >/dev/null 2>&1 \
-	      || echo "warning: could not install bubblewrap/util-linux"; \
-	  else echo "note: bubblewrap (bwrap) is not installed; sandbox tests will be skipped"; fi; }
+	    echo "installing Debian packages:$$missing"; apt-get update -qq >/dev/null 2>&1; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null 2>&1 \
+	      || for pkg in $$missing; do DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$pkg >/dev/null 2>&1 \
+	        || echo "warning: could not install $$pkg"; done; \
+	  else echo "note: not installed:$$missing (sandbox tests skip without bubblewrap; a language without its toolchain is skipped)"; fi; \
+	fi
 
 test: $(STAMP_TEST) sysdeps native
 	$(BIN)/ruff check src tests benchmarks

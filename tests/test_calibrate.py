@@ -30,23 +30,32 @@ def _synthetic(catalog, truth: RolloutEfficiency, n: int = 60) -> list[dict]:
     return recs
 
 
+def _truth(**values) -> RolloutEfficiency:
+    return RolloutEfficiency().updated("a800-80g", "vllm-v1", values)
+
+
+def _value(eff: RolloutEfficiency, field: str) -> float:
+    gpu, eng = eff.gpu("a800-80g"), eff.engine("vllm-v1")
+    return getattr(gpu, field) if field in type(gpu).model_fields else getattr(eng, field)
+
+
 def test_fit_recovers_known_coefficients(catalog):
-    truth = RolloutEfficiency(bw=0.62, compute=0.41, base_overhead_s=4e-3, per_seq_overhead_s=35e-6)
+    truth = _truth(bw=0.62, compute=0.41, base_overhead_s=4e-3, per_seq_overhead_s=35e-6)
     fitted, mape = fit_rollout(_synthetic(catalog, truth), catalog)
     assert mape < 0.01
     for f in ("bw", "compute", "base_overhead_s", "per_seq_overhead_s"):
-        assert getattr(fitted, f) == pytest.approx(getattr(truth, f), rel=0.05), f
+        assert _value(fitted, f) == pytest.approx(_value(truth, f), rel=0.05), f
 
 
 def test_calibrate_cli_writes_loadable_profile(tmp_path, catalog):
-    truth = RolloutEfficiency(bw=0.6, compute=0.45, base_overhead_s=3e-3, per_seq_overhead_s=25e-6)
+    truth = _truth(bw=0.6, compute=0.45, base_overhead_s=3e-3, per_seq_overhead_s=25e-6)
     data = tmp_path / "m.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in _synthetic(catalog, truth, 40)))
     out = tmp_path / "profile.yaml"
     r = run_cli("costmodel", "calibrate", "--data", str(data), "--out", str(out), "--json")
     assert r.returncode == 0, r.stderr
     prof = load_profile(out)
-    assert prof.rollout.bw == pytest.approx(0.6, rel=0.05)
+    assert prof.rollout.gpu("a800-80g").bw == pytest.approx(0.6, rel=0.05)
     # The profile is used downstream: a query with it differs from the defaults.
     q1 = json.loads(run_cli("costmodel", "rollout", "--json").stdout)
     q2 = json.loads(run_cli("costmodel", "rollout", "--json", "--profile", str(out)).stdout)
@@ -88,3 +97,30 @@ def test_a_bad_value_in_a_measurement_names_line_and_field(tmp_path, field, valu
     f.write_text(json.dumps(rec) + "\n")
     r = run_cli("costmodel", "calibrate", "--data", str(f), "--out", str(tmp_path / "p.yaml"))
     assert r.returncode == 2 and f"m.jsonl:1: field '{field}'" in r.stderr, r.stderr
+
+
+def test_the_training_fit_recovers_known_coefficients(catalog):
+    """Training steps made by the training cost model with known `mfu` and per-micro-batch
+    overhead (a CPU replica's shapes) are fitted back."""
+    from libra.costmodel.calibrate import TrainMeasurement, fit_train, predict_train
+    from libra.costmodel.efficiency import TrainEfficiency
+
+    truth = TrainEfficiency(mfu=0.03, per_microbatch_overhead_s=0.04)
+    shapes = [(4, 128), (8, 280), (32, 280), (32, 140), (48, 200), (16, 600), (4, 1500)]
+    recs = [TrainMeasurement(hardware="cpu-host", model="builtin-tiny", seq_lens=[n] * k, micro_batch_tokens=1024,
+                             step_time_s=1.0) for k, n in shapes]  # fmt: skip
+    recs = [
+        r.model_copy(update={"step_time_s": float(t)})
+        for r, t in zip(recs, predict_train(recs, catalog, truth), strict=True)
+    ]
+    got, mape = fit_train(recs, catalog)
+    assert mape < 0.01
+    assert got.mfu == pytest.approx(0.03, rel=0.05)
+    assert got.per_microbatch_overhead_s == pytest.approx(0.04, rel=0.05)
+
+
+def test_bad_train_data_is_one_line(tmp_path):
+    bad = tmp_path / "t.jsonl"
+    bad.write_text('{"hardware": "cpu-host", "model": "builtin-tiny", "seq_lens": [], "step_time_s": 1}\n')
+    r = run_cli("costmodel", "calibrate", "--train-data", str(bad), "--out", str(tmp_path / "p.yaml"))
+    assert r.returncode == 2 and "t.jsonl:1" in r.stderr and "seq_lens" in r.stderr, r.stderr

@@ -23,7 +23,8 @@ def test_tp_crossover_long_context(a800_14b):
     hw, m = a800_14b
     tp1 = RolloutCostModel(hw, m, 1).throughput(64, 24576)
     tp8 = RolloutCostModel(hw, m, 8).throughput(512, 24576)
-    assert tp8 >= 1.3 * 8 * tp1
+    # max_num_seqs (256) caps the TP8 instance's batch below the 512 asked for, as in vLLM.
+    assert tp8 >= 1.2 * 8 * tp1
 
 
 def test_kv_capacity_by_hand(a800_14b):
@@ -50,8 +51,8 @@ def test_step_time_monotone(a800_14b):
 def test_overhead_grows_with_tp(a800_14b):
     hw, m = a800_14b
     tiny = [RolloutCostModel(hw, m, t).decode_time(1, 16) for t in (1, 2, 4, 8)]
-    eff = RolloutEfficiency()
-    fixed = [eff.base_overhead_s + eff.tp_overhead_s * (t - 1) for t in (1, 2, 4, 8)]
+    eng = RolloutEfficiency().engine("vllm-v1")
+    fixed = [eng.base_overhead_s + eng.tp_overhead_s * (t - 1) for t in (1, 2, 4, 8)]
     assert fixed == sorted(fixed)
     assert all(t > f for t, f in zip(tiny, fixed, strict=True))
 

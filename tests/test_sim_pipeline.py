@@ -147,6 +147,11 @@ def test_cli_prints_the_ladder_and_libras_ratios(small_yaml, tmp_path):
     pool = s["libra"]["elastic"]
     assert f"libra's hybrid pool: {pool['hybrid_replicas']} replicas, {pool['joins']} joins" in r.stdout
     assert ("nothing was routed" in r.stdout) == ("routing" not in s["libra"])
+    assert f"{s['libra']['distance_to_limit']:.0%} above its lower bound" in r.stdout
+    from libra.sim.explore.atlas import load_map
+
+    for mech in load_map()["mechanisms"]:  # where each mechanism pays, from the shipped map
+        assert f"\n{mech}: " in r.stdout
 
 
 def test_replays_a_real_trace(shared_data, tmp_path):
@@ -246,7 +251,13 @@ def test_planned_family_is_the_hetero_rung_with_another_router():
     can spill down at its first turn and move up later: placement, not prediction.)"""
     workload = {**SMALL["workload"], "prompts_per_step": 8, "samples_per_prompt": 8}  # several buckets
     rollout = {**SMALL.get("rollout", {}), "router_params": {"spill": "saturated"}}
-    cfg = {**SMALL, "workload": workload, "rollout": rollout, "planner": {"interval_steps": 1}}
+    # split_margin 0: this checks the family on split layouts, whatever the planner would prefer
+    cfg = {
+        **SMALL,
+        "workload": workload,
+        "rollout": rollout,
+        "planner": {"interval_steps": 1, "split_margin": 0},
+    }
     names = ["ablation:hetero-tp", "planned:least-loaded", "planned:oracle"]
     res = run(cfg, names, 3, 0, None, _quiet)["systems"]
     assert res["planned:least-loaded"] == res["ablation:hetero-tp"]

@@ -78,6 +78,19 @@ def check_smoke(out: Path, r: subprocess.CompletedProcess, steps: int) -> None:
     for f in ("reward.png", "trace.json", "metrics.prom", "processes.json"):
         assert (out / f).stat().st_size > 0, f
     check_tokens(out, recs)
+    check_decisions(recs)
+
+
+def check_decisions(recs: list[dict]) -> None:
+    """The planner's controller decided after every step, on that step's measured report, and
+    said why; EARL's selector chose a packing that holds the step's longest sample."""
+    for x in recs:
+        p, rep, sel = x["planner"], x["planner"]["report"], x["selector"]
+        assert p["step"] == x["step"] and p["reason"] and p["trigger"] == "none" and p["replan"] is None
+        assert rep["t_train_s"] == pytest.approx(x["train_s"]) and rep["t_rollout_s"] > 0
+        assert rep["ratio"] == pytest.approx(rep["t_train_s"] / rep["t_rollout_s"])
+        assert rep["trajectories"] == x["trained"] and 0 <= rep["rollout_pressure"]
+        assert sel["longest"] <= sel["context_bound"] <= sel["micro_batch_tokens"] and sel["reason"]
 
 
 def check_tokens(out: Path, recs: list[dict]) -> None:

@@ -20,6 +20,7 @@ from libra.core.registry import Registry
 LISTED = {
     "costmodel": ("libra.cli.costmodel:costmodel", "Query and calibrate the cost model."),
     "simulate": ("libra.cli.simulate:simulate", "Simulate agentic RL post-training systems."),
+    "explore": ("libra.cli.explore:explore", "Map where each mechanism pays over a grid of regimes."),
     "trace": ("libra.cli.trace:trace", "Generate and inspect trajectory traces."),
     "replay-vllm": (
         "libra.cli.replay:replay_vllm",

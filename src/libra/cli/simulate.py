@@ -37,12 +37,16 @@ COLUMNS = [
     ("rollout tok/s", ("rollout_throughput_tokens_per_s",)),
     ("step s", ("mean_step_time_s",)),
     ("rollout s", ("mean_rollout_makespan_s",)),
+    ("limit s", ("makespan_lower_bound_s",)),
+    ("to limit", ("distance_to_limit",)),
     ("train s", ("mean_train_time_s",)),
     ("GPU util", ("gpu_utilization",)),
     ("route acc", ("routing", "accuracy")),
     ("migrated", ("routing", "migrated_token_ratio")),
     ("mean ACT s", ("actions", "mean_act_s")),
     ("p99 ACT s", ("actions", "p99_act_s")),
+    ("ideal ACT s", ("actions", "ideal_mean_act_s")),
+    ("to limit", ("actions", "distance_to_limit")),
 ]
 
 
@@ -74,7 +78,8 @@ def ladder_table(summary: dict):
 
     systems = summary.get("systems", {})
     rows, prev = [], None
-    for k, (name, adds) in enumerate(LADDER):
+    for k, rung in enumerate(LADDER):
+        name, adds = rung.system, rung.adds
         if name not in systems:
             continue
         tput = systems[name]["throughput_tokens_per_s"]
@@ -82,7 +87,7 @@ def ladder_table(summary: dict):
         if prev is not None:
             change = f"{100 * (tput / prev[1] - 1):+.1f}%"
             if prev[0] != k - 1:
-                change += f" (vs {LADDER[prev[0]][0]})"
+                change += f" (vs {LADDER[prev[0]].system})"
         rows.append([name, adds, f"{tput:,.0f}", change])
         prev = (k, tput)
     if len(rows) < 2:
@@ -105,12 +110,29 @@ def libra_ratios(summary: dict) -> str | None:
     return f"libra: {', '.join(parts)}" if parts else None
 
 
+def trade_off_lines(summary: dict) -> list[str]:
+    """Below the ladder: where each mechanism pays on the shipped map, and libra's distance to the
+    limit in this run (its rollout makespan over the makespan's lower bound)."""
+    from libra.sim.explore.atlas import load_map, pays_lines
+
+    systems = summary.get("systems", {})
+    atlas = load_map()
+    lines = pays_lines(atlas) if atlas is not None else []
+    for name in ("libra", "libra+tail"):
+        m = systems.get(name)
+        if m is not None and "distance_to_limit" in m:
+            lines.append(f"{name}: rollout makespan {m['mean_rollout_makespan_s']:.0f} s, "
+                         f"{m['distance_to_limit']:.0%} above its lower bound ({m['makespan_lower_bound_s']:.0f} s)")  # fmt: skip
+    return lines
+
+
 def ladder_notes(summary: dict) -> list[str]:
     """Why a rung may add nothing: the planner chose one bucket, or the pool lent nothing."""
     from libra.sim.rl.planned import BUCKETED, LADDER
 
     systems, notes = summary.get("systems", {}), []
-    single = [n for n, _ in LADDER if n in BUCKETED and n in systems and "routing" not in systems[n]]
+    single = [r.system for r in LADDER if r.system in BUCKETED and r.system in systems]
+    single = [n for n in single if "routing" not in systems[n]]
     if single:
         notes.append(
             f"{', '.join(single)}: the planner chose one bucket (it predicted no split by length would be faster), so nothing was routed"
@@ -157,16 +179,27 @@ def print_list() -> None:
 @click.option(
     "--list", "list_only", is_flag=True, help="List the shipped scenarios and the systems, and exit."
 )
+@click.option("--live", "live_run", type=click.Path(file_okay=False), default=None,
+              help="Predict this `libra train` run folder (save_trajectories: true) instead of a scenario.")  # fmt: skip
+@click.option("--cores", type=click.FloatRange(min=1, max=4096), default=None,
+              help="With --live: the host's cores (default: RUN/host.json's, else no sharing).")  # fmt: skip
+@click.option("--background", type=click.FloatRange(min=0, max=1e5), default=None,
+              help="With --live: runnable processes of other work on the host (default: RUN/host.json's, else 0).")  # fmt: skip
 @set_option
 @profile_option
 @json_option
-def simulate(scenario, trace_file, systems, steps, seed, out_dir, list_only, overrides, profile, as_json):
+def simulate(scenario, trace_file, systems, steps, seed, out_dir, list_only, live_run, cores, background,
+             overrides, profile, as_json):  # fmt: skip
     """Simulate agentic RL post-training systems on a scenario and compare them.
 
-    Writes summary.json, steps.json, PNG plots and a Perfetto trace.json to --out.
+    Writes summary.json, steps.json, PNG plots and a Perfetto trace.json to --out. With --live RUN,
+    predicts a live `libra train` run's step, rollout and train time instead (docs/fidelity.md).
     """
     if list_only:
         print_list()
+        return
+    if live_run is not None:
+        predict_live_run(live_run, cores, background, profile, as_json)
         return
     sc = load_scenario(scenario, overrides)
     names = [s.strip() for s in systems.split(",") if s.strip()] if systems else None
@@ -193,6 +226,8 @@ def simulate(scenario, trace_file, systems, steps, seed, out_dir, list_only, ove
         console.print(ladder)
         for note in ladder_notes(result):
             console.print(note, soft_wrap=True)
+        for line in trade_off_lines(result):
+            console.print(line, soft_wrap=True)
     if ratios is not None:
         console.print(ratios, soft_wrap=True)
     compiled = native.active()
@@ -200,6 +235,32 @@ def simulate(scenario, trace_file, systems, steps, seed, out_dir, list_only, ove
     err_console.print(
         f"simulated in {elapsed:.1f} s ({'compiled' if compiled else 'pure Python: ' + why}); "
         f"results in {out}/ (summary.json, steps.json, *.png, trace.json)"
+    )
+
+
+def predict_live_run(run: str, cores, background, profile, as_json: bool) -> None:
+    """`--live RUN`: the run replayed on the simulated clock, measured against predicted."""
+    from libra.sim.rl.live import Host, load_host, predict_live
+
+    known = load_host(run) or Host()
+    # Either figure given replaces what live_cpu.py measured (its share table included).
+    host = known if cores is None and background is None else Host(
+        cores if cores is not None else known.cores, background if background is not None else known.background)  # fmt: skip
+    errs = predict_live(run, profile, host).errors()
+    if as_json:
+        emit_json(errs)
+        return
+    rows = [[name, f"{errs['measured'][k]:.2f}", f"{errs['predicted'][k]:.2f}", f"{errs[e]:+.1%}"]
+            for name, k, e in (("step", "step_s", "step_err"), ("rollout (a batch)", "rollout_s", "rollout_err"),
+                               ("train", "train_s", "train_err"))]  # fmt: skip
+    other = "other work as measured during the run" if host.shares else f"background {host.background:g}"
+    shared = "no CPU sharing" if host.cores is None else f"{host.cores:g} cores, {other}"
+    console.print(
+        table(
+            f"{run}: {errs['steps']} steps predicted ({shared})",
+            ["mean", "measured s", "predicted s", "error"],
+            rows,
+        )
     )
 
 

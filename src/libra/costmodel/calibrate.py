@@ -3,9 +3,16 @@
 Input is JSONL, one measured engine iteration per line:
     {"hardware": "a800-80g", "model": "qwen3-14b", "tp": 1, "prefill_tokens": 0,
      "prefill_attn": 0, "decode_seqs": 64, "decode_ctx": 65536, "step_time_s": 0.031}
-(`prefill_attn` is optional and defaults to a fresh prefill: n*(n+1)/2.) The fit minimises the
-mean squared log error with a Nelder-Mead search over the log of each coefficient, so every
-coefficient stays positive and fractions are clipped to (0, 1]. No scipy: the core stays light.
+(`prefill_attn` is optional and defaults to a fresh prefill: n*(n+1)/2.) Optional `engine` names the
+engine preset (default vllm-v1). The fit minimises the mean squared log error with a Nelder-Mead
+search over the log of each coefficient, so every coefficient stays positive and fractions are
+clipped to (0, 1]. GPU terms (`bw`, `compute`, ...) are fitted for every GPU type in the data,
+CPU terms (`base_overhead_s`, ...) for the engine preset. No scipy: the core stays light.
+
+Training steps (`--train-data`) are JSONL too, one measured optimizer step of one replica a line:
+    {"hardware": "cpu-host", "model": "builtin-tiny", "seq_lens": [280, 280, ...],
+     "micro_batch_tokens": 8192, "step_time_s": 1.1}
+and fit the training cost model's `mfu` and `per_microbatch_overhead_s` the same way.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -20,11 +28,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from libra.core.errors import ConfigError
 from libra.core.trace import MAX_TOKENS, build_line, json_lines
 from libra.costmodel.catalog import Catalog
-from libra.costmodel.efficiency import RolloutEfficiency
+from libra.costmodel.efficiency import DEFAULT_ENGINE, FRACTIONS, RolloutEfficiency, TrainEfficiency
 from libra.costmodel.rollout import RolloutCostModel
+from libra.costmodel.training import TrainCostModel, TrainParallel, sequences_per_micro_batch
 
 FIT_FIELDS = ("bw", "compute", "base_overhead_s", "per_seq_overhead_s")
-_FRACTIONS = {"bw", "compute", "link"}
 
 
 def nelder_mead(
@@ -59,12 +67,29 @@ def nelder_mead(
     return simplex[int(np.argmin(vals))]
 
 
-def _with(base: RolloutEfficiency, fields: Sequence[str], logx: np.ndarray) -> RolloutEfficiency:
+def _with(base: RolloutEfficiency, fields: Sequence[str], logx: np.ndarray, hardware: Sequence[str],
+          engine: str) -> RolloutEfficiency:  # fmt: skip
+    """`base` with the fitted values: GPU terms for each of `hardware`, CPU terms for `engine`."""
     upd = {}
     for name, lx in zip(fields, logx, strict=True):
         v = math.exp(lx)
-        upd[name] = min(v, 1.0) if name in _FRACTIONS else v
-    return base.model_copy(update=upd)
+        upd[name] = min(v, 1.0) if name in FRACTIONS else v
+    out = base
+    for hw in hardware:
+        out = out.updated(hw, engine, upd)
+    return out
+
+
+# Where a term that is zero today starts its fit. The search runs on the log of each term with
+# steps of about 0.3, so a start at ~0 (a shipped per-sequence term of 0.0) would sit 10+ nats from
+# any real value and never leave: 10 us is the scale of every CPU and per-layer term we fit.
+START_FLOOR_S = 1e-5
+
+
+def start(base: RolloutEfficiency, fields: Sequence[str], hardware: str, engine: str) -> np.ndarray:
+    """The log of each field's current value (at least START_FLOOR_S): where a fit starts."""
+    gpu, eng = base.gpu(hardware), base.engine(engine)
+    return np.log(np.array([max(getattr(gpu if hasattr(gpu, f) else eng, f), START_FLOOR_S) for f in fields]))
 
 
 class Measurement(BaseModel):
@@ -79,6 +104,7 @@ class Measurement(BaseModel):
     prefill_tokens: int = Field(0, ge=0, le=1 << 20)
     prefill_attn: float | None = Field(None, ge=0)
     decode_ctx: float = Field(0, ge=0, le=MAX_TOKENS)
+    engine: str = DEFAULT_ENGINE
 
 
 def read_measurements(path: str | Path) -> list[dict]:
@@ -94,9 +120,10 @@ def _predict(recs: list[dict], catalog: Catalog, eff: RolloutEfficiency) -> np.n
     models: dict[tuple, RolloutCostModel] = {}
     out = []
     for r in recs:
-        key = (r["hardware"], r["model"], int(r["tp"]))
+        key = (r["hardware"], r["model"], int(r["tp"]), r.get("engine", DEFAULT_ENGINE))
         if key not in models:
-            models[key] = RolloutCostModel(catalog.hardware(key[0]), catalog.model(key[1]), key[2], eff)
+            hw, model = catalog.hardware(key[0]), catalog.model(key[1])
+            models[key] = RolloutCostModel(hw, model, key[2], eff, engine=key[3])
         p = int(r.get("prefill_tokens", 0))
         attn = r.get("prefill_attn")
         attn = float(p * (p + 1) / 2 if attn is None else attn)
@@ -113,13 +140,79 @@ def fit_rollout(
     """Return the fitted coefficients and the mean absolute percentage error after the fit."""
     base = base or RolloutEfficiency()
     y = np.log(np.array([r["step_time_s"] for r in recs]))
+    hardware = sorted({r["hardware"] for r in recs})
+    engines = sorted({r.get("engine", DEFAULT_ENGINE) for r in recs})
+    if len(engines) > 1:
+        raise ConfigError("engine", engines, "one engine preset per fit")
+    for hw in hardware:
+        catalog.hardware(hw)
+    base.engine(engines[0])
+
+    def fitted(logx: np.ndarray) -> RolloutEfficiency:
+        return _with(base, fields, logx, hardware, engines[0])
 
     def loss(logx: np.ndarray) -> float:
-        pred = _predict(recs, catalog, _with(base, fields, logx))
+        pred = _predict(recs, catalog, fitted(logx))
         return float(np.mean((np.log(np.maximum(pred, 1e-12)) - y) ** 2))
 
-    x0 = np.log(np.array([getattr(base, f) for f in fields]))
-    best = _with(base, fields, nelder_mead(loss, x0))
+    best = fitted(nelder_mead(loss, start(base, fields, hardware[0], engines[0])))
     pred = _predict(recs, catalog, best)
     mape = float(np.mean(np.abs(pred - np.exp(y)) / np.exp(y)))
     return best, mape
+
+
+# ---- training steps --------------------------------------------------------------------------------
+
+TRAIN_FIT = ("mfu", "per_microbatch_overhead_s")
+
+
+class TrainMeasurement(BaseModel):
+    """One line of `--train-data` (module docstring): one replica's optimizer step."""
+
+    model_config = ConfigDict(allow_inf_nan=False, extra="ignore")
+    hardware: str
+    model: str
+    seq_lens: list[Annotated[int, Field(ge=1, le=MAX_TOKENS)]] = Field(min_length=1, max_length=1 << 16)
+    micro_batch_tokens: int = Field(8192, ge=1, le=MAX_TOKENS)
+    step_time_s: float = Field(gt=0)
+
+
+def read_train_measurements(path: str | Path) -> list[TrainMeasurement]:
+    recs = [build_line(TrainMeasurement, r, path, n) for n, r in json_lines(Path(path))]
+    if not recs:
+        raise ConfigError("train-data", str(path), "a JSONL file with at least one training step")
+    return recs
+
+
+def predict_train(recs: Sequence[TrainMeasurement], catalog: Catalog, eff: TrainEfficiency) -> np.ndarray:
+    """The training cost model's step time for each measured step (one replica, no recompute)."""
+    out = []
+    for r in recs:
+        cm = TrainCostModel(catalog.hardware(r.hardware), catalog.model(r.model), eff)
+        par = TrainParallel(
+            micro_batch=sequences_per_micro_batch(r.seq_lens, r.micro_batch_tokens), recompute=False
+        )
+        out.append(cm.step(par, r.seq_lens).step_time_s)
+    return np.array(out)
+
+
+def fit_train(
+    recs: Sequence[TrainMeasurement], catalog: Catalog, base: TrainEfficiency | None = None
+) -> tuple[TrainEfficiency, float]:
+    """Fit `mfu` and the per-micro-batch overhead; return them and the MAPE after the fit."""
+    base = base or TrainEfficiency()
+    y = np.log(np.array([r.step_time_s for r in recs]))
+
+    def fitted(logx: np.ndarray) -> TrainEfficiency:
+        mfu, per_mb = (math.exp(v) for v in logx)
+        return base.model_copy(update={"mfu": min(mfu, 1.0), "per_microbatch_overhead_s": per_mb})
+
+    def loss(logx: np.ndarray) -> float:
+        return float(
+            np.mean((np.log(np.maximum(predict_train(recs, catalog, fitted(logx)), 1e-12)) - y) ** 2)
+        )
+
+    x0 = np.log([base.mfu, max(base.per_microbatch_overhead_s, START_FLOOR_S)])
+    best = fitted(nelder_mead(loss, x0))
+    pred = predict_train(recs, catalog, best)
+    return best, float(np.mean(np.abs(pred - np.exp(y)) / np.exp(y)))

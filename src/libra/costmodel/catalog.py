@@ -8,6 +8,7 @@ A user entry with a shipped name replaces it. Unknown names fail with the list o
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +34,20 @@ class Catalog:
             raise ConfigError(field_name, name, self.model_specs.keys())
         return self.model_specs[name]
 
+    def resolve_model(self, wanted: str, field_name: str = "model") -> tuple[str, str]:
+        """The catalog model a Hugging Face style name means, and the weight dtype its suffix notes.
+
+        Case-insensitive; the org prefix (`Qwen/`) and common suffixes (`-Instruct`,
+        `-Instruct-2507`, `-Base`, `-FP8`, ...) are dropped, and the name is matched against each
+        entry's name and its `source`. `-FP8` is returned as the dtype ("" otherwise); an unknown
+        name is an error listing the catalog's names."""
+        key, dtype = _model_key(wanted)
+        for name, spec in self.model_specs.items():
+            keys = {_model_key(name)[0], _model_key(spec.source)[0]} if spec.source else {_model_key(name)[0]}
+            if key in keys or key.replace("-", "") in {k.replace("-", "") for k in keys}:
+                return name, dtype
+        raise ConfigError(field_name, wanted, self.model_specs.keys())
+
     def add_file(self, path: str | Path) -> None:
         data = load_yaml(path)
         unknown = set(data) - {"hardware", "models"}
@@ -44,6 +59,19 @@ class Catalog:
         for i, rec in enumerate(_as_list(data.get("models"), f"{path}: models")):
             spec = build(ModelSpec, rec, f"{path}: models[{i}]")
             self.model_specs[spec.name] = spec
+
+
+_SUFFIX = re.compile(r"-(instruct|chat|base|hf|it|fp8|bf16|\d{4})$")
+
+
+def _model_key(name: str) -> tuple[str, str]:
+    """Lower case, no org prefix, '_' as '-', common suffixes dropped; and 'fp8' if one was -FP8."""
+    key = name.strip().rsplit("/", 1)[-1].lower().replace("_", "-")
+    dtype = ""
+    while (m := _SUFFIX.search(key)) is not None:
+        dtype = "fp8" if m.group(1) == "fp8" else dtype
+        key = key[: m.start()]
+    return key, dtype
 
 
 def _as_list(value: object, field_name: str) -> list:

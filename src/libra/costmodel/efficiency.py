@@ -1,34 +1,126 @@
-"""Efficiency coefficients: the few numbers that turn spec-sheet physics into engine time.
+"""Efficiency terms: the numbers that turn spec-sheet physics into engine time, with their sources.
 
-Shipped defaults are honest constants with their source. `libra costmodel calibrate` fits them to
-measurements and writes a profile YAML of this same shape, which every command loads with
-`--profile FILE`. They are never fitted per test.
+Three kinds, kept apart because they come from different measurements:
+- `GpuTerms`, per GPU type: how close the kernels get to the hardware (memory-bandwidth and compute
+  efficiency of the linear layers, a per-layer time that does not shrink with TP, attention's fixed
+  cost) and the all-reduce, by backend (NCCL or the engine's own kernel), TP degree and size band.
+  Fitted to measured kernel and collective times by `libra costmodel calibrate --vidur DIR`; the
+  shipped values are in `data/gpu_terms.yaml` with the command that produced them.
+- `EngineOverhead`, per engine generation: the CPU time of a step (fixed, per running sequence,
+  per extra TP worker) and whether the engine's own all-reduce kernel is used. Shipped presets in
+  `data/engines.yaml`: `vllm-v1` (the default; vLLM 0.8 and later) and `vllm-v0` (0.7 and earlier).
+- Memory held outside weights and KV (`fixed_workspace_gib`), and the links used for KV transfers.
+
+`libra costmodel calibrate` fits any of them and writes a profile YAML of this same shape, which
+every command loads with `--profile FILE`. They are never fitted per test.
 """
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
+from typing import Annotated
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from libra.core.config import build, load_yaml
+from libra.core.errors import ConfigError
+
+_DATA = Path(__file__).parent / "data"
+DEFAULT_ENGINE = "vllm-v1"
 
 
-class RolloutEfficiency(BaseModel):
-    """How close an inference engine gets to the hardware, and what it spends besides."""
-
+class _Frozen(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False, extra="forbid", frozen=True)
 
-    # Decode GEMV and paged-attention kernels on Hopper/Blackwell-class GPUs reach 80-90% of HBM
-    # bandwidth (FlashInfer and vLLM kernel benchmarks); 0.85 is the middle of that range.
-    bw: float = Field(0.85, gt=0, le=1)
-    # Achieved fraction of dense bf16 peak for the GEMMs of a mixed prefill/decode batch. Large
-    # prefill GEMMs reach 60-70% MFU; the small decode part of a batch much less, so 0.5.
-    compute: float = Field(0.5, gt=0, le=1)
-    # NCCL ring all-reduce bus bandwidth relative to the link (nccl-tests: ~75-80% on NVLink).
+
+class AllReduceBand(_Frozen):
+    """Messages up to `up_to_bytes` take latency_s + ring bytes / bus bandwidth."""
+
+    up_to_bytes: float = Field(gt=0)
+    latency_s: float = Field(ge=0)
+    bus_gbps: float = Field(gt=0)
+
+
+class AllReduceTerms(_Frozen):
+    """One all-reduce backend on one GPU type at one group size, by message-size band.
+
+    NCCL switches protocol and algorithm with the message size (LL, LL128, Simple; ring or tree),
+    so one latency and one bandwidth do not fit it: each band gets its own."""
+
+    bands: list[AllReduceBand] = Field(min_length=1)
+
+    def time(self, nbytes: float, group: int) -> float:
+        ring = 2.0 * (group - 1) / group
+        for band in self.bands:
+            if nbytes <= band.up_to_bytes:
+                break
+        return band.latency_s + ring * nbytes / (band.bus_gbps * 1e9)
+
+
+class GpuTerms(_Frozen):
+    """How the kernels of an inference engine behave on one GPU type."""
+
+    # Achieved fraction of HBM bandwidth in weight-bound GEMMs, and of the dense bf16 peak in
+    # compute-bound ones. The linear layers take the smooth roofline (a^p + b^p)^(1/p) of the two
+    # times: near the ridge point a GEMM is neither purely bandwidth- nor compute-bound.
+    # The defaults (GPU types with no measured terms) are the mean of the measured A100 and H100.
+    bw: float = Field(0.81, gt=0, le=1)
+    compute: float = Field(0.67, gt=0, le=1)
+    roofline_p: float = Field(2.0, ge=1, le=64)
+    # Per transformer layer per step, whatever the TP degree: GEMM tails and launches, norms,
+    # activation, rope, residual adds at small batch.
+    layer_fixed_s: float = Field(43e-6, ge=0)
+    # Per token and hidden element per layer: norms and residual adds read the full hidden state
+    # on every rank, so this part does not shrink with TP either.
+    norm_s: float = Field(1e-11, ge=0)
+    # Per layer per step: the attention kernel's launch and tail (FlashAttention/FlashInfer).
+    attn_fixed_s: float = Field(6e-6, ge=0)
+    # All-reduce by group size; a size missing here uses the nearest one below it.
+    nccl: dict[int, AllReduceTerms] = Field(default_factory=dict)
+    custom: dict[int, AllReduceTerms] = Field(default_factory=dict)
+    source: str = ""
+
+    def allreduce(self, backend: str, group: int) -> AllReduceTerms | None:
+        table = self.custom if backend == "custom" else self.nccl
+        below = [g for g in table if g <= group]
+        return table[max(below)] if below else None
+
+
+class EngineOverhead(_Frozen):
+    """The CPU side of an engine step, for one engine generation."""
+
+    # Scheduling, input preparation, sampling and output processing, per step.
+    base_overhead_s: float = Field(ge=0)
+    # Per running sequence per step: block tables, sampling metadata, detokenisation.
+    per_seq_overhead_s: float = Field(ge=0)
+    # Per extra TP worker: the broadcast of the step's inputs and a cross-process barrier.
+    tp_overhead_s: float = Field(0.0, ge=0)
+    # Per running sequence per extra TP worker (older engines sent per-sequence metadata to
+    # every worker each step).
+    tp_seq_overhead_s: float = Field(0.0, ge=0)
+    # The share of the GPU type's per-layer fixed time (measured kernel by kernel, as Vidur does)
+    # left when the engine fuses norms, residual adds, activation and rope into fewer kernels
+    # (vLLM V1 compiles the model with torch.compile; V0 ran them one by one).
+    layer_kernel_fraction: float = Field(1.0, gt=0, le=2)
+    # The engine's own one-shot all-reduce kernel for messages up to this size on NVLink (vLLM's
+    # custom all-reduce); NCCL above it, or when it is off.
+    custom_allreduce: bool = True
+    custom_allreduce_max_bytes: float = Field(8 * 2**20, ge=0)
+    source: str = ""
+
+
+class RolloutEfficiency(_Frozen):
+    """Everything the rollout cost model needs besides the spec sheets."""
+
+    gpus: dict[str, GpuTerms] = Field(default_factory=lambda: shipped_gpu_terms())
+    # For GPU types with no measured terms.
+    default_gpu: GpuTerms = GpuTerms(source="defaults for GPUs without measured terms (docs/fidelity.md)")
+    engines: dict[str, EngineOverhead] = Field(default_factory=lambda: shipped_engines())
+    # NCCL ring bus bandwidth relative to the link, used for KV transfers and for NVLink GPUs with
+    # no measured all-reduce (nccl-tests: ~75-80% on NVLink).
     link: float = Field(0.75, gt=0, le=1)
-    # Latency of one small all-reduce inside an NVLink node (nccl-tests, small messages: 15-30 us).
     allreduce_latency_s: float = Field(20e-6, ge=0)
     # Without NVLink and without PCIe peer-to-peer (the usual case for workstation-class cards in
     # servers), NCCL's SHM transport stages every byte through host memory: it crosses PCIe twice
@@ -36,24 +128,65 @@ class RolloutEfficiency(BaseModel):
     # 50-70 us small-message latency. (The Qwen3-32B TP2 vLLM trace is what exposed this term.)
     pcie_link: float = Field(0.25, gt=0, le=1)
     pcie_allreduce_latency_s: float = Field(60e-6, ge=0)
-    # Per-iteration CPU work outside the GPU kernels: scheduling, input preparation, sampler and
-    # output processing (vLLM profiles show 2-4 ms per step for mid-size batches).
-    base_overhead_s: float = Field(2.5e-3, ge=0)
-    # Each extra TP worker adds a broadcast of the step's scheduler output and a cross-process
-    # barrier (vLLM V1 shared-memory message queue: ~0.3 ms per worker).
-    tp_overhead_s: float = Field(0.3e-3, ge=0)
-    # CPU cost per running sequence per step: block tables, sampling metadata, detokenisation.
-    # vLLM's CPU-bound regime at large batch implies 15-30 us per sequence.
-    per_seq_overhead_s: float = Field(20e-6, ge=0)
-    # Memory held outside weights and KV: CUDA context, CUDA graphs, NCCL buffers (~1.5 GiB),
-    # plus the activation peak that vLLM profiles at max_num_batched_tokens (computed separately).
-    fixed_workspace_gib: float = Field(1.5, ge=0)
+    # Memory held outside weights, KV and the activation peak: CUDA context, cuBLAS and NCCL
+    # workspaces, CUDA graphs. Fitted to the KV sizes vLLM 0.28 reported on RTX PRO 6000
+    # (docs/fidelity.md, "KV capacity").
+    fixed_workspace_gib: float = Field(2.0, ge=0)
+
+    def gpu(self, hardware: str) -> GpuTerms:
+        return self.gpus.get(hardware, self.default_gpu)
+
+    def engine(self, name: str, field: str = "engine") -> EngineOverhead:
+        if name not in self.engines:
+            raise ConfigError(field, name, sorted(self.engines))
+        return self.engines[name]
+
+    def updated(self, hardware: str, engine: str, values: dict[str, float]) -> RolloutEfficiency:
+        """A copy with GPU-term fields of `hardware` and overhead fields of `engine` replaced."""
+        gpu_upd = {k: v for k, v in values.items() if k in GpuTerms.model_fields}
+        eng_upd = {k: v for k, v in values.items() if k in EngineOverhead.model_fields}
+        unknown = set(values) - set(gpu_upd) - set(eng_upd)
+        if unknown:
+            raise ConfigError("fields", sorted(unknown), sorted(FIT_FIELDS_ALL))
+        gpus = {**self.gpus, hardware: self.gpu(hardware).model_copy(update=gpu_upd)}
+        engines = {**self.engines, engine: self.engine(engine).model_copy(update=eng_upd)}
+        return self.model_copy(update={"gpus": gpus, "engines": engines})
 
 
-class TrainEfficiency(BaseModel):
+FIT_FIELDS_ALL = ("bw", "compute", "layer_fixed_s", "attn_fixed_s", "norm_s", "base_overhead_s",
+                  "per_seq_overhead_s", "tp_overhead_s", "tp_seq_overhead_s", "layer_kernel_fraction")  # fmt: skip
+FRACTIONS = frozenset({"bw", "compute"})
+
+
+@cache
+def shipped_gpu_terms() -> dict[str, GpuTerms]:
+    data = load_yaml(_DATA / "gpu_terms.yaml") or {}
+    return {
+        name: build(GpuTerms, rec, f"gpu_terms.yaml: {name}") for name, rec in data.get("gpus", {}).items()
+    }
+
+
+@cache
+def shipped_engines() -> dict[str, EngineOverhead]:
+    data = load_yaml(_DATA / "engines.yaml") or {}
+    return {
+        name: build(EngineOverhead, rec, f"engines.yaml: {name}")
+        for name, rec in data.get("engines", {}).items()
+    }
+
+
+def _known_engine(name: str) -> str:
+    if name not in shipped_engines():
+        raise ValueError(f"an engine preset, one of {sorted(shipped_engines())}")
+    return name
+
+
+# A config field naming an engine preset (a scenario's rollout.engine, the gateway's cost_model.engine).
+EngineName = Annotated[str, AfterValidator(_known_engine)]
+
+
+class TrainEfficiency(_Frozen):
     """Training-side coefficients (Megatron-style 3D parallel training)."""
-
-    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", frozen=True)
 
     # Model FLOPs utilisation of well-tuned Megatron GEMMs on A100/H100: 40-55% (Megatron-LM
     # papers report 52% for 175B on A100); 0.45 leaves room for kernels outside the GEMMs.
@@ -66,10 +199,8 @@ class TrainEfficiency(BaseModel):
     fixed_workspace_gib: float = Field(3.0, ge=0)
 
 
-class Profile(BaseModel):
+class Profile(_Frozen):
     """A calibration profile: what `libra costmodel calibrate` writes and `--profile` reads."""
-
-    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", frozen=True)
 
     rollout: RolloutEfficiency = RolloutEfficiency()
     train: TrainEfficiency = TrainEfficiency()

@@ -171,6 +171,12 @@ class TrainCostModel:
         return 2 * (group - 1) / group * grad_bytes / self._link_bw(group, cross)
 
 
+def sequences_per_micro_batch(seq_lens: Sequence[int], max_tokens: int) -> int:
+    """How many sequences a trainer that packs micro-batches by a padded-token budget (the built-in
+    trainer's `micro_batch_tokens`) puts in one: the budget over the longest sequence, at least one."""
+    return max(1, max_tokens // max(seq_lens))
+
+
 @functools.lru_cache(maxsize=256)
 def _deal(lens: tuple[int, ...], dp: int) -> tuple[tuple[int, ...], ...]:
     """Longest-first onto the rank with the fewest quadratic-weighted tokens (balanced FLOPs).

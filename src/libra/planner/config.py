@@ -65,6 +65,12 @@ class PlannerConfig(BaseModel):
     # Large batches: rank candidates on a quantile sample, estimate only the best few exactly.
     rank_sample: int = Field(1024, ge=16, description="Sequences in the ranking sample of large batches")
     exact_per_count: int = Field(3, ge=1, description="Candidates per GPU count estimated on the full batch")
+    # A split by length must predict a step shorter than the best single bucket's by more than the
+    # estimate's error on that comparison: it cannot see what a split costs the shared pool, and on
+    # Search-R1 a split it preferred ran at 0.993x one bucket even with oracle routing (planner.md).
+    split_margin: float = Field(
+        0.10, ge=0, lt=1, description="Least predicted gain of a bucket split over one bucket"
+    )
     # Applying a plan.
     min_gain: float = Field(0.05, ge=0, lt=1, description="Least relative step-time gain worth a switch")
     interval_steps: int = Field(10, ge=1, description="Re-plan every K steps (also the gain horizon)")

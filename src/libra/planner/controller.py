@@ -73,6 +73,29 @@ class ControlDecision:
     trigger: Trigger = Trigger.NONE
     reason: str = ""  # why the planner did (or did not) switch
 
+    def log(self) -> dict:
+        """The decision as steps.json records it (the simulator and `libra train` alike)."""
+        el, rp = self.elastic, self.replan
+        return {
+            "step": self.step,
+            "trigger": self.trigger.name.lower(),
+            "reason": self.reason,
+            "replan": None
+            if rp is None
+            else {
+                "trigger": rp.trigger.name.lower(),
+                "reconfig_s": rp.reconfig_s,
+                "reason": rp.reason,
+            },  # fmt: skip
+            "elastic": None
+            if el is None
+            else {
+                "joins": [j.replica for j in el.joins],
+                "releases": [r.replica for r in el.releases],
+                "reason": el.reason,
+            },  # fmt: skip
+        }
+
 
 class PlanController:
     """Owns the triggers' bookkeeping, the statistics window and the apply rule for one run."""

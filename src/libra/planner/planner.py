@@ -130,7 +130,19 @@ class GlobalPlanner:
         ]
         if not finals:
             raise InfeasibleError(self._no_rollout_message(trains))
-        return min(finals, key=lambda p: (p.step_time_s, p.t_train_s + p.t_rollout_s, -p.rollout_gpus))
+        return self._pick(finals)
+
+    def _pick(self, finals: list[Plan]) -> Plan:
+        """The shortest predicted step; a split by length only if it beats the best single bucket
+        by more than `split_margin` (the planner's own error would otherwise decide)."""
+        key = lambda p: (p.step_time_s, p.t_train_s + p.t_rollout_s, -p.rollout_gpus)  # noqa: E731
+        best = min(finals, key=key)
+        single = [p for p in finals if len(p.buckets) == 1]
+        if len(best.buckets) > 1 and single:
+            one = min(single, key=key)
+            if one.step_time_s <= best.step_time_s * (1 + self.config.split_margin):
+                return one
+        return best
 
     def _train_frontier(self, lengths: list[int], bound: int) -> dict[int, TrainChoice]:
         p = self.problem

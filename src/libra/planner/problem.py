@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from libra.core.errors import ConfigError
 from libra.core.specs import HardwareSpec, ModelSpec
-from libra.costmodel.efficiency import Profile
+from libra.costmodel.efficiency import DEFAULT_ENGINE, Profile
 from libra.costmodel.rollout import RolloutCostModel
 from libra.costmodel.training import TrainCostModel
 
@@ -33,6 +33,7 @@ class PlanningProblem:
     staleness: int = 1  # rollout may run this many steps ahead of training (scenario pipeline.staleness)
     # What a training step takes (scenario pipeline.consume): the first groups to finish, or its batch.
     consume: str = "completion"
+    engine: str = DEFAULT_ENGINE  # the engine preset (scenario rollout.engine)
 
     def __post_init__(self) -> None:
         for name in ("nodes", "prompts_per_step", "samples_per_prompt", "max_length", "max_num_seqs",
@@ -64,6 +65,8 @@ class PlanningProblem:
             self.profile.rollout,
             self.gpu_memory_utilization,
             self.max_num_batched_tokens,
+            self.engine,
+            self.max_num_seqs,
         )
 
     def train_model(self) -> TrainCostModel:

@@ -26,7 +26,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from enum import IntEnum
 
-from libra.costmodel.rollout import RolloutCostModel
+from libra.costmodel.rollout import KV_BLOCK, RolloutCostModel
+from libra.rollout.batching import admits, preemption_victim, prefill_chunk
 from libra.sim.kernel import Handle, Kernel
 
 
@@ -66,6 +67,31 @@ class Seq:
 
     def current_ctx(self, step_no: int) -> int:
         return self.ctx_at_admit + (step_no - self.admit_step)
+
+
+class StepPlan:
+    """One scheduling decision (vLLM's SchedulerOutput): what the next step runs.
+
+    Either one iteration of prefill `chunks` (sequence, tokens) beside every running decode, or,
+    with no chunks, a segment of `decode_steps` decode-only iterations of a fixed batch. `preempted`
+    lists the sequences the decision sent back to the queue. Empty when there is nothing to run.
+    """
+
+    __slots__ = ("chunks", "prefill_tokens", "prefill_attn", "decode_seqs", "decode_ctx", "decode_steps",
+                 "preempted")  # fmt: skip
+
+    def __init__(self) -> None:
+        self.chunks: list[tuple[Seq, int]] = []
+        self.prefill_tokens = 0
+        self.prefill_attn = 0.0
+        self.decode_seqs = 0
+        self.decode_ctx = 0
+        self.decode_steps = 0
+        self.preempted: list[Seq] = []
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks and not self.decode_seqs
 
 
 class Engine:
@@ -153,7 +179,7 @@ class Engine:
         self.cache_tokens -= tokens
         return tokens
 
-    # ---- the scheduling loop ------------------------------------------------------------------
+    # ---- the scheduling loop: schedule() decides, _execute() times it, _end_*() apply it ---------
 
     def _poke(self) -> None:
         """Something changed: start work if idle, or cut a decode segment at the next step."""
@@ -165,17 +191,39 @@ class Engine:
             self._cut_segment()
 
     def _schedule_next(self) -> None:
-        self._admit()
-        if self.prefilling and self._mixed_step():
-            return
+        plan = self.schedule()
+        if not plan.empty:
+            self._execute(plan)
+
+    def schedule(self) -> StepPlan:
+        """The batching decision for the next step, like vLLM's `schedule()`.
+
+        Like vLLM: the running requests first (preempting the newest when the KV cache cannot
+        grow), then, only in a step that preempted nothing, waiting requests in FCFS order while
+        each fits beside a reserve of one block per running request; then the prefill chunks.
+        With no chunk to run, it plans a decode segment: the number of identical decode-only
+        iterations until the batch changes. Queue and KV bookkeeping move with the decision; time
+        does not (that is `_execute`)."""
+        plan = StepPlan()
+        self._room_for_decode(plan)
+        if not plan.preempted:
+            self._admit()
+        if self.prefilling and self._plan_chunks(plan):
+            return plan
         if self.n_dec:
-            self._decode_segment()
+            self._plan_segment(plan)
+        return plan
 
     def _admit(self) -> None:
-        """FCFS admission while a sequence slot and KV room for the whole prefill are free."""
+        """FCFS admission while a sequence slot is free and the whole prefill fits in free and
+        evictable KV, keeping one block per running request free for its growth (the rule the
+        live engine's scheduler shares, `libra.rollout.batching`)."""
         while self.waiting and self.running < self.max_num_seqs:
             seq = self.waiting[0]
-            if self._free() + self.cache_tokens < seq.ctx - seq.done_tokens and self.running:
+            reserve = KV_BLOCK * self.running
+            if self.running and not admits(
+                self._free() + self.cache_tokens, seq.ctx - seq.done_tokens, reserve
+            ):
                 break
             self.waiting.popleft()
             seq.state = SeqState.PREFILL
@@ -193,17 +241,18 @@ class Engine:
             self.evicted_tokens += tokens
         return self._free() >= need
 
-    def _room_for_decode(self) -> None:
+    def _room_for_decode(self, plan: StepPlan) -> None:
         """Decodes must grow by one token each: evict, then preempt the newest (vLLM recompute)."""
         if self.kv_cap - self.ctx_sum - self.kv_pref - self.cache_tokens >= self.n_dec:
             return  # the common case, without a call
         while not self._evict(self.n_dec) and self.n_dec > 1:
-            self._preempt_newest()
+            plan.preempted.append(self._preempt_newest())
 
-    def _preempt_newest(self) -> None:
+    def _preempt_newest(self) -> Seq:
         while self.order and self.order[-1].state != SeqState.DECODE:
             self.order.pop()
-        seq = self.order.pop()
+        seq = preemption_victim(self.order)
+        self.order.pop()
         ctx = seq.current_ctx(self.step_no)
         seq.state = SeqState.WAITING
         self.n_dec -= 1
@@ -212,35 +261,35 @@ class Engine:
         seq.ctx, seq.done_tokens = ctx, 0
         self.preemptions += 1
         self.waiting.appendleft(seq)
+        return seq
 
-    def _mixed_step(self) -> bool:
-        """One iteration with prefill chunks and every running decode. False if no chunk fits."""
-        self._room_for_decode()
+    def _plan_chunks(self, plan: StepPlan) -> bool:
+        """Prefill chunks beside every running decode, for one iteration. False if no chunk fits."""
+        self._room_for_decode(plan)
         budget = self.budget - self.n_dec
-        chunks, p_tok, p_attn = [], 0, 0.0
+        chunks = plan.chunks
         for seq in self.prefilling:
             if budget <= 0:
                 break
-            c = min(seq.ctx - seq.done_tokens, budget)
+            c = prefill_chunk(seq.ctx - seq.done_tokens, budget, budget)
             if not self._evict(c):
                 c = self._free()  # a prefill never preempts running work: take what is free
                 if c <= 0:
                     break
             chunks.append((seq, c))
             self.kv_pref += c
-            p_tok += c
-            p_attn += c * seq.done_tokens + c * (c + 1) / 2
+            plan.prefill_tokens += c
+            plan.prefill_attn += c * seq.done_tokens + c * (c + 1) / 2
             budget -= c
         if not chunks:
             if not self.n_dec:
-                self._stall()
+                self._stall(plan)
                 return True
             return False
-        dt = self.cost.step_time(p_tok, p_attn, self.n_dec, self.ctx_sum)
-        self._run(dt, self._end_mixed, chunks, p_tok)
+        plan.decode_seqs, plan.decode_ctx, plan.decode_steps = self.n_dec, self.ctx_sum, 1
         return True
 
-    def _stall(self) -> None:
+    def _stall(self, plan: StepPlan) -> None:
         """Partial prefills fill the cache and nothing decodes: requeue the newest and retry."""
         seq = self.prefilling.pop()
         if not self.prefilling:
@@ -251,13 +300,70 @@ class Engine:
         seq.done_tokens, seq.state = 0, SeqState.WAITING
         self.preemptions += 1
         self.waiting.appendleft(seq)
-        self._mixed_step()
+        plan.preempted.append(seq)
+        self._plan_chunks(plan)
 
-    def _end_mixed(self, chunks: list, p_tok: int) -> None:
+    def _plan_segment(self, plan: StepPlan) -> None:
+        """Decode-only: the batch stays fixed until a sequence finishes or the cache fills."""
+        self._room_for_decode(plan)
+        n, free = self.n_dec, self._free()
+        top = self._top_live()
+        assert top is not None  # a decode segment runs only with live decodes
+        k_fin = top[0] - self.step_no
+        k = max(1, min(k_fin, free // n))
+        if self.max_segment_steps:
+            k = min(k, self.max_segment_steps)
+        plan.decode_seqs, plan.decode_ctx, plan.decode_steps = n, self.ctx_sum, k
+
+    def _execute(self, plan: StepPlan) -> None:
+        """Time the plan with the cost model and schedule its end (the model run, simulated)."""
+        if plan.chunks:
+            dt = self.cost.step_time(
+                plan.prefill_tokens, plan.prefill_attn, plan.decode_seqs, plan.decode_ctx
+            )
+            self.busy_s += dt
+            self._busy = self.k.after(dt, self._end_mixed, plan)
+            if self.tracer is not None:
+                self.tracer.engine_span(
+                    self, self.k.now, self.k.now + dt, plan.decode_seqs, plan.prefill_tokens
+                )
+            return
+        k, n, c0 = plan.decode_steps, plan.decode_seqs, plan.decode_ctx
+        a, b = self.cost.decode_coeffs(n)
+        dt = k * a + b * (k * c0 + n * k * (k - 1) / 2)
+        self._seg = (self.k.now, k, a, b, c0, n)
+        self.busy_s += dt
+        self._busy = self.k.after(dt, self._end_segment, k)
+
+    def _top_live(self) -> tuple[int, int, Seq] | None:
+        heap = self.heap
+        while heap and not _live(heap[0]):
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+    def _cut_segment(self) -> None:
+        """An admissible request arrived mid-segment: stop after the step now running."""
+        assert self._seg is not None and self._busy is not None
+        t0, k, a, b, c0, n = self._seg
+        qa, qb = b * n / 2, a + b * c0 - b * n / 2  # S(j) = qa j^2 + qb j
+        el = self.k.now - t0
+        j = int((-qb + math.sqrt(qb * qb + 4 * qa * el)) / (2 * qa)) if qa > 0 else int(el / qb)
+        j = min(k, j + 1)
+        if j >= k:
+            return
+        self._busy.cancel()
+        t_end = max(self.k.now, t0 + qa * j * j + qb * j)
+        self.busy_s -= (t0 + qa * k * k + qb * k) - t_end
+        self._seg = (t0, j, a, b, c0, n)
+        self._busy = self.k.at(t_end, self._end_segment, j)
+
+    # ---- applying a step's outputs (vLLM's update_from_output) -------------------------------------
+
+    def _end_mixed(self, plan: StepPlan) -> None:
         self._busy, self._stepping = None, True
         self._advance(1)
-        self.prefill_tokens += p_tok
-        for seq, c in chunks:
+        self.prefill_tokens += plan.prefill_tokens
+        for seq, c in plan.chunks:
             seq.done_tokens += c
             seq.prefilled += c
             if seq.done_tokens >= seq.ctx:
@@ -290,43 +396,6 @@ class Engine:
         if len(self.order) > 4 * self.n_dec + 64:
             self.order = [s for s in self.order if s.state == SeqState.DECODE]
 
-    def _top_live(self) -> tuple[int, int, Seq] | None:
-        heap = self.heap
-        while heap and not _live(heap[0]):
-            heapq.heappop(heap)
-        return heap[0] if heap else None
-
-    def _decode_segment(self) -> None:
-        self._room_for_decode()
-        n, free = self.n_dec, self._free()
-        top = self._top_live()
-        assert top is not None  # a decode segment runs only with live decodes
-        k_fin = top[0] - self.step_no
-        k = max(1, min(k_fin, free // n))
-        if self.max_segment_steps:
-            k = min(k, self.max_segment_steps)
-        a, b = self.cost.decode_coeffs(n)
-        c0 = self.ctx_sum
-        dt = k * a + b * (k * c0 + n * k * (k - 1) / 2)
-        self._seg = (self.k.now, k, a, b, c0, n)
-        self._run(dt, self._end_segment, k)
-
-    def _cut_segment(self) -> None:
-        """An admissible request arrived mid-segment: stop after the step now running."""
-        assert self._seg is not None and self._busy is not None
-        t0, k, a, b, c0, n = self._seg
-        qa, qb = b * n / 2, a + b * c0 - b * n / 2  # S(j) = qa j^2 + qb j
-        el = self.k.now - t0
-        j = int((-qb + math.sqrt(qb * qb + 4 * qa * el)) / (2 * qa)) if qa > 0 else int(el / qb)
-        j = min(k, j + 1)
-        if j >= k:
-            return
-        self._busy.cancel()
-        t_end = max(self.k.now, t0 + qa * j * j + qb * j)
-        self.busy_s -= (t0 + qa * k * k + qb * k) - t_end
-        self._seg = (t0, j, a, b, c0, n)
-        self._busy = self.k.at(t_end, self._end_segment, j)
-
     def _end_segment(self, k: int) -> None:
         self._busy, seg = None, self._seg
         assert seg is not None
@@ -336,12 +405,6 @@ class Engine:
         self._advance(k)
         self._stepping = False
         self._schedule_next()
-
-    def _run(self, dt: float, fn, *args) -> None:
-        self.busy_s += dt
-        self._busy = self.k.after(dt, fn, *args)
-        if self.tracer is not None and fn == self._end_mixed:
-            self.tracer.engine_span(self, self.k.now, self.k.now + dt, self.n_dec, args[1])
 
     def _advance(self, k: int) -> None:
         """k decode steps happened: contexts grow, finished sequences leave."""

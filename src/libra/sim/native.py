@@ -44,6 +44,7 @@ MODULES = (
     "libra.rollout.tree",
     "libra.rollout.predictor",
     "libra.rollout.features",
+    "libra.rollout.batching",
 )
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # src/libra
 PURE_ENV = "LIBRA_PURE_PYTHON"

@@ -70,7 +70,7 @@ def run_core(spec: RunSpec, store: dist.Store, rank: int, out: IO[str], workdir:
         model, optimizer, rank=rank, core=spec.core, slots=spec.slots, store=store,
         recompute=lambda idx: work.backward(model, reducer.step, idx), config=spec.runtime,
     )  # fmt: skip
-    active_for = [0] * spec.slots
+    active_for, seen = [0] * spec.slots, set()
     # Prestarted joiners are up before step 0, as trainers already started in drained engines'
     # slots would be: a join's timing then does not depend on how long a process takes to start.
     store.wait([ready_key(i) for i, j in enumerate(spec.joins) if j.prestart], timeout)
@@ -92,18 +92,28 @@ def run_core(spec: RunSpec, store: dist.Store, rank: int, out: IO[str], workdir:
         _line(out, row)
         if rank == 0:
             store.set(STEP_KEY, str(step))
-            _release_rule(spec, reducer, active_for)
+            _release_rule(spec, reducer, active_for, seen)
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, workdir / f"final-{rank}.pt")
     reducer.close()
     dist.destroy_process_group()
     _line(out, {"outcome": "finished"})
 
 
-def _release_rule(spec: RunSpec, reducer: ElasticReducer, active_for: list[int]) -> None:
-    """Rank 0 asks for a slot's release once it has counted for its spec's number of steps."""
+def _release_rule(spec: RunSpec, reducer: ElasticReducer, active_for: list[int], seen: set[int]) -> None:
+    """Rank 0 asks for a slot's release once it has counted for its spec's number of steps.
+
+    One membership change at a time: while another slot of the run has yet to become ACTIVE, a
+    slot's count waits, so a run that asks for two joins sees both count together however long
+    the second takes on a loaded machine."""
     after = {j.slot: j.release_after for j in spec.joins if j.release_after}
-    for slot, state in enumerate(reducer.status.states):
-        active_for[slot] = active_for[slot] + 1 if state == JoinState.ACTIVE else 0
+    states = reducer.status.states
+    seen |= {slot for slot, state in enumerate(states) if state == JoinState.ACTIVE}
+    for slot, state in enumerate(states):
+        waiting = {j.slot for j in spec.joins} - seen - {slot}
+        if state == JoinState.ACTIVE and not waiting:
+            active_for[slot] += 1
+        elif state != JoinState.ACTIVE:
+            active_for[slot] = 0
         if after.get(slot) and active_for[slot] == after[slot]:
             reducer.request_release(slot)
 

@@ -8,7 +8,8 @@ sequence is preempted: its blocks are freed and it goes back to the front of the
 recomputed later. That is vLLM's recompute policy; it keeps the oldest requests moving.
 
 Plain Python with no torch and no clock, so it is property-tested directly (nothing lost,
-capacity never exceeded).
+capacity never exceeded). The rules it shares with the simulated engine (chunk size, preemption
+victim, admission against a reserve) are in `libra.rollout.batching`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from libra.rollout.batching import admits, preemption_victim, prefill_chunk
 from libra.runtime.engine.kv_cache import BlockAllocator
 from libra.runtime.engine.sequence import SeqStatus, Sequence
 
@@ -77,7 +79,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(len(seq.tokens) - seq.num_computed, self.chunk, budget)
+            n = prefill_chunk(len(seq.tokens) - seq.num_computed, budget, self.chunk)
             if not self._make_room(seq, seq.num_computed + n, plan):
                 break  # `seq` itself was preempted; everything after it already was
             (plan.decodes if n == 1 else plan.prefills).append(Chunk(seq, seq.num_computed, n))
@@ -88,7 +90,7 @@ class Scheduler:
     def _make_room(self, seq: Sequence, n_tokens: int, plan: StepPlan) -> bool:
         """Blocks for `n_tokens` of `seq`, preempting from the back of the running list."""
         while not self.alloc.ensure(seq.blocks, n_tokens):
-            victim = self.running[-1]
+            victim = preemption_victim(self.running)
             self._preempt(victim)
             plan.preempted.append(victim)
             if victim is seq:
@@ -98,11 +100,10 @@ class Scheduler:
     def _admit(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and budget > 0 and self._rows and not plan.preempted:
             seq = self.waiting[0]
-            n = min(len(seq.tokens), self.chunk, budget)
+            n = prefill_chunk(len(seq.tokens), budget, self.chunk)
             # Keep one free block per running sequence so admitting does not force a preemption
             # on the very next decode step.
-            need = self.alloc.blocks_needed(0, n)
-            if self.alloc.free_count - need < len(self.running):
+            if not admits(self.alloc.free_count, self.alloc.blocks_needed(0, n), len(self.running)):
                 break
             self.alloc.ensure(seq.blocks, n)
             self.waiting.popleft()

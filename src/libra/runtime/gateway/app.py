@@ -36,7 +36,8 @@ def coster(cfg: GatewayConfig):
     cat = load_catalog()
     hw = cat.hardware(cfg.cost_model.hardware, "cost_model.hardware")
     model = cat.model(cfg.cost_model.model, "cost_model.model")
-    return CostModelCoster([RolloutCostModel(hw, model, b.tp) for b in cfg.bucket_list()])
+    engine = cfg.cost_model.engine
+    return CostModelCoster([RolloutCostModel(hw, model, b.tp, engine=engine) for b in cfg.bucket_list()])
 
 
 def run(cfg: GatewayConfig, log_level: str = "info", access_log: bool = False) -> None:

@@ -20,6 +20,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from libra.core.config import build
 from libra.core.errors import ConfigError
+from libra.costmodel.efficiency import DEFAULT_ENGINE, EngineName
 from libra.rollout.base import Bucket
 from libra.rollout.tool_state import SizeThresholds
 
@@ -134,6 +135,9 @@ class CostModelConfig(_Strict):
 
     model: str = Field(description="A catalog model, e.g. qwen3-14b.")
     hardware: str = Field(description="A catalog GPU, e.g. a800-80g.")
+    engine: EngineName = Field(
+        DEFAULT_ENGINE, description="Engine preset for the CPU overhead: vllm-v1 or vllm-v0."
+    )
 
 
 class GatewayConfig(_Strict):

@@ -81,7 +81,7 @@ class ServiceProcess:
     """
 
     def __init__(
-        self, config: str | None = None, extra_args: tuple[str, ...] = (), start_timeout_s: float = 60.0
+        self, config: str | None = None, extra_args: tuple[str, ...] = (), start_timeout_s: float = 300.0
     ):
         self.config, self.extra_args, self.start_timeout_s = config, extra_args, start_timeout_s
         self.proc = None

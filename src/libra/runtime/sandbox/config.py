@@ -2,10 +2,14 @@
 
 Every limit a request can ask for has a ceiling here, so no request can raise its own limits past
 what the operator allows. The defaults suit one machine: all of its cores, the service's own
-Python inside the sandbox (so packages such as pytest are there), and bounded output.
+Python inside the sandbox (so packages such as pytest are there), SandboxFusion's defaults where
+it has them (the whole output of a program, no memory limit of its own below the ceiling), and a
+bound on everything a sandbox can hold (memory, processes, disk, output).
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -18,18 +22,36 @@ class SandboxConfig(BaseModel):
         None, description="Interpreter inside the sandbox (default: the service's own)."
     )
     ro_binds: list[str] = Field(default_factory=list, description="Extra host paths visible read-only.")
-    memory_mb: int = Field(1024, ge=16, description="Default address-space limit of an action.")
-    max_memory_mb: int = Field(8192, ge=16, description="The most an action may ask for.")
+    memory_mb: int = Field(
+        1024, ge=16, description="Memory the scheduler reserves for a /run_code without memory_limit_MB."
+    )
+    max_memory_mb: int = Field(
+        8192,
+        ge=16,
+        description="Resident memory of an action: the ceiling, and the limit for memory_limit_MB -1.",
+    )
     nproc: int = Field(256, ge=8, description="Processes (and threads) one action may run.")
     fsize_mb: int = Field(256, ge=1, description="Largest file an action may write.")
     nofile: int = Field(1024, ge=16, description="Open files per process.")
-    tmp_size_mb: int = Field(256, ge=1, description="Size of the private /tmp (RAM-backed).")
+    disk_mb: int = Field(
+        512,
+        ge=1,
+        description="All a sandbox may store: /workspace, /tmp and its absolute paths (RAM-backed).",
+    )
     output_limit_bytes: int = Field(
-        1_000_000, ge=1024, description="Per stream; the rest is counted and dropped."
+        32 * 2**20,
+        ge=1024,
+        description="Per stream: default and ceiling; beyond it output is counted and cut.",
+    )
+    cgroups: Literal["auto", "off"] = Field(
+        "auto",
+        description="Limit memory and cores with cgroups where the host allows (off: rlimit and seccomp).",
     )
     default_timeout_s: float = Field(10.0, gt=0)
     max_timeout_s: float = Field(900.0, gt=0)
-    uid_base: int = Field(61000, ge=1000, description="First uid of the range sandboxes run under.")
+    uid_base: int | None = Field(
+        None, ge=1000, description="First uid of the range sandboxes run under (default: a free range)."
+    )
     uid_count: int = Field(4096, ge=2, description="Uids in the range (sessions plus concurrent runs).")
     workdir_root: str | None = Field(
         None, description="Where sandboxes' work dirs live (default: a temp dir)."

@@ -3,18 +3,24 @@
 Each execution is a chain of small exec wrappers, so nothing runs Python code between fork and
 exec in the service (which would be unsafe with threads):
 
+    sh -c 'echo $$ > cgroup.procs'  join the sandbox's cgroup (resident memory, cpuset), where the
+                                host has cgroups for the service (cgroups.py)
     taskset -c CORES            the cores the scheduler granted (per-action CPU affinity)
     bwrap ...                   new PID, network, IPC and UTS namespaces; a read-only view of the
-                                system; a private writable /workspace and a size-limited /tmp
-    setpriv --reuid UID ...     drop to an unprivileged uid of the sandbox range, no capabilities,
-                                no_new_privs (root in the sandbox could read /etc/shadow)
-    prlimit --as --cpu ...      rlimits on memory, CPU time, processes, file size, open files
+                                system; the sandbox's own storage (storage.py) at /workspace, /tmp
+                                and the absolute paths its requests named; without a cpuset, a
+                                seccomp filter that refuses sched_setaffinity (seccomp.py)
+    setpriv --reuid UID ...     drop to an unprivileged uid of the service's own range, no
+                                capabilities, no_new_privs (root in the sandbox could read /etc/shadow)
+    prlimit --cpu --nproc ...   rlimits on CPU time, processes, file size, open files, and the
+                                address space where no memory cgroup bounds what is resident
     COMMAND
 
 The process tree dies with its action: bwrap's init is PID 1 of the namespace and
 --die-with-parent ties it to the outer process, so killing that one (on timeout) or the command
-exiting (children left running) tears the whole namespace down. A scan for leftover processes of
-the sandbox uid follows every run as a second line of defence.
+exiting (children left running) tears the whole namespace down. Killing what is left in the
+sandbox's cgroup (or, without one, the processes of its uid, a uid this service alone owns)
+follows every run as a second line of defence.
 
 Without bwrap (or root) the service refuses to start unless told `--insecure-no-sandbox`; then
 commands run with the same rlimits and affinity but no namespaces and as the service's user.
@@ -34,13 +40,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from libra.runtime.sandbox.config import SandboxConfig
+from libra.runtime.sandbox.storage import SYSTEM_TOPS, WORKSPACE
 
-WORKSPACE = "/workspace"
+if TYPE_CHECKING:
+    from libra.runtime.sandbox.boxes import Box
+    from libra.runtime.sandbox.cgroups import CgroupTree
+
 TRUNCATION_MARKER = "\n[... truncated {n} bytes of output ...]\n"
 # Executables the wrapper chain needs on the host.
 TOOLS = ("bwrap", "setpriv", "prlimit", "taskset")
+# Where the sandbox finds programs: its python's directory comes first (sandbox_path()).
+SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
+FALLBACK_ARENAS = 2  # glibc malloc arenas per process where memory is an address-space limit
 
 
 class RunStatus(IntEnum):
@@ -59,6 +73,7 @@ class ExecResult:
     truncated: int = 0  # bytes of output dropped beyond the limit
     leftovers_killed: int = 0
     message: str = ""
+    oom_killed: bool = False  # the kernel killed a process of it for memory (cgroup limit)
 
 
 @dataclass(slots=True)
@@ -72,19 +87,38 @@ class Limits:
     fsize_mb: int
     nofile: int
     output_bytes: int
+    reserves_mb: int = 0  # address space beyond memory_mb, where memory is an address-space rlimit
 
 
 @dataclass(slots=True)
 class Isolation:
-    """What the host offers: bwrap isolation, or nothing (insecure mode)."""
+    """What the host offers: bwrap isolation and its containment, or nothing (insecure mode).
+
+    The bwrap arguments come in two halves around the sandbox's own binds: `head_args` (namespaces,
+    the system) before them, `tail_args` (interpreter binds, /proc, /dev, environment) after, so a
+    bind under /tmp (a CI checkout) still shows through the sandbox's own /tmp."""
 
     sandboxed: bool
     reason: str = ""
-    static_args: list[str] = field(default_factory=list)
+    head_args: list[str] = field(default_factory=list)
+    tail_args: list[str] = field(default_factory=list)
+    reserved_tops: frozenset[str] = frozenset()  # top-level dirs the sandbox mounts: not for requests
+    cgroups: CgroupTree | None = None
+    seccomp: bytes | None = None  # the affinity filter, when there is no cpuset
+    tmpfs: bool = False  # storage is a size-limited tmpfs per sandbox
+    notes: dict[str, str] = field(default_factory=dict)  # what each limit uses, for /health
+
+    @property
+    def memory_cgroup(self) -> bool:
+        return self.cgroups is not None and self.cgroups.memory is not None
+
+    @property
+    def cpuset(self) -> bool:
+        return self.cgroups is not None and self.cgroups.cpuset is not None
 
 
-def probe(cfg: SandboxConfig) -> Isolation:
-    """Check that bubblewrap isolation really works here; say why when it does not."""
+def host_problem() -> str | None:
+    """Why this host cannot sandbox at all (a missing tool, not root), or None."""
     missing = [t for t in TOOLS if shutil.which(t) is None]
     if missing:
         pkg = {
@@ -94,16 +128,23 @@ def probe(cfg: SandboxConfig) -> Isolation:
             "taskset": "util-linux",
         }
         need = sorted({pkg[m] for m in missing})
-        return Isolation(
-            False, f"missing {', '.join(missing)} (install the Debian package(s) {', '.join(need)})"
-        )
+        return f"missing {', '.join(missing)} (install the Debian package(s) {', '.join(need)})"
     if os.geteuid() != 0:
-        return Isolation(False, "the sandbox runs actions under their own uids, which needs root")
-    iso = Isolation(True, static_args=bwrap_args(cfg))
+        return "the sandbox runs actions under their own uids, which needs root"
+    return None
+
+
+def probe(cfg: SandboxConfig, uid: int) -> Isolation:
+    """Check that bubblewrap isolation really works here, as `uid` (one the caller owns); say why
+    when it does not."""
+    if problem := host_problem():
+        return Isolation(False, problem)
+    head, tail, reserved = bwrap_args(cfg)
+    iso = Isolation(True, head_args=head, tail_args=tail, reserved_tops=reserved)
     try:
         r = subprocess.run(
-            ["bwrap", *iso.static_args, "--", "setpriv", "--reuid", str(cfg.uid_base), "--regid",
-             str(cfg.uid_base), "--clear-groups", "--", "/bin/true"],
+            ["bwrap", *head, *tail, "--", "setpriv", "--reuid", str(uid), "--regid",
+             str(uid), "--clear-groups", "--", "/bin/true"],
             capture_output=True, text=True, timeout=20,
         )  # fmt: skip
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -111,6 +152,38 @@ def probe(cfg: SandboxConfig) -> Isolation:
     if r.returncode != 0:
         return Isolation(False, f"bwrap could not start a sandbox: {r.stderr.strip()[:300]}")
     return iso
+
+
+def contain(iso: Isolation, cfg: SandboxConfig, name: str, cores: list[int]) -> None:
+    """Find what bounds a sandbox on this host, falling back limit by limit (cgroups.py):
+    storage: a tmpfs per sandbox in the service's private mount namespace, else per file only;
+    memory: a memory cgroup, else an address-space rlimit; cores: a cpuset, else the seccomp
+    filter that refuses sched_setaffinity. Must run before the service starts any thread."""
+    from libra.runtime.sandbox import cgroups, mounts, seccomp
+
+    why_ns = mounts.enter_private_namespace()
+    iso.tmpfs = why_ns is None
+    if cfg.cgroups == "off":
+        tree, why_cg = None, "sandbox.cgroups is off"
+    else:
+        tree, why_cg = cgroups.probe(name, cores)
+    iso.cgroups = tree
+    if not iso.memory_cgroup:
+        # Under an address-space limit each thread's malloc arena (64 MB reserved) counts: 32 threads
+        # could not start at 1 GB. Two arenas keep thread start-up within it (speed is all it costs).
+        iso.tail_args += ["--setenv", "MALLOC_ARENA_MAX", str(FALLBACK_ARENAS)]
+    if not iso.cpuset:
+        iso.seccomp = seccomp.affinity_filter()
+    described = tree.describe() if tree is not None else {}
+    iso.notes = {
+        "disk": f"tmpfs of {cfg.disk_mb} MB per sandbox" if iso.tmpfs else f"per file only ({why_ns})",
+        "memory": f"resident, {described['memory']}"
+        if iso.memory_cgroup
+        else f"address space (RLIMIT_AS, MALLOC_ARENA_MAX={FALLBACK_ARENAS}): {why_cg or described.get('memory')}",
+        "cores": f"cpuset, {described['cpuset']}"
+        if iso.cpuset
+        else ("affinity, widening refused by seccomp" if iso.seccomp else "affinity only (cooperative)"),
+    }
 
 
 def _mirror_root(args: list[str]) -> None:
@@ -126,13 +199,17 @@ def _mirror_root(args: list[str]) -> None:
 def _ro_bind_with_parents(args: list[str], path: str, made: set[str]) -> None:
     """Bind `path` read-only, first creating its parents world-traversable: bwrap would copy the
     host's modes (root's 0700 home would hide a pyenv interpreter from the sandbox uid)."""
+    _parents_traversable(args, path, made)
+    args += ["--ro-bind", path, path]
+
+
+def _parents_traversable(args: list[str], path: str, made: set[str]) -> None:
     parts = Path(path).parts
     for i in range(2, len(parts)):
         parent = str(Path(*parts[:i]))
         if parent not in made and not parent.startswith("/usr"):
             args += ["--perms", "0755", "--dir", parent]
             made.add(parent)
-    args += ["--ro-bind", path, path]
 
 
 def interpreter_paths() -> list[str]:
@@ -142,33 +219,37 @@ def interpreter_paths() -> list[str]:
     return sorted(p for p in paths if not p.startswith("/usr") and Path(p).exists())
 
 
-def bwrap_args(cfg: SandboxConfig) -> list[str]:
-    args = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+def bwrap_args(cfg: SandboxConfig) -> tuple[list[str], list[str], frozenset[str]]:
+    """The fixed bwrap arguments before and after a sandbox's own binds, and the top-level
+    directories they mount (a request's absolute path may not live under one)."""
+    head = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
             "--die-with-parent", "--new-session", "--hostname", "sandbox",
             "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP",
             "--ro-bind", "/usr", "/usr"]  # fmt: skip
-    _mirror_root(args)
-    args += ["--ro-bind", "/etc", "/etc"]
+    _mirror_root(head)
+    head += ["--ro-bind", "/etc", "/etc"]
     for secret in ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-"):
         if Path(secret).exists():
-            args += ["--ro-bind", "/dev/null", secret]
-    # The private /tmp comes before the binds: mounted after them, it would hide an interpreter or a
-    # checkout that lives under /tmp (a CI clone, say) and every action would fail with 127.
-    args += ["--size", str(cfg.tmp_size_mb * 2**20), "--perms", "1777", "--tmpfs", "/tmp"]
+            head += ["--ro-bind", "/dev/null", secret]
+    tail: list[str] = []
     made: set[str] = set()
     extra = interpreter_paths() if cfg.python is None else []
     for p in [*extra, *cfg.ro_binds]:
-        _ro_bind_with_parents(args, p, made)
+        _ro_bind_with_parents(tail, p, made)
     for hidden in _service_paths():
         if any(hidden.startswith(p.rstrip("/") + "/") for p in [*extra, *cfg.ro_binds]):
-            args += ["--tmpfs", hidden]  # the service's own code is not the sandbox's business
-    args += ["--proc", "/proc", "--dev", "/dev"]
-    # The sandbox's python (and what its environment installed, e.g. pytest) comes first on PATH.
-    path = f"{Path(python_executable(cfg)).parent}:/usr/local/bin:/usr/bin:/bin"
-    args += ["--clearenv", "--setenv", "PATH", path, "--setenv", "HOME", WORKSPACE,
+            tail += ["--tmpfs", hidden]  # the service's own code is not the sandbox's business
+    tail += ["--proc", "/proc", "--dev", "/dev"]
+    tail += ["--clearenv", "--setenv", "PATH", sandbox_path(cfg), "--setenv", "HOME", WORKSPACE,
              "--setenv", "TMPDIR", "/tmp", "--setenv", "LANG", "C.UTF-8",
              "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "PYTHONUNBUFFERED", "1"]  # fmt: skip
-    return args
+    tops = {Path(p).parts[1] for p in [*extra, *cfg.ro_binds] if len(Path(p).parts) > 1}
+    return head, tail, frozenset(tops - {"tmp", "workspace"}) | SYSTEM_TOPS
+
+
+def sandbox_path(cfg: SandboxConfig) -> str:
+    """PATH inside: the sandbox's python (and what its environment installed, e.g. pytest) first."""
+    return f"{Path(python_executable(cfg)).parent}:{SYSTEM_PATH}"
 
 
 def _service_paths() -> list[str]:
@@ -181,43 +262,80 @@ def python_executable(cfg: SandboxConfig) -> str:
     return cfg.python or sys.executable
 
 
-def build_command(iso: Isolation, argv: Sequence[str], workdir: Path, uid: int, cores: Sequence[int],
-                  lim: Limits) -> list[str]:  # fmt: skip
-    rl = ["prlimit", f"--as={lim.memory_mb * 2**20}", f"--cpu={lim.cpu_s}", f"--nproc={lim.nproc}",
-          f"--fsize={lim.fsize_mb * 2**20}", f"--nofile={lim.nofile}", "--core=0", "--"]  # fmt: skip
+def build_command(iso: Isolation, argv: Sequence[str], box: Box, cores: Sequence[int], lim: Limits,
+                  env: dict[str, str] | None = None, seccomp_fd: int | None = None) -> list[str]:  # fmt: skip
+    memory = [] if iso.memory_cgroup else [f"--as={(lim.memory_mb + lim.reserves_mb) * 2**20}"]
+    rl = ["prlimit", *memory, f"--cpu={lim.cpu_s}", f"--nproc={lim.nproc}", f"--fsize={lim.fsize_mb * 2**20}",
+          f"--nofile={lim.nofile}", "--core=0", "--"]  # fmt: skip
     aff = ["taskset", "-c", ",".join(map(str, cores))] if cores else []
     if not iso.sandboxed:
         return [*aff, *rl, *argv]
-    drop = ["setpriv", "--reuid", str(uid), "--regid", str(uid), "--clear-groups", "--inh-caps=-all",
+    uid = str(box.uid)
+    drop = ["setpriv", "--reuid", uid, "--regid", uid, "--clear-groups", "--inh-caps=-all",
             "--bounding-set=-all", "--no-new-privs", "--"]  # fmt: skip
-    ws = ["--bind", str(workdir), WORKSPACE, "--chdir", WORKSPACE]
-    return [*aff, "bwrap", *iso.static_args, *ws, "--", *drop, *rl, *argv]
+    binds = []
+    for area in box.storage.areas():
+        binds += ["--bind", str(box.storage.host_dir(area)), area]
+    made: set[str] = set()
+    for path, host in box.storage.overlays.items():
+        _parents_traversable(binds, path, made)  # bwrap would make them 0700: root's, unreadable
+        binds += ["--bind", str(host), path]
+    extra = [a for k, v in (env or {}).items() for a in ("--setenv", k, v)]
+    if seccomp_fd is not None:
+        extra += ["--seccomp", str(seccomp_fd)]
+    join = box.cgroup.join_argv() if box.cgroup is not None else []
+    return [*join, *aff, "bwrap", *iso.head_args, *binds, *iso.tail_args, *extra, "--chdir", WORKSPACE,
+            "--", *drop, *rl, *argv]  # fmt: skip
 
 
-async def spawn(iso: Isolation, argv: Sequence[str], workdir: Path, uid: int, cores: Sequence[int],
-                lim: Limits, pass_fds: Sequence[int] = ()) -> asyncio.subprocess.Process | ExecResult:  # fmt: skip
-    """Start the wrapped command; an ExecResult (ERROR) when it cannot even start."""
-    cmd = build_command(iso, argv, workdir, uid, cores, lim)
+async def spawn(iso: Isolation, argv: Sequence[str], box: Box, cores: Sequence[int], lim: Limits,
+                env: dict[str, str] | None = None, pass_fds: Sequence[int] = (),
+                seccomp: bool = True) -> asyncio.subprocess.Process | ExecResult:  # fmt: skip
+    """Start the wrapped command; an ExecResult (ERROR) when it cannot even start. `seccomp=False`
+    only for the warm zygote, which pins itself and then installs the same filter."""
+    filt = _filter_fd(iso.seccomp) if seccomp and iso.sandboxed and iso.seccomp is not None else None
+    cmd = build_command(iso, argv, box, cores, lim, env, filt)
+    fds = (*pass_fds, filt) if filt is not None else tuple(pass_fds)
     try:
         return await asyncio.create_subprocess_exec(
             *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            start_new_session=True, cwd=str(workdir) if not iso.sandboxed else None, pass_fds=tuple(pass_fds),
+            start_new_session=True, cwd=None if iso.sandboxed else str(box.storage.host_dir(WORKSPACE)),
+            pass_fds=fds,
         )  # fmt: skip
     except OSError as e:
         return ExecResult(RunStatus.ERROR, None, "", "", 0.0, message=f"could not start: {e}")
+    finally:
+        if filt is not None:
+            os.close(filt)
 
 
-async def execute(iso: Isolation, argv: Sequence[str], workdir: Path, uid: int, cores: Sequence[int],
-                  lim: Limits, stdin: bytes = b"") -> ExecResult:  # fmt: skip
+def _filter_fd(prog: bytes) -> int:
+    """A pipe's read end holding the BPF program, for `bwrap --seccomp FD` (which reads it all)."""
+    r, w = os.pipe()
+    try:
+        os.write(w, prog)  # a few hundred bytes: far below a pipe's buffer, never blocks
+    finally:
+        os.close(w)
+    return r
+
+
+async def execute(iso: Isolation, argv: Sequence[str], box: Box, cores: Sequence[int], lim: Limits,
+                  stdin: bytes = b"", env: dict[str, str] | None = None) -> ExecResult:  # fmt: skip
     """Run one command to completion or its time limit; never raises for what the command does."""
+    try:
+        await asyncio.to_thread(box.limit, lim.memory_mb, cores)
+    except OSError as e:
+        return ExecResult(
+            RunStatus.ERROR, None, "", "", 0.0, message=f"could not set the sandbox's limits: {e}"
+        )
     t0 = time.monotonic()
-    proc = await spawn(iso, argv, workdir, uid, cores, lim)
+    proc = await spawn(iso, argv, box, cores, lim, env)
     if isinstance(proc, ExecResult):
         return proc
-    return await supervise(iso, proc, uid, lim, stdin, t0)
+    return await supervise(iso, proc, box, lim, stdin, t0)
 
 
-async def supervise(iso: Isolation, proc: asyncio.subprocess.Process, uid: int, lim: Limits, stdin: bytes,
+async def supervise(iso: Isolation, proc: asyncio.subprocess.Process, box: Box, lim: Limits, stdin: bytes,
                     t0: float) -> ExecResult:  # fmt: skip
     """Feed stdin, capture bounded output, enforce the wall-clock limit, then make sure nothing
     of the action is left running."""
@@ -237,9 +355,10 @@ async def supervise(iso: Isolation, proc: asyncio.subprocess.Process, uid: int, 
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(io, timeout=5.0)  # the pipes close when the namespace is gone
     wall = time.monotonic() - t0
-    leftovers = reap_uid(uid) if iso.sandboxed else 0
+    leftovers, oom = await asyncio.to_thread(box.settle, iso.sandboxed)
     code = proc.returncode if status == RunStatus.FINISHED else None
-    return ExecResult(status, code, out.text(), err.text(), wall, out.dropped + err.dropped, leftovers)
+    return ExecResult(status, code, out.text(), err.text(), wall, out.dropped + err.dropped, leftovers,
+                      oom_killed=oom)  # fmt: skip
 
 
 def _kill(proc: asyncio.subprocess.Process) -> None:
@@ -272,21 +391,6 @@ class _Capture:
     def text(self) -> str:
         s = self.buf.decode("utf-8", errors="replace")
         return s + TRUNCATION_MARKER.format(n=self.dropped) if self.dropped else s
-
-
-def reap_uid(uid: int) -> int:
-    """SIGKILL any process still running as `uid` (there should be none) and count them."""
-    killed = 0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            if entry.stat().st_uid == uid:
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed += 1
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-    return killed
 
 
 def processes_of(uids: range) -> list[int]:

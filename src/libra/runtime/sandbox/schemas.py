@@ -1,9 +1,12 @@
 """Request and response shapes of the actions service.
 
-`/run_code` speaks SandboxFusion's shape, so its clients work unchanged: unknown request fields
-(compile_timeout, for example) are accepted and ignored, and responses carry the same keys
-(status Success / Failed / SandboxError; run_result with Finished / TimeLimitExceeded / Error).
-The session and tool endpoints are Libra's own, in the same style.
+`/run_code` speaks SandboxFusion's shape, so its clients (verl's reward function among them) work
+unchanged: the same request fields with the same defaults (`memory_limit_MB` -1: no limit of its
+own; `files` values of null are skipped), and the same response: `status` Success / Failed /
+SandboxError, `compile_result` and `run_result` each with `status` Finished / Error /
+TimeLimitExceeded. Two optional fields are Libra's own: `output_limit_bytes` (cut each stream
+there) and, in responses, `message` naming what was cut or skipped. The session and tool endpoints
+are Libra's own, in the same style.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-LANGUAGES = ("python", "bash")
 TOOLS = ("python_tests",)
 
 
@@ -20,20 +22,13 @@ class RunCodeRequest(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False, extra="ignore")
     code: str
     language: str = "python"
-    compile_timeout: float = 10.0
+    compile_timeout: float = Field(10.0, gt=0)
     run_timeout: float = Field(10.0, gt=0)
-    memory_limit_MB: int = Field(-1, description="-1: the service's default")
+    memory_limit_MB: int = Field(-1, description="<= 0: no limit of its own (the service's ceiling holds)")
     stdin: str | None = None
     files: dict[str, str | None] = Field(default_factory=dict)
     fetch_files: list[str] = Field(default_factory=list)
-
-    @model_validator(mode="after")
-    def _check(self) -> RunCodeRequest:
-        if self.language not in LANGUAGES:
-            raise ValueError(f"language {self.language!r} is not supported; allowed: {', '.join(LANGUAGES)}")
-        if self.memory_limit_MB != -1 and self.memory_limit_MB < 16:
-            raise ValueError("memory_limit_MB must be -1 (default) or at least 16")
-        return self
+    output_limit_bytes: int | None = Field(None, ge=1, description="Libra: cut each stream here")
 
 
 class SessionCreate(BaseModel):
@@ -78,13 +73,29 @@ class ToolCall(BaseModel):
     tokens: float | None = Field(None, gt=0)
 
 
-def run_result(
-    status: str, execution_time: float | None, return_code: int | None, stdout: str, stderr: str
-) -> dict:
+def command_result(status: str, execution_time: float | None, return_code: int | None, stdout: str,
+                   stderr: str) -> dict:  # fmt: skip
     return {"status": status, "execution_time": execution_time, "return_code": return_code,
             "stdout": stdout, "stderr": stderr}  # fmt: skip
 
 
-def run_code_response(status: str, message: str, result: dict | None, files: dict[str, str]) -> dict:
-    return {"status": status, "message": message, "compile_result": None, "run_result": result,
+def overall_status(results: list[dict]) -> tuple[str, str]:
+    """SandboxFusion's rule: an Error anywhere is the sandbox's (its stderr is the message); then a
+    time limit or a non-zero return code fails; otherwise it succeeded."""
+    for r in results:
+        if r["status"] == "Error":
+            return "SandboxError", r["stderr"] or ""
+    if any(r["status"] == "TimeLimitExceeded" or r["return_code"] != 0 for r in results):
+        return "Failed", ""
+    return "Success", ""
+
+
+def run_code_response(status: str, message: str, compile_result: dict | None, run_result: dict | None,
+                      files: dict[str, str]) -> dict:  # fmt: skip
+    return {"status": status, "message": message, "compile_result": compile_result, "run_result": run_result,
             "executor_pod_name": None, "files": files}  # fmt: skip
+
+
+def sandbox_error(message: str) -> dict:
+    """The answer when the sandbox itself cannot run a request (a missing toolchain, no free uid)."""
+    return run_code_response("SandboxError", message, None, None, {})

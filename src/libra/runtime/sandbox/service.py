@@ -14,10 +14,11 @@ import contextlib
 import json
 import logging
 import os
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
@@ -28,20 +29,30 @@ from libra.actions.profiles import load_profile
 from libra.actions.quota import QuotaManager
 from libra.core.errors import ConfigError, LibraError
 from libra.runtime.jsonbody import BodyError, parse_body
-from libra.runtime.sandbox import schemas
+from libra.runtime.sandbox import languages, runcode, schemas
+from libra.runtime.sandbox.boxes import Box, Boxes
+from libra.runtime.sandbox.caches import SharedCache, build_go_cache
 from libra.runtime.sandbox.config import ServiceConfig
 from libra.runtime.sandbox.dispatch import Dispatcher, Outcome
 from libra.runtime.sandbox.metrics import ServiceMetrics
-from libra.runtime.sandbox.sandbox import ExecResult, Isolation, Limits, RunStatus, execute, python_executable
+from libra.runtime.sandbox.sandbox import (
+    ExecResult,
+    Isolation,
+    Limits,
+    RunStatus,
+    execute,
+    python_executable,
+    sandbox_path,
+)
+from libra.runtime.sandbox.storage import Storages, Target, areas_of, decode_files, locate, require_relative
 from libra.runtime.sandbox.tools import call_http_tool, parse_summary, python_tests_argv
+from libra.runtime.sandbox.uidrange import UidPool, UidRange
 from libra.runtime.sandbox.warm import WarmPool
-from libra.runtime.sandbox.workspace import UidPool, Workspaces, decode_files
 
 log = logging.getLogger("libra.actions")
 
 # First estimates of one-core durations, until the service has measured some of its own.
-DEFAULT_T1 = {"run_code": 0.05, "command": 1.0, "python_tests": 5.0, "http": 0.5}
-FETCH_MAX_BYTES = 8 * 2**20
+DEFAULT_T1 = {"run_code": 0.05, "compile": 1.0, "command": 1.0, "python_tests": 5.0, "http": 0.5}
 
 
 class HttpError(Exception):
@@ -55,8 +66,7 @@ class HttpError(Exception):
 @dataclass(slots=True)
 class Session:
     id: str
-    uid: int
-    workdir: Path
+    box: Box
     memory_mb: int
     created: float
     last_used: float
@@ -105,28 +115,45 @@ def _cpulist(text: str) -> list[int]:
 
 
 class ActionsService:
-    def __init__(self, cfg: ServiceConfig, isolation: Isolation):
+    def __init__(self, cfg: ServiceConfig, isolation: Isolation, uids: UidRange | None = None):
         self.cfg, self.iso = cfg, isolation
         node = local_cores(cfg)
         self.cores = sorted(c for d in node.numa for c in d)
         self.orch = Orchestrator(cpu=CpuManager([node]), quota=QuotaManager(cfg.quotas))
         self.metrics = ServiceMetrics(len(self.cores))
         self.dispatch = Dispatcher(self.orch, self._gauges)
-        self.uids = UidPool(cfg.sandbox.uid_base, cfg.sandbox.uid_count)
-        self.ws = Workspaces(cfg.sandbox.workdir_root, chown=isolation.sandboxed)
         self.sessions: dict[str, Session] = {}
         self.python = python_executable(cfg.sandbox)
+        self.toolchains = languages.detect(sandbox_path(cfg.sandbox), self.python)
+        self.caches: dict[str, SharedCache] = {}  # filled in the background at start (caches.py)
+        self._go_cache: asyncio.Task | None = None
         self.profile = load_profile("parallel", cfg.parallel_profile, "parallel_profile")
         self.http = None
-        sb = cfg.sandbox
-        warm_lim = Limits(sb.default_timeout_s, sb.memory_mb, int(sb.max_timeout_s) + 2, sb.nproc, sb.fsize_mb,
-                          sb.nofile, sb.output_limit_bytes)  # fmt: skip
-        self.warm = WarmPool(isolation, self.ws, self.uids, self.python, warm_lim, cfg.warm_pool)
         for name, tool in cfg.http_tools.items():
             if tool.quota not in cfg.quotas:
                 raise ConfigError(
                     f"http_tools.{name}.quota", tool.quota, sorted(cfg.quotas) or ["a quota under `quotas`"]
                 )
+        self.boxes = self._boxes(uids)
+        sb = cfg.sandbox
+        warm_lim = Limits(sb.default_timeout_s, sb.max_memory_mb, int(sb.max_timeout_s) + 2, sb.nproc, sb.fsize_mb,
+                          sb.nofile, sb.output_limit_bytes)  # fmt: skip
+        self.warm = WarmPool(isolation, self.boxes, self.python, warm_lim, cfg.warm_pool)
+
+    def _boxes(self, uids: UidRange | None) -> Boxes:
+        """Sandboxed, the uids are a range this process holds the locks of (uidrange.py), so the
+        leftovers it kills after a run can only be its own, and its storage directory is named by
+        that range (what an earlier owner that died left there is removed). Unsandboxed, uids are
+        never used and storage is a fresh temp dir."""
+        sb, iso = self.cfg.sandbox, self.iso
+        if uids is not None:
+            root = Path(sb.workdir_root or tempfile.gettempdir()) / f"libra-actions-{uids.base}"
+            pool = UidPool(uids.base, sb.uid_count)
+        else:
+            root = Path(tempfile.mkdtemp(prefix="libra-actions-", dir=sb.workdir_root))
+            pool = UidPool(sb.uid_base or 0, sb.uid_count)
+        storages = Storages(root, sb.disk_mb, tmpfs=iso.tmpfs, chown=iso.sandboxed)
+        return Boxes(pool, storages, iso.cgroups, self.cores, iso.sandboxed)
 
     # ---- the app -----------------------------------------------------------------------------
 
@@ -134,6 +161,7 @@ class ActionsService:
         app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self._errors])
         app.add_routes([
             web.post("/run_code", self.run_code),
+            web.get("/v1/ping", self.ping),
             web.post("/sessions", self.create_session),
             web.get("/sessions/{sid}", self.get_session),
             web.post("/sessions/{sid}/actions", self.session_action),
@@ -151,15 +179,30 @@ class ActionsService:
 
         self.http = aiohttp.ClientSession()
         self.warm.refill()
+        if self.iso.tmpfs and {"go", "go_test"} & set(self.toolchains.available):
+            self._go_cache = asyncio.get_running_loop().create_task(self._build_go_cache())
+
+    async def _build_go_cache(self) -> None:
+        try:
+            self.caches["go"] = await build_go_cache(sandbox_path(self.cfg.sandbox))
+        except Exception:  # Go still works, with a cold cache per run
+            log.exception("the shared Go build cache could not be built")
 
     async def _cleanup(self, app: web.Application) -> None:
+        if self._go_cache is not None:
+            self._go_cache.cancel()
+            with contextlib.suppress(BaseException):
+                await self._go_cache
         await self.dispatch.close()
         await self.warm.close()
         if self.http is not None:
             await self.http.close()
         for s in list(self.sessions.values()):
             self._drop_session(s)
-        self.ws.cleanup()
+        await self.boxes.drain()
+        await asyncio.to_thread(self.boxes.storages.cleanup)
+        if self.iso.cgroups is not None:
+            await asyncio.to_thread(self.iso.cgroups.close)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
@@ -221,17 +264,21 @@ class ActionsService:
             raise HttpError(422, "invalid request", detail=[{"field": field, "value": f"{len(text)} characters",
                             "allowed": f"at most {self.cfg.max_code_bytes} bytes"}])  # fmt: skip
 
-    def _limits(self, timeout: float | None, memory_mb: int | None) -> Limits:
+    def _limits(self, timeout: float | None, timeout_field: str, memory_mb: int | None,
+                output_bytes: int | None = None) -> Limits:  # fmt: skip
+        """An execution's limits: the request's where it gives them, within the service's ceilings.
+        No memory limit of its own means the ceiling (SandboxFusion's -1: no limit)."""
         sb = self.cfg.sandbox
         timeout = timeout or sb.default_timeout_s
         if timeout > sb.max_timeout_s:
-            raise ConfigError("run_timeout", timeout, f"<= {sb.max_timeout_s:g} seconds")
-        mem = memory_mb or sb.memory_mb
-        if mem > sb.max_memory_mb:
-            raise ConfigError(
-                "memory_limit_MB", mem, f"<= {sb.max_memory_mb} (-1 for the default {sb.memory_mb})"
-            )
-        return Limits(timeout, mem, int(timeout) + 2, sb.nproc, sb.fsize_mb, sb.nofile, sb.output_limit_bytes)
+            raise ConfigError(timeout_field, timeout, f"<= {sb.max_timeout_s:g} seconds")
+        mem = memory_mb or sb.max_memory_mb
+        if not 16 <= mem <= sb.max_memory_mb:
+            raise ConfigError("memory_limit_MB", mem, f"-1 (no limit of its own) or 16 to {sb.max_memory_mb}")
+        out = output_bytes or sb.output_limit_bytes
+        if out > sb.output_limit_bytes:
+            raise ConfigError("output_limit_bytes", out, f"at most {sb.output_limit_bytes} (the service's)")
+        return Limits(timeout, mem, int(timeout) + 2, sb.nproc, sb.fsize_mb, sb.nofile, out)
 
     def _admit_queue(self) -> None:
         if self.orch.waiting >= self.cfg.max_queue:
@@ -243,77 +290,60 @@ class ActionsService:
         demand = ResourceVector.from_mapping({"cpu": cpu, "memory": memory_mb / 1024}, key="cpu")
         return Action(aid, traj, kind, t1, demand, self.profile if parallel else None)
 
+    def cpu_action(self, kind: str, traj: str, memory_mb: int) -> Action:
+        """A one-core action of a /run_code step."""
+        return self._action(uuid.uuid4().hex, kind, traj, 1, memory_mb, False)
+
     # ---- /run_code (SandboxFusion) -----------------------------------------------------------
 
     async def run_code(self, request: web.Request) -> web.Response:
         req = await self._parse(request, schemas.RunCodeRequest)
         self._check_size("code", req.code)
-        files = decode_files(req.files)
-        lim = self._limits(req.run_timeout, None if req.memory_limit_MB == -1 else req.memory_limit_MB)
+        if req.language not in languages.SANDBOXFUSION_LANGUAGES:
+            self.metrics.rejected.labels("invalid").inc()
+            raise HttpError(422, "invalid request", detail=[{"field": "language", "value": _jsonable(req.language, 40),
+                            "allowed": list(self.toolchains.available)}])  # fmt: skip
+        if req.language not in self.toolchains.available:
+            self.metrics.finished("run_code", "sandbox_error", 0.0, 0.0)
+            return web.json_response(schemas.sandbox_error(self.toolchains.missing_message(req.language)))
+        lang = languages.LANGUAGES[req.language]
+        job = runcode.make_job(req, lang, self._limits, self.iso.reserved_tops, self.cfg.sandbox.memory_mb)
+        runcode.check_areas(job, self.iso.sandboxed)
         self._admit_queue()
-        aid = uuid.uuid4().hex
-        action = self._action(aid, f"run_code:{req.language}", f"run:{aid}", 1, lim.memory_mb, False)
-        stdin = (req.stdin or "").encode()
+        return await _json_response(await runcode.OneShot(self, job).answer())
 
-        async def work(start: Start):
-            return await self._run_once(start, req, files, lim, stdin)
-
-        out = await self.dispatch.run(action, work, one_shot=True)
-        res, fetched = out.result
-        self.metrics.finished("run_code", _status_label(res), out.act_s, out.queue_s)
-        return web.json_response(_run_code_body(res, fetched))
-
-    async def _run_once(self, start: Start, req, files, lim: Limits, stdin: bytes):
-        warm = (
-            self.warm.take()
-            if req.language == "python" and lim.memory_mb == self.cfg.sandbox.memory_mb
-            else None
-        )
-        if warm is not None:
-            code = {**files, PurePosixPath("_libra_main.py"): req.code.encode()}
-            res, fetched = await self.warm.run(warm, code, "_libra_main.py", start.cores, lim.timeout_s, stdin,
-                                               req.fetch_files, FETCH_MAX_BYTES)  # fmt: skip
-            return (res, fetched), _state(res)
-        uid = self.uids.acquire()
-        if uid is None:
-            return (
-                ExecResult(RunStatus.ERROR, None, "", "", 0.0, message="no free sandbox uid"),
-                {},
-            ), ActionState.FAILED
-        workdir = self.ws.create(uid)
-        try:
-            main = "_libra_main.py" if req.language == "python" else "_libra_main.sh"
-            self.ws.write(workdir, {**files, PurePosixPath(main): req.code.encode()}, uid)
-            argv = [self.python, main] if req.language == "python" else ["bash", main]
-            res = await execute(self.iso, argv, workdir, uid, start.cores, lim, stdin)
-            fetched = self.ws.fetch(workdir, req.fetch_files, FETCH_MAX_BYTES)
-        finally:
-            self.ws.remove(workdir)
-            self.uids.release(uid)
-        return (res, fetched), _state(res)
+    async def ping(self, request: web.Request) -> web.Response:
+        return web.json_response("pong")  # SandboxFusion's /v1/ping: the JSON string "pong"
 
     # ---- sessions ----------------------------------------------------------------------------
 
     async def create_session(self, request: web.Request) -> web.Response:
         req = await self._parse(request, schemas.SessionCreate)
-        files = decode_files(req.files)
+        files = decode_files(req.files, self.iso.reserved_tops)
+        if not self.iso.sandboxed:
+            require_relative(files, "files")
         if len(self.sessions) >= self.cfg.max_sessions:
             raise HttpError(503, "too many open sessions; delete some", limit=self.cfg.max_sessions)
         mem = req.memory_mb or self.cfg.session_memory_mb
         if not self.orch.cpu.can_ever_pin(mem / 1024):
             raise ConfigError("memory_mb", mem, "at most the service's sandbox memory")
-        uid = self.uids.acquire()
-        if uid is None:
-            raise HttpError(503, "no free sandbox uid; delete some sessions")
-        workdir = self.ws.create(uid)
+        if mem > self.cfg.sandbox.max_memory_mb:
+            raise ConfigError(
+                "memory_mb", mem, f"at most {self.cfg.sandbox.max_memory_mb} (sandbox.max_memory_mb)"
+            )
         try:
-            self.ws.write(workdir, files, uid)
-        except BaseException:  # a file the work dir cannot hold: give the uid and the dir back
-            self.ws.remove(workdir)
-            self.uids.release(uid)
+            box = await self.boxes.create(areas_of(files))
+        except OSError as e:
+            raise HttpError(503, "could not make a sandbox", detail=str(e)[:200]) from None
+        if box is None:
+            raise HttpError(503, "no free sandbox uid; delete some sessions")
+        try:
+            await asyncio.to_thread(self.boxes.storages.write, box.storage, files)
+        except BaseException:  # a file the storage cannot hold: give the uid and the box back
+            await self.boxes.remove(box)
             raise
         now = time.monotonic()
-        s = Session(uuid.uuid4().hex, uid, workdir, mem, now, now)
+        s = Session(uuid.uuid4().hex, box, mem, now, now)
         self.sessions[s.id] = s
         self.metrics.sessions.set(len(self.sessions))
         return web.json_response({"session_id": s.id, "memory_mb": mem, "workdir": "/workspace"}, status=201)
@@ -321,7 +351,7 @@ class ActionsService:
     def _session(self, request: web.Request) -> Session:
         s = self.sessions.get(request.match_info["sid"])
         if s is None:
-            raise HttpError(404, "no such session", session_id=request.match_info["sid"])
+            raise HttpError(404, "no such session", session_id=request.match_info["sid"][:100])
         return s
 
     async def get_session(self, request: web.Request) -> web.Response:
@@ -334,8 +364,12 @@ class ActionsService:
         s = self._session(request)
         req = await self._parse(request, schemas.SessionAction)
         self._check_size("command", req.command)
-        files = decode_files(req.files)
-        lim = self._limits(req.timeout, s.memory_mb)
+        files = decode_files(req.files, self.iso.reserved_tops)
+        fetch = [locate(n, f"fetch_files.{n[:200]}", self.iso.reserved_tops) for n in req.fetch_files]
+        if not self.iso.sandboxed:
+            require_relative(files, "files")
+            require_relative(fetch, "fetch_files")
+        lim = self._limits(req.timeout, "timeout", s.memory_mb)
         parallel = min(req.parallel or (4 if req.tool else 1), self.cfg.max_parallel, len(self.cores))
         kind = req.kind or (req.tool or "command")
         self._admit_queue()
@@ -343,30 +377,32 @@ class ActionsService:
         action = self._action(uuid.uuid4().hex, kind, s.id, cpu, s.memory_mb, parallel > 1)
 
         async def work(start: Start):
-            return await self._run_in_session(start, s, req, files, lim)
+            return await self._run_in_session(start, s, req, files, fetch, lim)
 
         async with s.lock:  # a session's actions run one after another, like a trajectory's
             s.last_used = time.monotonic()
             out = await self.dispatch.run(action, work)
             s.last_used = time.monotonic()
-        res, fetched = out.result
-        self.metrics.finished("session", _status_label(res), out.act_s, out.queue_s)
-        return web.json_response(_session_body(res, fetched, out, req.tool))
+        res, fetched, skipped = out.result
+        self.metrics.finished("session", runcode.status_label(res), out.act_s, out.queue_s)
+        return await _json_response(_session_body(res, fetched, skipped, out, req.tool))
 
-    async def _run_in_session(self, start: Start, s: Session, req, files, lim: Limits):
+    async def _run_in_session(self, start: Start, s: Session, req, files: dict[Target, bytes],
+                              fetch: list[Target], lim: Limits):  # fmt: skip
         if s.id not in self.sessions:
-            return (
-                ExecResult(RunStatus.ERROR, None, "", "", 0.0, message="session deleted"),
-                {},
-            ), ActionState.FAILED
-        self.ws.write(s.workdir, files, s.uid)
+            res = ExecResult(RunStatus.ERROR, None, "", "", 0.0, message="session deleted")
+            return (res, {}, {}), ActionState.FAILED
+        storages = self.boxes.storages
+        await asyncio.to_thread(storages.write, s.box.storage, files)
         if req.tool == "python_tests":
             argv = python_tests_argv(self.python, req.path, start.units, req.args)
         else:
             argv = ["bash", "-c", req.command.replace("{parallel}", str(start.units))]
-        res = await execute(self.iso, argv, s.workdir, s.uid, start.cores, lim, (req.stdin or "").encode())
-        fetched = self.ws.fetch(s.workdir, req.fetch_files, FETCH_MAX_BYTES)
-        return (res, fetched), _state(res)
+        res = await execute(self.iso, argv, s.box, start.cores, lim, (req.stdin or "").encode())
+        fetched, skipped = await asyncio.to_thread(
+            storages.fetch, s.box.storage, fetch, runcode.FETCH_MAX_BYTES
+        )
+        return (res, fetched, skipped), runcode.state_of(res)
 
     async def delete_session(self, request: web.Request) -> web.Response:
         s = self._session(request)
@@ -378,8 +414,7 @@ class ActionsService:
         if self.sessions.pop(s.id, None) is None:
             return
         self.orch.end_trajectory(s.id)
-        self.ws.remove(s.workdir)
-        self.uids.release(s.uid)
+        self.boxes.remove_soon(s.box)
         self.metrics.sessions.set(len(self.sessions))
 
     # ---- quota-limited HTTP tools -------------------------------------------------------------
@@ -414,6 +449,9 @@ class ActionsService:
             "status": "ok", "isolation": "bwrap" if self.iso.sandboxed else "none",
             "cores": len(self.cores), "cores_busy": self.orch.cpu.busy_count(), "queue": self.orch.waiting,
             "running": self.orch.running, "sessions": len(self.sessions),
+            "uids": [self.boxes.uids.range.start, self.boxes.uids.range.stop - 1],
+            "languages": list(self.toolchains.available), "missing_languages": self.toolchains.missing,
+            "limits": self.iso.notes,
         })  # fmt: skip
 
     async def metrics_page(self, request: web.Request) -> web.Response:
@@ -441,63 +479,39 @@ def _validation_detail(err: ValidationError) -> list[dict]:
     out = []
     for e in err.errors()[:10]:
         loc = ".".join(str(p) for p in e.get("loc", ())) or "body"
-        out.append({"field": loc, "value": _jsonable(e.get("input")), "allowed": e.get("msg", "")})
+        out.append(
+            {"field": loc[:200], "value": _jsonable(e.get("input")), "allowed": e.get("msg", "")[:500]}
+        )
     return out
 
 
-def _jsonable(v: object) -> object:
-    if isinstance(v, str) and len(v) > 200:
-        return v[:200] + "..."
+def _jsonable(v: object, limit: int = 200) -> object:
+    """A value to quote back in an error: short, whatever its type (never a whole request back)."""
+    if isinstance(v, str):
+        return v if len(v) <= limit else v[:limit] + "..."
+    if isinstance(v, dict):
+        return f"an object with keys {_jsonable(sorted(map(str, v))[:10], limit)}"
     try:
-        json.dumps(v)
-        return v
+        text = json.dumps(v)
     except (TypeError, ValueError):
-        return repr(v)[:200]
+        text = repr(v)
+    return v if len(text) <= limit else text[:limit] + "..."
 
 
-def _state(res: ExecResult) -> ActionState:
-    if res.status == RunStatus.TIMEOUT:
-        return ActionState.TIMED_OUT
-    if res.status == RunStatus.FINISHED and res.return_code == 0:
-        return ActionState.SUCCEEDED
-    return ActionState.FAILED
+async def _json_response(body: dict) -> web.Response:
+    """A JSON response; a large one (megabytes of program output) is encoded in a worker thread,
+    so the event loop keeps serving meanwhile."""
+    out = body.get("run_result") or {}
+    size = len(out.get("stdout") or "") + len(out.get("stderr") or "")
+    if size < 1 << 20:
+        return web.json_response(body)
+    text = await asyncio.to_thread(json.dumps, body)
+    return web.Response(text=text, content_type="application/json")
 
 
-def _status_label(res: ExecResult) -> str:
-    if res.status == RunStatus.TIMEOUT:
-        return "timeout"
-    if res.status == RunStatus.ERROR:
-        return "sandbox_error"
-    return "success" if res.return_code == 0 else "failed"
-
-
-def _message(res: ExecResult) -> str:
-    parts = [res.message] if res.message else []
-    if res.return_code is not None and res.return_code < 0:
-        parts.append(f"killed by signal {-res.return_code}")
-    if res.status == RunStatus.TIMEOUT:
-        parts.append("time limit exceeded; the whole process tree was killed")
-    if res.truncated:
-        parts.append(f"output truncated ({res.truncated} bytes dropped)")
-    if res.leftovers_killed:
-        parts.append(f"{res.leftovers_killed} leftover processes killed")
-    return "; ".join(parts)
-
-
-def _run_result(res: ExecResult) -> dict | None:
-    if res.status == RunStatus.ERROR:
-        return None
-    status = "TimeLimitExceeded" if res.status == RunStatus.TIMEOUT else "Finished"
-    return schemas.run_result(status, round(res.wall_s, 6), res.return_code, res.stdout, res.stderr)
-
-
-def _run_code_body(res: ExecResult, fetched: dict[str, str]) -> dict:
-    status = {"success": "Success", "sandbox_error": "SandboxError"}.get(_status_label(res), "Failed")
-    return schemas.run_code_response(status, _message(res), _run_result(res), fetched)
-
-
-def _session_body(res: ExecResult, fetched: dict[str, str], out: Outcome, tool: str | None) -> dict:
-    body = _run_code_body(res, fetched)
+def _session_body(res: ExecResult, fetched: dict[str, str], skipped: dict[str, str], out: Outcome,
+                  tool: str | None) -> dict:  # fmt: skip
+    body = runcode.response(None, res, fetched, skipped)
     body.update(
         cores=list(out.cores), parallel=out.units, queue_s=out.queue_s, exec_s=out.exec_s, act_s=out.act_s
     )

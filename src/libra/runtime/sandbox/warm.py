@@ -2,12 +2,15 @@
 
 Starting an interpreter (with its site-packages) is most of the cost of a trivial action. So a
 few sandboxes are kept ready: each is built exactly like a cold one (same namespaces, uid,
-rlimits, private work dir) and runs a tiny zygote that has finished starting Python and blocks on
-a control pipe (its fd number is the zygote's argument). A request writes its files into that sandbox's work dir, sends the granted cores
-and the script's name, and the zygote pins itself to those cores and runs the script as
-`__main__` (tracebacks as `python script.py` would print them). The process then exits and the
-sandbox is torn down as usual; a new one is started in the background. Requests with their own
-memory limit, and bash, take the cold path.
+rlimits, storage, cgroup) and runs a tiny zygote that has finished starting Python and blocks on a
+control pipe (its fd number is the zygote's argument). A request writes its files into that
+sandbox's storage and sets its cgroup's memory and cpuset, then sends the granted cores and the
+script's name; the zygote pins itself to those cores (and, without a cpuset, lowers its
+address-space limit to the request's and installs the seccomp filter that keeps it there) and
+runs the script as `__main__`, with output exactly as `python script.py` prints it (a syntax error
+included). The process then exits and the sandbox is removed in the background; a new one is
+started. Other languages, and requests naming absolute paths outside /workspace and /tmp (which
+need binds made at start), take the cold path.
 """
 
 from __future__ import annotations
@@ -15,14 +18,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import time
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
 
-from libra.runtime.sandbox.sandbox import ExecResult, Isolation, Limits, spawn, supervise
-from libra.runtime.sandbox.workspace import UidPool, Workspaces
+from libra.runtime.sandbox.boxes import Box, Boxes
+from libra.runtime.sandbox.sandbox import ExecResult, Isolation, Limits, RunStatus, spawn, supervise
+from libra.runtime.sandbox.storage import Target
+
+log = logging.getLogger("libra.actions")
 
 ZYGOTE = r"""
 import os, sys, json
@@ -32,8 +38,21 @@ def _libra_zygote():
     if not line:
         os._exit(0)
     msg = json.loads(line)
+    import resource
+    for limit, value in ((resource.RLIMIT_AS, msg.get("as")), (resource.RLIMIT_CPU, msg.get("cpu"))):
+        if value:
+            resource.setrlimit(limit, (value, value))
     if msg.get("cores"):
         os.sched_setaffinity(0, msg["cores"])
+    if msg.get("seccomp"):
+        import ctypes
+        prog = ctypes.create_string_buffer(bytes.fromhex(msg["seccomp"]))
+        class Prog(ctypes.Structure):
+            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+        fprog = Prog(len(prog.raw) // 8, ctypes.addressof(prog))
+        if ctypes.CDLL(None, use_errno=True).prctl(22, 2, ctypes.byref(fprog), 0, 0) != 0:
+            os.write(2, b"sandbox: could not install its seccomp filter\n")
+            os._exit(125)
     path = os.path.abspath(msg["path"])
     sys.argv = [msg["path"]]
     sys.path[0] = os.path.dirname(path)
@@ -42,10 +61,10 @@ def _libra_zygote():
     main.__file__ = path
     main.__builtins__ = __builtins__
     sys.modules["__main__"] = main
-    with open(path, "rb") as f:
-        code = compile(f.read(), path, "exec")
     status = 0
     try:
+        with open(path, "rb") as f:
+            code = compile(f.read(), path, "exec")
         exec(code, main.__dict__)
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
@@ -54,11 +73,12 @@ def _libra_zygote():
             print(e.code, file=sys.stderr)
             status = 1
     except BaseException as e:
-        import traceback
+        # As `python file.py` reports it: through sys.excepthook, from the program's own first
+        # frame (a SyntaxError has none), never showing this zygote's frames.
         tb = e.__traceback__
         while tb is not None and tb.tb_frame.f_code.co_filename != path:
             tb = tb.tb_next
-        traceback.print_exception(type(e), e, tb)
+        sys.excepthook(type(e), e.with_traceback(tb), tb)
         status = 1
     # What interpreter shutdown would do for the program (threads, atexit, flushing), without
     # tearing down every module, which costs more than the trivial program itself.
@@ -79,14 +99,13 @@ _libra_zygote()
 @dataclass(slots=True)
 class WarmSandbox:
     proc: asyncio.subprocess.Process
-    uid: int
-    workdir: Path
+    box: Box
     ctl: int  # write end of the control pipe
 
 
 class WarmPool:
-    def __init__(self, iso: Isolation, ws: Workspaces, uids: UidPool, python: str, lim: Limits, size: int):
-        self.iso, self.ws, self.uids, self.python, self.lim, self.size = iso, ws, uids, python, lim, size
+    def __init__(self, iso: Isolation, boxes: Boxes, python: str, lim: Limits, size: int):
+        self.iso, self.boxes, self.python, self.lim, self.size = iso, boxes, python, lim, size
         self._ready: deque[WarmSandbox] = deque()
         self._starting = 0
         self._closed = False
@@ -101,22 +120,24 @@ class WarmPool:
 
     async def _start_one(self) -> None:
         try:
-            uid = self.uids.acquire()
-            if uid is None:
+            box = await self.boxes.create()
+            if box is None:
                 return
-            workdir = self.ws.create(uid)
             r, w = os.pipe()
             try:
-                proc = await spawn(
-                    self.iso, [self.python, "-c", ZYGOTE, str(r)], workdir, uid, (), self.lim, pass_fds=(r,)
-                )
+                argv = [self.python, "-c", ZYGOTE, str(r)]
+                proc = await spawn(self.iso, argv, box, (), self.lim, pass_fds=(r,), seccomp=False)
             finally:
                 os.close(r)
-            if isinstance(proc, ExecResult):
+            if isinstance(proc, ExecResult) or self._closed:
                 os.close(w)
-                self._discard(uid, workdir)
+                if not isinstance(proc, ExecResult):
+                    await self._retire(WarmSandbox(proc, box, -1))
+                self.boxes.remove_soon(box)
                 return
-            self._ready.append(WarmSandbox(proc, uid, workdir, w))
+            self._ready.append(WarmSandbox(proc, box, w))
+        except Exception:
+            log.exception("a warm sandbox could not be started")
         finally:
             self._starting -= 1
 
@@ -127,34 +148,51 @@ class WarmPool:
             if sb.proc.returncode is None:
                 return sb  # refilled when it is done, so start-up does not compete with its run
             os.close(sb.ctl)
-            self._discard(sb.uid, sb.workdir)
+            self.boxes.remove_soon(sb.box)
         self.refill()
         return None
 
-    async def run(self, sb: WarmSandbox, files: dict[PurePosixPath, bytes], script: str, cores, timeout_s: float,
-                  stdin: bytes, fetch: list[str], fetch_max: int) -> tuple[ExecResult, dict[str, str]]:  # fmt: skip
+    async def run(self, sb: WarmSandbox, files: dict[Target, bytes], script: str, cores, lim: Limits,
+                  stdin: bytes, fetch: list[Target], fetch_max: int) -> tuple[ExecResult, dict[str, str], dict[str, str]]:  # fmt: skip
         t0 = time.monotonic()
         try:
             try:
-                self.ws.write(sb.workdir, files, sb.uid)
+                problem = await asyncio.to_thread(self._prepare, sb.box, files, lim, cores)
             except BaseException:  # the request's files do not fit: the zygote never runs it
                 await self._retire(sb)
                 raise
-            msg = json.dumps({"path": script, "cores": list(cores)}).encode() + b"\n"
-            with contextlib.suppress(BrokenPipeError):
-                os.write(sb.ctl, msg)
-            os.close(sb.ctl)
-            lim = Limits(timeout_s, self.lim.memory_mb, self.lim.cpu_s, self.lim.nproc, self.lim.fsize_mb,
-                         self.lim.nofile, self.lim.output_bytes)  # fmt: skip
-            res = await supervise(self.iso, sb.proc, sb.uid, lim, stdin, t0)
-            return res, self.ws.fetch(sb.workdir, fetch, fetch_max)
+            if problem:
+                await self._retire(sb)
+                return ExecResult(RunStatus.ERROR, None, "", "", 0.0, message=problem), {}, {}
+            self._send(sb, script, cores, lim)
+            res = await supervise(self.iso, sb.proc, sb.box, lim, stdin, t0)
+            fetched, skipped = await asyncio.to_thread(
+                self.boxes.storages.fetch, sb.box.storage, fetch, fetch_max
+            )
+            return res, fetched, skipped
         finally:
-            self._discard(sb.uid, sb.workdir)
+            self.boxes.remove_soon(sb.box)
             self.refill()
 
-    def _discard(self, uid: int, workdir: Path) -> None:
-        self.ws.remove(workdir)
-        self.uids.release(uid)
+    def _prepare(self, box: Box, files: dict[Target, bytes], lim: Limits, cores) -> str | None:
+        """In a worker thread: the request's files in, the cgroup's limits set (or why not)."""
+        self.boxes.storages.write(box.storage, files)
+        try:
+            box.limit(lim.memory_mb, cores)
+        except OSError as e:
+            return f"could not set the sandbox's limits: {e}"
+        return None
+
+    def _send(self, sb: WarmSandbox, script: str, cores, lim: Limits) -> None:
+        """Tell the zygote what to run, where, and (without cgroups) under which limits."""
+        msg = {"path": script, "cores": list(cores), "cpu": lim.cpu_s}
+        if not self.iso.memory_cgroup:
+            msg["as"] = lim.memory_mb * 2**20
+        if self.iso.seccomp is not None and self.iso.sandboxed:
+            msg["seccomp"] = self.iso.seccomp.hex()
+        with contextlib.suppress(BrokenPipeError):
+            os.write(sb.ctl, json.dumps(msg).encode() + b"\n")  # far below a pipe's buffer
+        os.close(sb.ctl)
 
     async def close(self) -> None:
         self._closed = True
@@ -164,12 +202,14 @@ class WarmPool:
         while self._ready:
             sb = self._ready.popleft()
             await self._retire(sb)
-            self._discard(sb.uid, sb.workdir)
+            self.boxes.remove_soon(sb.box)
 
     @staticmethod
     async def _retire(sb: WarmSandbox) -> None:
         """Stop an unused zygote: it reads EOF on its control pipe and exits (killed if it does not)."""
-        os.close(sb.ctl)
+        if sb.ctl >= 0:
+            with contextlib.suppress(OSError):
+                os.close(sb.ctl)
         try:
             await asyncio.wait_for(sb.proc.wait(), 5.0)
         except Exception:

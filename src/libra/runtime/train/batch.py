@@ -30,6 +30,11 @@ class TrainSample(BaseModel):
         return sum(self.mask)
 
 
+def sample_tokens(samples: list[TrainSample]) -> list[int]:
+    """What a step's layout balances: each sample's length (its forward and backward cost)."""
+    return [len(s.ids) for s in samples]
+
+
 @dataclass(slots=True)
 class Padded:
     """Right-padded tensors; position t of mask/old/targets describes token t + 1."""

@@ -33,7 +33,7 @@ MODEL_NAME = "tiny"
 
 @dataclass(slots=True)
 class Proc:
-    role: str  # engine | gateway | actions | trainer
+    role: str  # engine | gateway | actions | trainer | hybrid
     handle: Handle
     url: str = ""
     bucket: str = ""
@@ -45,6 +45,7 @@ class Cluster:
     launcher: Launcher
     procs: list[Proc] = field(default_factory=list)
     actions_url: str | None = None
+    store: str = ""  # the trainer group's rendezvous store (hybrid replicas find their partner there)
 
     def of(self, role: str) -> list[Proc]:
         return [p for p in self.procs if p.role == role]
@@ -74,7 +75,7 @@ class Cluster:
 
     def stop(self) -> None:
         """Trainers and the gateway first (nothing new is asked of engines), then the rest."""
-        order = {"trainer": 0, "gateway": 1, "engine": 2, "actions": 3}
+        order = {"hybrid": 0, "trainer": 0, "gateway": 1, "engine": 2, "actions": 3}
         for p in sorted(self.procs, key=lambda p: order[p.role]):
             p.handle.stop(timeout=10.0)
         self.launcher.shutdown()
@@ -110,6 +111,14 @@ def trainer_spec(cfg: TrainConfig, run: Path, rank: int, store: str | None) -> P
     if store:
         args += ["--store", store]
     return ProcessSpec(f"trainer-{rank}", tuple(args), run / "logs" / f"trainer-{rank}.log", cpus=1.0,
+                       env={"OMP_NUM_THREADS": str(cfg.trainer.threads)})  # fmt: skip
+
+
+def hybrid_spec(cfg: TrainConfig, run: Path, slot: int, store: str) -> ProcessSpec:
+    """A hybrid trainer replica in a drained engine's slot (`libra.runtime.train.hybrid`)."""
+    args = ("-m", "libra.runtime.train.hybrid", "--slot", str(slot), "--world", str(cfg.trainer.replicas),
+            "--store", store, "--config", str(run / "config.json"))  # fmt: skip
+    return ProcessSpec(f"hybrid-{slot}", args, run / "logs" / f"hybrid-{slot}.log", cpus=1.0,
                        env={"OMP_NUM_THREADS": str(cfg.trainer.threads)})  # fmt: skip
 
 
@@ -162,7 +171,7 @@ def _start_all(cfg: TrainConfig, run: Path, launcher: Launcher, cluster: Cluster
         cluster.procs.append(Proc("actions", launcher.start(actions_spec(cfg, logs))))
     rank0 = Proc("trainer", launcher.start(trainer_spec(cfg, run, 0, None)))
     cluster.procs.append(rank0)
-    store = wait_for_line(rank0.handle, r"trainer store on (\S+)", START_TIMEOUT_S).group(1)
+    store = cluster.store = wait_for_line(rank0.handle, r"trainer store on (\S+)", START_TIMEOUT_S).group(1)
     cluster.procs += [Proc("trainer", launcher.start(trainer_spec(cfg, run, r, store))) for r in range(1, cfg.trainer.replicas)]  # fmt: skip
     for p in cluster.of("engine"):
         p.url = wait_for_line(p.handle, LISTENING, START_TIMEOUT_S).group(1)

@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from libra.core.config import apply_overrides, build, load_yaml
 from libra.core.errors import ConfigError
+from libra.planner.config import ElasticConfig
+from libra.runtime.elastic.config import ElasticRuntimeConfig
 from libra.runtime.engine.config import PRESETS
 
 CONFIGS = "libra.runtime.train.configs"
@@ -29,6 +31,8 @@ class TaskConfig(_Strict):
     hi: int = Field(99, ge=0, le=9999, description="Largest operand.")
     ops: str = Field("+-*", pattern=r"^[-+*]{1,3}$", description="Operators to draw from.")
     tool: Literal["sandbox", "in_process"] = Field("sandbox", description="Where calc runs.")
+    slow_tool_s: float = Field(0.0, ge=0, le=600, description="A workload shift: each tool call waits this long ...")  # fmt: skip
+    slow_tool_from: int = Field(0, ge=0, description="... once this many steps have trained.")
 
     @model_validator(mode="after")
     def _range(self) -> TaskConfig:
@@ -102,6 +106,8 @@ class TrainerConfig(_Strict):
         True, description="Divide advantages by the group's std (GRPO); false: Dr. GRPO."
     )
     micro_batch_tokens: int = Field(8192, ge=256)
+    memory_budget_mb: int = Field(512, ge=1, le=1 << 24, description="A replica's training memory; EARL's selector packs micro-batches within it.")  # fmt: skip
+    context_edges: list[int] = Field([256, 512, 1024, 2048, 4096, 8192], min_length=1, description="The selector's context ranges.")  # fmt: skip
     threads: int = Field(1, ge=1, le=256)
     collective_timeout_s: float = Field(120.0, gt=0, le=3600, description="A replica waiting longer on its peers fails.")  # fmt: skip
     keep_checkpoints: int = Field(3, ge=1, le=1000)
@@ -116,6 +122,16 @@ class WarmStartConfig(_Strict):
 class PublishConfig(_Strict):
     pause_mode: Literal["abort", "in_place", "retract"] = Field("in_place", description="How engines pause for new weights.")  # fmt: skip
     admin_token: str | None = Field(None, description="Bearer token of the engines' control endpoints.")
+
+
+class ElasticSettings(_Strict):
+    """The hybrid pool live: rollout engines that may become trainer replicas and back."""
+
+    enabled: bool = Field(False, description="Let the planner's controller borrow rollout engines for training.")  # fmt: skip
+    hybrid: int = Field(1, ge=1, le=16, description="Engines (of buckets with more than one) that may be borrowed.")  # fmt: skip
+    policy: ElasticConfig = Field(default_factory=ElasticConfig, description="The controller's thresholds.")
+    runtime: ElasticRuntimeConfig = Field(default_factory=ElasticRuntimeConfig, description="Join timeouts.")
+    drain_timeout_s: float = Field(120.0, gt=0, le=3600, description="A drained engine's requests must end within this.")  # fmt: skip
 
 
 class TrainConfig(_Strict):
@@ -137,6 +153,7 @@ class TrainConfig(_Strict):
     trainer: TrainerConfig = TrainerConfig()
     warmstart: WarmStartConfig = WarmStartConfig()
     publish: PublishConfig = PublishConfig()
+    elastic: ElasticSettings = ElasticSettings()
     metrics_port: int = Field(0, ge=-1, le=65535, description="The driver's Prometheus port (0: any free one, -1: none).")  # fmt: skip
     save_trajectories: bool = Field(False, description="Write every trained trajectory's tokens to RUN/trajectories.jsonl.")  # fmt: skip
     ray_address: str | None = Field(None, description="With --launcher ray: a cluster address (default: start a local one).")  # fmt: skip
@@ -162,8 +179,19 @@ def load_train_config(path: str | None, overrides: list[str], base: dict | None 
     if base:
         data = _merge(data, base)
     if path:
-        data = _merge(data, load_yaml(path))
+        data = _merge(data, load_yaml(_named(path)))
     return build(TrainConfig, apply_overrides(data, overrides))
+
+
+def _named(path: str) -> Path | str:
+    """`--config elastic-demo`: an embedded config by name, when no such file exists."""
+    if (
+        not Path(path).exists()
+        and path.replace("-", "_").replace("_", "").isalnum()
+        and embedded(path).exists()
+    ):
+        return embedded(path)
+    return path
 
 
 def _merge(a: dict, b: dict) -> dict:

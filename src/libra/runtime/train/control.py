@@ -78,12 +78,14 @@ class Trainers:
     async def resume(self, path: str) -> list[dict]:
         return await self.all("/resume", [{"path": path}] * len(self.urls))
 
-    async def train(self, step: int, samples: list[TrainSample]) -> TrainResult:
+    async def train(self, step: int, samples: list[TrainSample], whole: bool = False, extra: dict | None = None) -> TrainResult:  # fmt: skip
+        """One step. `whole`: every replica gets every sample and takes its share by the elastic
+        membership; otherwise the driver splits them by tokens. `extra` goes into every body."""
         t0 = time.perf_counter()
         total = sum(s.n_model_tokens for s in samples)
-        parts = shard(samples, len(self.urls))
+        parts = [samples] * len(self.urls) if whole else shard(samples, len(self.urls))
         bodies = [
-            {"step": step, "global_tokens": total, "samples": [s.model_dump() for s in part]}
+            {"step": step, "global_tokens": total, "samples": [s.model_dump() for s in part], **(extra or {})}
             for part in parts
         ]
         out = await self.all("/train", bodies)

@@ -8,7 +8,8 @@ for each step:
     samples <- advantages, one token sequence and loss mask per trajectory
     train the replicas on them (gradients summed over the gloo group), checkpoint
     publish the new weights through the gateway (pause, update, continue)
-    record the step (steps.json, timeline, metrics)
+    decision <- the planner's controller on the step's report; carry it out (elastic pool)
+    record the step and the decision (steps.json, timeline, metrics)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import aiohttp
 
+from libra.core.errors import InfeasibleError
 from libra.planner.staleness import StalenessGate
 from libra.runtime.launch.base import Launcher, LaunchError
 from libra.runtime.train import checkpoint as ckpt
@@ -27,14 +29,17 @@ from libra.runtime.train import cluster as procs
 from libra.runtime.train.agent import AgentEnv, make_agent_loop
 from libra.runtime.train.chat import GatewayChat, Sampling
 from libra.runtime.train.config import TrainConfig
-from libra.runtime.train.control import Publisher, PublishFailed, TrainerLost, Trainers
+from libra.runtime.train.control import Publisher, PublishFailed, TrainerLost, Trainers, TrainResult
+from libra.runtime.train.gateway_admin import GatewayAdmin
 from libra.runtime.train.metrics import DriverMetrics
+from libra.runtime.train.planning import StageLayout, decide, decision_log, make_controller, step_report
+from libra.runtime.train.pool import make_pool
 from libra.runtime.train.report import RunFolder
 from libra.runtime.train.rollout import RolloutFailed, Rollouts, RolloutShape
 from libra.runtime.train.samples import to_samples
 from libra.runtime.train.steps import StepClock, step_record, trace_step
 from libra.runtime.train.task import ProblemStream
-from libra.runtime.train.tools import ActionsUnreachable, InProcessTools, SandboxTools
+from libra.runtime.train.tools import ActionsUnreachable, InProcessTools, SandboxTools, SlowFrom
 
 
 class RunStopped(RuntimeError):
@@ -84,6 +89,9 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
     start = await _guard(cluster, _prepare(cfg, trainers, folder, resume))
     await publisher.publish(str(Path(start.checkpoint) / ckpt.MODEL), start.version)
     rollouts = _rollouts(cfg, cluster, http, start.step)
+    admin = GatewayAdmin(cluster.gateway_url, http, cfg.publish.admin_token)
+    controller = make_controller(cfg.elastic.policy if cfg.elastic.enabled else None)
+    pool, layout = make_pool(cfg, cluster, admin, http), StageLayout(cfg)
     rollouts.start()
     try:
         for step in range(start.step, cfg.steps):
@@ -91,13 +99,23 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
             groups = await _guard(cluster, rollouts.take(step))  # rollouts and rewards
             clock.mark("rollout")
             samples = to_samples(groups, cfg.trainer.normalize_std)  # advantages
-            result = await _guard(cluster, trainers.train(step, samples))  # train, checkpoint
+            packing, selected = _select(layout, samples)  # EARL: the layout for this context range
+            result = await _guard(
+                cluster, _train(cfg, trainers, pool, step, samples, packing)
+            )  # train, checkpoint
             clock.mark("train")
-            pub = await publisher.publish(str(Path(result.checkpoint) / ckpt.MODEL), result.version)
+            model = str(Path(result.checkpoint) / ckpt.MODEL)
+            pub = await publisher.publish(model, result.version)
             rollouts.mark_trained(step + 1)
             await publisher.end_step()
+            await pool.boundary(model, result.version)  # engines back from training serve again
             clock.mark("publish")
+            pressure = await admin.pressure(cfg.engine.max_num_seqs)
+            report = step_report(step, groups, clock.seconds("train"), pressure)
+            decision = decide(controller, report, pool.view())
+            pool.carry_out(decision.elastic)  # borrow / release in the background
             rec = step_record(step, groups, samples, result, pub, clock, rollouts.drops.take())
+            rec.planner, rec.elastic, rec.selector = decision_log(decision, report), pool.record(), selected
             folder.record(rec)
             if cfg.save_trajectories:
                 folder.save_trajectories(step, groups)
@@ -108,6 +126,27 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
         folder.unfinished = rollouts.running()
     finally:
         await rollouts.stop()
+        await pool.stop()
+
+
+def _select(layout: StageLayout, samples) -> tuple[int, dict]:
+    try:
+        return layout.before(samples)
+    except InfeasibleError as e:
+        raise RunStopped(f"the selector refused this step: {e} (trainer.memory_budget_mb)") from None
+
+
+async def _train(cfg: TrainConfig, trainers: Trainers, pool, step: int, samples, packing: int) -> TrainResult:
+    """The core replicas train the step; hybrid replicas get it too (their share is decided by
+    the elastic membership on the core); the pool then mirrors the core's view of each join."""
+    extra = {
+        "micro_batch_tokens": packing,
+        **({"release": pool.take_releases()} if cfg.elastic.enabled else {}),
+    }
+    total = sum(s.n_model_tokens for s in samples)
+    result, _ = await asyncio.gather(trainers.train(step, samples, cfg.elastic.enabled, extra), pool.feed(step, samples, total))  # fmt: skip
+    pool.sync(result.replicas[0].get("elastic"))
+    return result
 
 
 async def _prepare(cfg: TrainConfig, trainers: Trainers, folder: RunFolder, resume: bool) -> Start:
@@ -125,12 +164,15 @@ def _rollouts(cfg: TrainConfig, cluster, http: aiohttp.ClientSession, step: int)
     r = cfg.rollout
     chat = GatewayChat(cluster.gateway_url, procs.MODEL_NAME, http, r.turn_timeout_s)
     tools = SandboxTools(cluster.actions_url, http) if cfg.task.tool == "sandbox" else InProcessTools()
+    tools = SlowFrom(tools, cfg.task.slow_tool_s, cfg.task.slow_tool_from)
     env = AgentEnv(chat, tools, Sampling(r.temperature, r.top_p, r.max_tokens))
     gate = StalenessGate(cfg.pipeline.staleness, cfg.pipeline.consume)
     # Each resumed step draws fresh problems: the stream is seeded by the step it starts at.
     problems = ProblemStream(cfg.seed * 1_000_003 + 2 + step, cfg.task.lo, cfg.task.hi, cfg.task.ops)
     shape = RolloutShape(r.groups_per_step, r.group_size, r.max_drop_fraction)
-    return Rollouts(shape, gate, problems, make_agent_loop(r.agent_loop), env, step, cfg.steps - 1)
+    rollouts = Rollouts(shape, gate, problems, make_agent_loop(r.agent_loop), env, step, cfg.steps - 1)
+    tools.trained = lambda: rollouts.trained
+    return rollouts
 
 
 async def _guard(cluster, coro):

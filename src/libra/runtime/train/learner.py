@@ -71,8 +71,16 @@ class Learner:
         self.opt = self._new_optimizer()
 
     def rl_step(self, samples: list[TrainSample], global_tokens: int, clip: Clip) -> StepStats:
-        st = StepStats(samples=len(samples))
         self.opt.zero_grad(set_to_none=False)
+        st = self.accumulate(samples, global_tokens, clip)
+        st.grad_norm = self._apply()
+        self.step, self.version = self.step + 1, self.version + 1
+        return st
+
+    def accumulate(self, samples: list[TrainSample], global_tokens: int, clip: Clip) -> StepStats:
+        """Add these samples' GRPO gradients (loss over the step's global tokens) to the model's;
+        no reduction, no update (an elastic partner also calls it for a replica's missing share)."""
+        st = StepStats(samples=len(samples))
         for mb in micro_batches(samples, self.optim_cfg.micro_batch_tokens):
             b = pad(mb)
             new = token_logprobs(self.model, b.tokens)
@@ -84,8 +92,6 @@ class Learner:
             st.ratio_sum += parts.ratio
             st.kl_sum += parts.kl
             st.logprob_diff_max = max(st.logprob_diff_max, parts.logprob_diff)
-        st.grad_norm = self._apply()
-        self.step, self.version = self.step + 1, self.version + 1
         return st
 
     def sft_step(self, batch: list[tuple[list[int], list[int]]], global_tokens: int) -> float:
@@ -110,6 +116,11 @@ class Learner:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         self.reducer.reduce(self.model)
+        return self.update()
+
+    def update(self) -> float:
+        """Clip the reduced gradients by global norm and take the AdamW step (a hybrid replica
+        applies the partner's summed gradients through this very call, so it stays bitwise equal)."""
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
         self.opt.step()
         return float(norm)

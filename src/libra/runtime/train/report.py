@@ -40,6 +40,8 @@ class StepRecord:
     loss: dict
     replicas_equal: bool
     planner: dict | None = None
+    selector: dict | None = None  # EARL: this step's packing, and what was refused and why
+    elastic: dict | None = None  # the hybrid pool: joins, releases, rollbacks, hybrid_active, states
 
     def as_dict(self) -> dict:
         return asdict(self)

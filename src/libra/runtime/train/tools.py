@@ -60,6 +60,20 @@ class InProcessTools:
         return ToolResult(out, _status(out), time.perf_counter() - t0)
 
 
+class SlowFrom:
+    """A workload shift: from the `from_step`-th trained step on, every tool call also waits
+    `delay_s` (the tool became a slow external API), so rollout becomes the slower stage. The
+    elastic demo uses it to show a release; `trained` says how many steps have trained."""
+
+    def __init__(self, inner: ToolRunner, delay_s: float, from_step: int, trained=lambda: 0):
+        self.inner, self.delay_s, self.from_step, self.trained = inner, delay_s, from_step, trained
+
+    async def call(self, name: str, arguments: str, session: str) -> ToolResult:
+        if self.delay_s and self.trained() >= self.from_step:
+            await asyncio.sleep(self.delay_s)
+        return await self.inner.call(name, arguments, session)
+
+
 class SandboxTools:
     """POST /run_code to the actions service with the calculator's source as the program."""
 

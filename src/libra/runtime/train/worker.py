@@ -9,8 +9,12 @@ every rank has joined, each serves:
 - `POST /warmstart`: the supervised warm-start (every replica draws the same seeded demonstrations
   and trains its share; gradients summed), then rank 0 writes the step-0 checkpoint;
 - `POST /resume {path}`: load a checkpoint (weights, optimizer, step, version);
-- `POST /train {step, samples, global_tokens}`: one GRPO step on this replica's samples, the
-  gradient sum over the group, AdamW; rank 0 writes the checkpoint the engines then load;
+- `POST /train {step, samples, global_tokens, micro_batch_tokens?, release?}`: one GRPO step on
+  this replica's samples, the gradient sum over the group, AdamW; rank 0 writes the checkpoint
+  the engines then load. With `elastic.enabled` every replica gets the whole step and its
+  `ElasticReducer` picks this rank's share from the step's membership (core ranks and ACTIVE
+  hybrid replicas, `libra.runtime.elastic`); `release` lists hybrid slots to let go at the end
+  of the step, and the answer carries the pool's status;
 - `GET /health`, `GET /metrics` (Prometheus).
 
 The driver calls every replica at once; the collective inside each step is what keeps them in
@@ -28,6 +32,7 @@ import random
 import socket
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -35,10 +40,11 @@ import torch.distributed as dist
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from libra.runtime.elastic import ElasticReducer
 from libra.runtime.engine.config import PRESETS
 from libra.runtime.serving import bind, serve_until_signalled
 from libra.runtime.train import checkpoint as ckpt
-from libra.runtime.train.batch import TrainSample
+from libra.runtime.train.batch import TrainSample, sample_tokens
 from libra.runtime.train.config import TrainConfig
 from libra.runtime.train.grpo import Clip
 from libra.runtime.train.learner import Learner, OptimConfig
@@ -53,9 +59,16 @@ def optim_of(cfg: TrainConfig, lr: float) -> OptimConfig:
     return OptimConfig(lr, t.betas, t.weight_decay, t.grad_clip, t.micro_batch_tokens)
 
 
+def clip_of(cfg: TrainConfig) -> Clip:
+    return Clip(cfg.trainer.clip_low, cfg.trainer.clip_high)
+
+
 class Replica:
-    def __init__(self, cfg: TrainConfig, rank: int, world: int, run: Path):
-        self.cfg, self.rank, self.world, self.run = cfg, rank, world, run
+    def __init__(self, cfg: TrainConfig, rank: int, world: int, run: Path, store: dist.Store | None = None):
+        self.cfg, self.rank, self.world, self.run, self.store = cfg, rank, world, run, store
+        self.elastic: ElasticReducer | None = None
+        self.samples: list[TrainSample] = []
+        self.global_tokens = 0
         self.learner = Learner(
             PRESETS[cfg.engine.model], cfg.seed, optim_of(cfg, cfg.warmstart.lr), SumAllReduce()
         )
@@ -93,14 +106,38 @@ class Replica:
     def train(self, body: dict) -> dict:
         t0 = time.perf_counter()
         samples = [TrainSample.model_validate(s) for s in body["samples"]]
-        t = self.cfg.trainer
-        stats = self.learner.rl_step(samples, int(body["global_tokens"]), Clip(t.clip_low, t.clip_high))
+        self.global_tokens = int(body["global_tokens"])
+        if body.get("micro_batch_tokens"):  # the selector's packing for this step's context range
+            self.learner.optim_cfg = replace(self.learner.optim_cfg, micro_batch_tokens=int(body["micro_batch_tokens"]))  # fmt: skip
+        if self.cfg.elastic.enabled:
+            samples = self._elastic_share(int(body["step"]), samples, body.get("release") or [])
+        stats = self.learner.rl_step(samples, self.global_tokens, clip_of(self.cfg))
         path = self._save(self.learner.step, self.learner.version, with_optimizer=True)
         self.m_step.observe(time.perf_counter() - t0)
         self.m_tokens.inc(stats.tokens)
         self.m_version.set(self.learner.version)
+        elastic = self.elastic.status.to_json() if self.elastic is not None else None
         return {**stats.as_dict(), "rank": self.rank, "version": self.learner.version, "checkpoint": path,
-                "fingerprint": self.learner.fingerprint(), "seconds": time.perf_counter() - t0}  # fmt: skip
+                "fingerprint": self.learner.fingerprint(), "seconds": time.perf_counter() - t0, "elastic": elastic}  # fmt: skip
+
+    def _elastic_share(self, step: int, samples: list[TrainSample], release: list[int]) -> list[TrainSample]:
+        """This rank's samples of the step, by the membership; the reducer is made at the first RL
+        step (after the warm-start or resume), so it snapshots the optimizer RL actually uses."""
+        if self.elastic is None:
+            self.elastic = ElasticReducer(
+                self.learner.model, self.learner.opt, rank=self.rank, core=self.world,
+                slots=self.cfg.elastic.hybrid, store=self.store, recompute=self._recompute,
+                config=self.cfg.elastic.runtime,
+            )  # fmt: skip
+            self.learner.reducer = self.elastic
+        for slot in release:
+            self.elastic.request_release(int(slot))
+        self.samples = samples
+        return [samples[i] for i in self.elastic.begin_step(step, sample_tokens(samples))]
+
+    def _recompute(self, indices: list[int]) -> None:
+        """An ACTIVE hybrid replica's gradients did not come: its share is computed here."""
+        self.learner.accumulate([self.samples[i] for i in indices], self.global_tokens, clip_of(self.cfg))
 
     def _save(self, step: int, version: int, with_optimizer: bool) -> str | None:
         if self.rank != 0:
@@ -142,7 +179,7 @@ class Replica:
         )
 
 
-def join_group(rank: int, world: int, store_addr: str | None, timeout_s: float) -> None:
+def join_group(rank: int, world: int, store_addr: str | None, timeout_s: float) -> dist.Store:
     """Rank 0 opens the rendezvous store on a free port and says where; the others connect."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if rank == 0:
@@ -152,6 +189,7 @@ def join_group(rank: int, world: int, store_addr: str | None, timeout_s: float) 
         host, port = store_addr.rsplit(":", 1)
         store = dist.TCPStore(host, int(port), world, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    return store
 
 
 async def _serve(replica: Replica, sock: socket.socket) -> None:
@@ -173,8 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = TrainConfig.model_validate(json.loads(Path(a.config).read_text()))
     torch.set_num_threads(cfg.trainer.threads)
     sock = bind(HOST, 0)
-    join_group(a.rank, a.world, a.store, cfg.trainer.collective_timeout_s)
-    replica = Replica(cfg, a.rank, a.world, Path(a.run))
+    store = join_group(a.rank, a.world, a.store, cfg.trainer.collective_timeout_s)
+    replica = Replica(cfg, a.rank, a.world, Path(a.run), store)
     asyncio.run(_serve(replica, sock))
     # No destroy_process_group: it waits on peers that may be gone; exiting closes the sockets.
     sys.stdout.flush()

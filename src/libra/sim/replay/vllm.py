@@ -1,15 +1,20 @@
-"""Replay a real vLLM benchmark on one simulated engine, and compare latencies.
+"""Replay a real vLLM benchmark on simulated engines, and compare latencies.
 
-The folder format is described in the shared data README: `meta.json` (engine arguments),
-`config.json` (hardware), `requests.jsonl` (arrivals, token counts and the engine's timestamps).
-The model and hardware are looked up in the catalog by name, so the replay uses spec-sheet numbers
-and whatever efficiency profile is given: nothing is fitted per trace.
+The folder format is described in the shared data README: `meta.json` (engine arguments, and in
+newer runs the KV cache vLLM allocated), `config.json` (hardware and the engine layout),
+`requests.jsonl` (arrivals, token counts and the engine's timestamps). Every instance of the
+layout is simulated: data-parallel ranks each run their own engine behind vLLM's load balancer,
+and a mixture-of-experts model served with expert parallelism splits its experts over the ranks
+(`RolloutCostModel(..., ep=...)`). The model and hardware are looked up in the catalog by name, so
+the replay uses spec-sheet numbers, the measured GPU terms and an engine preset: nothing is fitted
+per trace.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +24,7 @@ from libra.core.config import build, read_text_file
 from libra.core.errors import ConfigError, TraceError
 from libra.core.trace import MAX_TOKENS, build_line, json_lines
 from libra.costmodel.catalog import Catalog
-from libra.costmodel.efficiency import RolloutEfficiency
+from libra.costmodel.efficiency import DEFAULT_ENGINE, RolloutEfficiency
 from libra.costmodel.rollout import RolloutCostModel
 from libra.sim.engine import Engine, Seq
 from libra.sim.kernel import Kernel
@@ -31,17 +36,36 @@ STATS = {
     "p90": lambda a: np.percentile(a, 90),
     "p99": lambda a: np.percentile(a, 99),
 }
+MAX_RANKS = 64  # data-parallel ranks of one benchmark: past this a value is surely a typo
+
+
+@dataclass(slots=True)
+class Rank:
+    """One engine instance of the layout (a data-parallel rank)."""
+
+    hardware: str
+    tp: int
+    ep: int
+    gpu_memory_utilization: float
 
 
 @dataclass(slots=True)
 class Bench:
-    hardware: str
     model: str
-    tp: int
+    ranks: list[Rank]
     max_num_seqs: int
     max_num_batched_tokens: int
-    gpu_memory_utilization: float
     requests: list[dict]
+    dtype: str = ""  # the weight dtype a model-name suffix notes (`-FP8`)
+    vllm_kv_tokens: int | None = None  # per rank, when meta.json reports what vLLM allocated
+
+    @property
+    def hardware(self) -> str:
+        return self.ranks[0].hardware
+
+    @property
+    def tp(self) -> int:
+        return self.ranks[0].tp
 
 
 def _read_json(path: Path) -> dict:
@@ -57,14 +81,10 @@ def _read_json(path: Path) -> dict:
         raise TraceError(str(path), 0, "<file>", f"is not a JSON text file ({str(e)[:200]})") from None
 
 
-def _match(names: dict, wanted: str, field: str, key=lambda spec: spec.source) -> str:
+def _match(names: dict, wanted: str, field: str) -> str:
     norm = wanted.lower().replace("_", "-")
-    for name, spec in names.items():
-        if (
-            name == norm
-            or (key(spec) or "").lower() == wanted.lower()
-            or name.replace("-", "") == norm.replace("-", "")
-        ):
+    for name in names:
+        if name == norm or name.replace("-", "") == norm.replace("-", ""):
             return name
     raise ConfigError(field, wanted, names.keys())
 
@@ -78,14 +98,31 @@ class _Lenient(BaseModel):
 
 class _EngineKwargs(_Lenient):
     model: str | None = None
-    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    tensor_parallel_size: int | None = Field(None, ge=1, le=64)
+    data_parallel_size: int = Field(1, ge=1, le=MAX_RANKS)
+    enable_expert_parallel: bool = False
     max_num_seqs: int | None = Field(None, ge=1, le=16384)
     max_num_batched_tokens: int | None = Field(None, ge=1, le=1 << 20)
+
+
+class _KVCache(_Lenient):
+    num_kv_tokens: int | None = Field(None, ge=1)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+
+
+class _CacheConfig(_Lenient):
+    kv_cache_size_tokens: int | None = Field(None, ge=1)
+
+
+class _Resolved(_Lenient):
+    cache_config: _CacheConfig = _CacheConfig()
 
 
 class _Meta(_Lenient):
     model: str = ""
     engine_kwargs: _EngineKwargs = _EngineKwargs()
+    kv_cache: _KVCache = _KVCache()
+    resolved_config: _Resolved = _Resolved()
 
 
 class _NpuMem(_Lenient):
@@ -95,6 +132,8 @@ class _NpuMem(_Lenient):
 class _Instance(_Lenient):
     hardware: str
     npu_mem: _NpuMem = _NpuMem()
+    tp_size: int | None = Field(None, ge=1, le=64)
+    ep_size: int | None = Field(None, ge=1, le=512)
 
 
 class _Node(_Lenient):
@@ -119,13 +158,41 @@ def load_bench(folder: str | Path, catalog: Catalog) -> Bench:
     if not folder.is_dir():
         raise ConfigError("dir", str(folder), "a folder with meta.json, config.json and requests.jsonl")
     meta = build(_Meta, _read_json(folder / "meta.json"), "meta.json")
-    inst = build(_Config, _read_json(folder / "config.json"), "config.json").nodes[0].instances[0]
+    cfg = build(_Config, _read_json(folder / "config.json"), "config.json")
     kw = meta.engine_kwargs
-    hw = _match(catalog.hardware_specs, inst.hardware, "config.json: hardware", key=lambda s: "")
-    model = _match(catalog.model_specs, kw.model or meta.model, "meta.json: model")
+    model, dtype = catalog.resolve_model(kw.model or meta.model, "meta.json: model")
+    ranks = _ranks(meta, [i for node in cfg.nodes for i in node.instances], catalog)
+    if catalog.model(model).is_moe is False:
+        ranks = [Rank(r.hardware, r.tp, 1, r.gpu_memory_utilization) for r in ranks]
     reqs = _read_requests(folder / "requests.jsonl")
-    return Bench(hw, model, kw.tensor_parallel_size, kw.max_num_seqs or 256, kw.max_num_batched_tokens or 8192,
-                 inst.npu_mem.mem_util, reqs)  # fmt: skip
+    return Bench(model, ranks, kw.max_num_seqs or 256, kw.max_num_batched_tokens or 8192, reqs, dtype,
+                 _vllm_kv_tokens(meta, len(ranks)))  # fmt: skip
+
+
+def _ranks(meta: _Meta, instances: list[_Instance], catalog: Catalog) -> list[Rank]:
+    """Every engine of the layout: one per instance listed, and as many as data_parallel_size says.
+
+    A config that lists one instance for a DP group (older LLMServingSim files) is expanded to the
+    group's size. Expert parallelism spans the DP group times TP, as in vLLM."""
+    kw = meta.engine_kwargs
+    n = max(len(instances), kw.data_parallel_size)
+    util = meta.kv_cache.gpu_memory_utilization
+    out = []
+    for i in range(n):
+        inst = instances[i % len(instances)]
+        hw = _match(catalog.hardware_specs, inst.hardware, "config.json: hardware")
+        tp = kw.tensor_parallel_size or inst.tp_size or 1  # what vLLM ran with, else the layout's
+        ep = inst.ep_size or (n * tp if kw.enable_expert_parallel else 1)
+        out.append(Rank(hw, tp, ep, util or inst.npu_mem.mem_util))
+    return out
+
+
+def _vllm_kv_tokens(meta: _Meta, ranks: int) -> int | None:
+    """The KV cache vLLM allocated per rank, if the run recorded it (meta.json of newer runs)."""
+    if meta.resolved_config.cache_config.kv_cache_size_tokens:
+        return meta.resolved_config.cache_config.kv_cache_size_tokens
+    total = meta.kv_cache.num_kv_tokens
+    return total // ranks if total else None
 
 
 def _read_requests(path: Path) -> list[dict]:
@@ -149,21 +216,51 @@ def measured(bench: Bench) -> dict[str, np.ndarray]:
     return {"ttft": first - q, "latency": last - q, "tpot": ((last - first)[keep] / (out[keep] - 1))}
 
 
-def simulate(bench: Bench, catalog: Catalog, eff: RolloutEfficiency | None = None) -> dict[str, np.ndarray]:
-    hw, model = catalog.hardware(bench.hardware), catalog.model(bench.model)
-    cost = RolloutCostModel(
-        hw, model, bench.tp, eff, bench.gpu_memory_utilization, bench.max_num_batched_tokens
-    )
-    _check_fits(bench, cost)
+def cost_models(bench: Bench, catalog: Catalog, eff: RolloutEfficiency | None = None,
+                engine: str = DEFAULT_ENGINE) -> list[RolloutCostModel]:  # fmt: skip
+    model = catalog.model(bench.model)
+    out = []
+    for r in bench.ranks:
+        cost = RolloutCostModel(catalog.hardware(r.hardware), model, r.tp, eff, r.gpu_memory_utilization,
+                                bench.max_num_batched_tokens, engine, bench.max_num_seqs, r.ep)  # fmt: skip
+        _check_fits(bench, cost)
+        out.append(cost)
+    return out
+
+
+@dataclass(slots=True)
+class Replay:
+    """The simulated run: per-request metrics over all ranks, and each rank's engine."""
+
+    metrics: dict[str, np.ndarray]
+    engines: list[Engine]
+    seqs: list[list[Seq]] = field(default_factory=list)  # per rank, the requests it served
+
+
+def simulate(bench: Bench, catalog: Catalog, eff: RolloutEfficiency | None = None,
+             engine: str = DEFAULT_ENGINE) -> Replay:  # fmt: skip
     k = Kernel(0)
-    eng = Engine(k, "replay", cost, bench.max_num_seqs, bench.max_num_batched_tokens)
+    engines = [Engine(k, f"rank{i}", c, bench.max_num_seqs, bench.max_num_batched_tokens)
+               for i, c in enumerate(cost_models(bench, catalog, eff, engine))]  # fmt: skip
+    served: list[list[Seq]] = [[] for _ in engines]
     t0 = min(r["arrival_time"] for r in bench.requests)
     seqs = []
     for i, r in enumerate(bench.requests):
         s = Seq(i, max(1, int(r["input_toks"])), max(1, int(r["output_toks"])))
         seqs.append(s)
-        k.at(r["arrival_time"] - t0, eng.submit, s)
+        k.at(r["arrival_time"] - t0, _dispatch, engines, served, s)
     k.run()
+    return Replay(_metrics(seqs), engines, served)
+
+
+def _dispatch(engines: Sequence[Engine], served: list[list[Seq]], seq: Seq) -> None:
+    """vLLM's data-parallel load balancer: the rank with the fewest waiting x 4 + running."""
+    i = min(range(len(engines)), key=lambda j: (4 * len(engines[j].waiting) + engines[j].running, j))
+    served[i].append(seq)
+    engines[i].submit(seq)
+
+
+def _metrics(seqs: Sequence[Seq]) -> dict[str, np.ndarray]:
     out = np.array([s.out_total for s in seqs])
     first, done, sub = (np.array([getattr(s, a) for s in seqs]) for a in ("t_first", "t_done", "t_submit"))
     keep = out > 1
@@ -174,50 +271,89 @@ def _check_fits(bench: Bench, cost: RolloutCostModel) -> None:
     """The engine the folder describes must hold its longest request: else it is an input error
     naming what to change, not a simulated engine that stalls."""
     hw = cost.hw
-    if bench.tp > hw.gpus_per_node:
-        raise ConfigError("meta.json: engine_kwargs.tensor_parallel_size", bench.tp,
+    if cost.tp > hw.gpus_per_node:
+        raise ConfigError("meta.json: engine_kwargs.tensor_parallel_size", cost.tp,
                           f"<= gpus_per_node ({hw.gpus_per_node}) of {hw.name}")  # fmt: skip
     cap = cost.kv_capacity_tokens()
     i = max(range(len(bench.requests)), key=lambda j: bench.requests[j]["input_toks"] + bench.requests[j]["output_toks"])  # fmt: skip
     need = bench.requests[i]["input_toks"] + bench.requests[i]["output_toks"]
     if need > cap:
-        where = f"{bench.model} at TP{bench.tp} on {hw.name} with mem_util {bench.gpu_memory_utilization:g}"
+        where = f"{bench.model} at TP{cost.tp} on {hw.name} with mem_util {cost.gpu_memory_utilization:g}"
         if cap == 0:
-            raise ConfigError("config.json: npu_mem.mem_util", bench.gpu_memory_utilization,
+            raise ConfigError("config.json: npu_mem.mem_util", cost.gpu_memory_utilization,
                               f"room for the weights and a KV cache ({where} leaves none)")  # fmt: skip
         raise ConfigError(f"requests.jsonl: request {i}", f"{need} tokens (input + output)",
                           f"at most the KV cache's {cap} tokens ({where})")  # fmt: skip
 
 
 def summarize(arrs: dict[str, np.ndarray]) -> dict[str, float]:
-    return {f"{m}_{s}": float(f(arrs[m])) for m in METRICS for s, f in STATS.items()}
+    return {f"{m}_{s}": float(f(arrs[m])) for m in METRICS for s, f in STATS.items() if len(arrs[m])}
 
 
-def compare(bench: Bench, catalog: Catalog, eff: RolloutEfficiency | None = None) -> dict:
-    real, sim = summarize(measured(bench)), summarize(simulate(bench, catalog, eff))
+def kv_capacity(bench: Bench, costs: Sequence[RolloutCostModel]) -> dict | None:
+    """Simulated KV tokens per rank against what vLLM reported allocating, if it did."""
+    if bench.vllm_kv_tokens is None:
+        return None
+    sim = costs[0].kv_capacity_tokens()
+    return {
+        "simulated": sim,
+        "vllm": bench.vllm_kv_tokens,
+        "error": (sim - bench.vllm_kv_tokens) / bench.vllm_kv_tokens,
+    }
+
+
+def per_instance(replay: Replay) -> list[dict]:
+    """Each rank's share: requests, busy fraction, preemptions and its simulated latencies."""
+    out = []
+    horizon = max((s.t_done for seqs in replay.seqs for s in seqs), default=0.0) or 1.0
+    for eng, seqs in zip(replay.engines, replay.seqs, strict=True):
+        row = {"instance": eng.id, "tp": eng.tp, "ep": eng.cost.ep, "requests": len(seqs),
+               "busy": eng.busy_s / horizon, "preemptions": eng.preemptions}  # fmt: skip
+        if seqs:
+            m = _metrics(seqs)
+            row.update({f"{k}_mean": float(np.mean(v)) for k, v in m.items() if len(v)})
+        out.append(row)
+    return out
+
+
+def compare(bench: Bench, catalog: Catalog, eff: RolloutEfficiency | None = None,
+            engine: str = DEFAULT_ENGINE) -> dict:  # fmt: skip
+    replay = simulate(bench, catalog, eff, engine)
+    real, sim = summarize(measured(bench)), summarize(replay.metrics)
     keys = ("ttft_mean", "latency_mean", "latency_p90", "tpot_mean")
-    return {"measured": real, "simulated": sim, "error": {k: (sim[k] - real[k]) / real[k] for k in keys}}
+    return {"measured": real, "simulated": sim, "error": {k: (sim[k] - real[k]) / real[k] for k in keys},
+            "instances": per_instance(replay),
+            "kv_capacity": kv_capacity(bench, [e.cost for e in replay.engines])}  # fmt: skip
 
 
 FIT_KEYS = ("latency_mean", "latency_p90", "ttft_mean", "tpot_mean")
 
 
-def calibrate(bench: Bench, catalog: Catalog, base: RolloutEfficiency | None = None,
-              fields: tuple[str, ...] = ("bw", "compute", "base_overhead_s", "per_seq_overhead_s")) -> tuple[RolloutEfficiency, dict]:  # fmt: skip
-    """Fit efficiency coefficients so the replay matches the measured latencies of `bench`.
+def calibrate(benches: Bench | Sequence[Bench], catalog: Catalog, base: RolloutEfficiency | None = None,
+              fields: tuple[str, ...] = ("base_overhead_s", "per_seq_overhead_s"),
+              engine: str = DEFAULT_ENGINE) -> tuple[RolloutEfficiency, dict]:  # fmt: skip
+    """Fit efficiency terms so the replays match the measured latencies of `benches`.
 
     Minimises the squared log-ratio of simulated to measured latency mean and p90, TTFT mean and
-    TPOT mean, with Nelder-Mead over the log of each coefficient (fractions clipped to 1).
-    """
-    from libra.costmodel.calibrate import _with, nelder_mead
+    TPOT mean over every bench, with Nelder-Mead over the log of each term (fractions clipped to
+    1). GPU terms are fitted for each bench's GPU type; CPU terms for the engine preset. Returns the
+    errors of the first bench after the fit."""
+    from libra.costmodel.calibrate import _with, nelder_mead, start
 
+    benches = [benches] if isinstance(benches, Bench) else list(benches)
     base = base or RolloutEfficiency()
-    real = summarize(measured(bench))
+    hardware = sorted({b.hardware for b in benches})
+    reals = [summarize(measured(b)) for b in benches]
+
+    def fitted(logx: np.ndarray) -> RolloutEfficiency:
+        return _with(base, fields, logx, hardware, engine)
 
     def loss(logx: np.ndarray) -> float:
-        sim = summarize(simulate(bench, catalog, _with(base, fields, logx)))
-        return float(sum(np.log(sim[k] / real[k]) ** 2 for k in FIT_KEYS))
+        eff, total = fitted(logx), 0.0
+        for b, real in zip(benches, reals, strict=True):
+            sim = summarize(simulate(b, catalog, eff, engine).metrics)
+            total += sum(float(np.log(sim[k] / real[k])) ** 2 for k in FIT_KEYS)
+        return total
 
-    x0 = np.log(np.array([getattr(base, f) for f in fields]))
-    best = _with(base, fields, nelder_mead(loss, x0, step=0.2, iters=150))
-    return best, compare(bench, catalog, best)["error"]
+    best = fitted(nelder_mead(loss, start(base, fields, hardware[0], engine), step=0.2, iters=150))
+    return best, compare(benches[0], catalog, best, engine)["error"]

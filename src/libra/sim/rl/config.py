@@ -18,9 +18,10 @@ from libra.core.config import build
 from libra.core.errors import ConfigError
 from libra.core.specs import HardwareSpec
 from libra.costmodel.catalog import Catalog
-from libra.costmodel.efficiency import Profile
+from libra.costmodel.efficiency import DEFAULT_ENGINE, EngineName, Profile
 from libra.planner.config import ElasticConfig, PlannerConfig, SelectorConfig
 from libra.planner.problem import PlanningProblem
+from libra.rollout.tail import TailConfig
 from libra.sim.workloads.base import WorkloadConfig
 
 
@@ -75,6 +76,9 @@ class RolloutCfg(_Strict):
         48, ge=1, description="outstanding requests per instance before new work spills to a neighbour bucket"
     )
     router_params: dict = Field(default_factory=dict)
+    engine: EngineName = Field(
+        DEFAULT_ENGINE, description="engine preset for the CPU overhead: vllm-v1 or vllm-v0"
+    )
 
     @model_validator(mode="after")
     def _sorted(self) -> RolloutCfg:
@@ -112,6 +116,7 @@ class RLScenario(_Strict):
     planner: PlannerConfig = PlannerConfig()
     elastic: ElasticConfig = ElasticConfig()
     selector: SelectorConfig = SelectorConfig()
+    tail: TailConfig = TailConfig()
     trace_step: int | None = Field(None, ge=0, description="the step drawn in trace.json")
 
     def check(self, catalog: Catalog, split: bool = True) -> None:
@@ -154,7 +159,8 @@ def problem_of(
     return PlanningProblem(hw, nodes or sc.cluster.nodes, catalog.model(sc.model, "model"), w.prompts_per_step,
                            w.samples_per_prompt, w.max_length, r.max_num_seqs, r.max_num_batched_tokens,
                            r.gpu_memory_utilization, profile=profile or Profile(),
-                           staleness=sc.pipeline.staleness, consume=sc.pipeline.consume)  # fmt: skip
+                           staleness=sc.pipeline.staleness, consume=sc.pipeline.consume,
+                           engine=r.engine)  # fmt: skip
 
 
 def parse_rl(data: dict, catalog: Catalog, split: bool = True) -> RLScenario:

@@ -196,7 +196,8 @@ def make_engines(kernel: Kernel, specs, hw, model, sc, eff, tracer=None, prefix:
     policy = KVPolicy.parse(r.kv_during_tool)
     out = []
     for i, spec in enumerate(specs):
-        cost = RolloutCostModel(hw, model, spec.tp, eff, r.gpu_memory_utilization, r.max_num_batched_tokens)
+        cost = RolloutCostModel(hw, model, spec.tp, eff, r.gpu_memory_utilization, r.max_num_batched_tokens,
+                                r.engine, r.max_num_seqs)  # fmt: skip
         if not cost.fits():
             raise InfeasibleError(
                 f"a TP{spec.tp} rollout instance of {model.name} on {hw.name} has no memory left for the "

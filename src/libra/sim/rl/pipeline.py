@@ -36,12 +36,14 @@ from libra.costmodel.training import TrainCostModel
 from libra.planner import StepReport
 from libra.planner.staleness import Finished, GroupQueue, StalenessGate
 from libra.rollout.registry import make_router, params_for, route_params
+from libra.rollout.tail import TailLane, TailStats
 from libra.sim import isolation
 from libra.sim.isolation import Progress
 from libra.sim.kernel import Kernel
 from libra.sim.rl.config import RLScenario
 from libra.sim.rl.driver import RolloutDriver, RoutingStats, make_engines
 from libra.sim.rl.elastic_pool import ElasticPool
+from libra.sim.rl.limit import BatchFloor, Limit, StepTaken, makespan_bounds
 from libra.sim.rl.records import InFlight, SimRecord, StepRecord
 from libra.sim.rl.systems import Setup, System, make_system
 from libra.sim.tracing import Tracer
@@ -53,6 +55,7 @@ class Batches:
 
     def __init__(self, sc: RLScenario, seed: int, trace: list[Trajectory] | None = None):
         self.trace = None
+        self._floors: dict[int, BatchFloor] = {}
         if trace is not None:
             by_step: dict[int, list[Trajectory]] = {}
             for t in trace:
@@ -81,6 +84,12 @@ class Batches:
         suffix = f"#{cycle}" if cycle else ""
         return [replace(t, id=t.id + suffix, step=step) for t in self.trace[i]]
 
+    def floors(self, limit: Limit, steps: int) -> dict[int, BatchFloor]:
+        """Every step's floors (`sim.rl.limit`); computed once per run, before the systems fork."""
+        if not self._floors:
+            self._floors = {s: limit.batch(self.get(s)) for s in range(steps)}
+        return self._floors
+
 
 class RLSim:
     """One system on one scenario: the mechanism that carries out the system's decisions."""
@@ -99,6 +108,7 @@ class RLSim:
         # Routing counts and engine token totals cover the whole run, across re-plans (each
         # re-plan builds new engines and a new driver).
         self.routing = RoutingStats()
+        self.tail_stats = TailStats()
         self.retired_tokens = self.retired_preemptions = 0
         self.bucketed = False  # whether any layout of the run had more than one bucket
         self.driver = self._build_driver(self.setup)
@@ -121,6 +131,7 @@ class RLSim:
         self.next_batch_delay = 0.0
         self.replans = 0
         self.pool = self._make_pool() if system.elastic else None
+        self._bounds: list[float] | None = None
 
     def _make_pool(self) -> ElasticPool:
         return ElasticPool(self.setup.plan, self.driver, self.k, self.sc.elastic)
@@ -133,7 +144,7 @@ class RLSim:
 
     # ---- construction -------------------------------------------------------------------------
 
-    def _build_driver(self, setup: Setup, router=None) -> RolloutDriver:
+    def _build_driver(self, setup: Setup) -> RolloutDriver:
         engines = make_engines(
             self.k, setup.instances, self.hw, self.model, self.sc, self.profile.rollout, self.tracer
         )
@@ -142,13 +153,12 @@ class RLSim:
         costs = {
             b: engines[[s.bucket for s in setup.instances].index(b)].cost for b in set(bucket_of.values())
         }
+        coster = _coster(costs, len(setup.buckets))
         router = make_router(
-            setup.router,
-            setup.buckets,
-            cost=_coster(costs, len(setup.buckets)),
-            seed=0,
-            **params_for(setup.router, setup.router_params),
+            setup.router, setup.buckets, cost=coster, seed=0, **params_for(setup.router, setup.router_params)
         )
+        if self.system.tail:
+            router = TailLane(router, self.sc.tail, coster, self.tail_stats)
         drv = RolloutDriver(self.k, engines, setup.buckets, bucket_of, router, node_of,
                             self.sc.pipeline.tool_latency_default_s, self.tracer)  # fmt: skip
         drv.set_caps(self.sc.rollout.instance_cap)
@@ -315,13 +325,9 @@ class RLSim:
         retiring = self.driver.engines.values()
         self.retired_tokens += sum(e.prefill_tokens + e.decode_tokens for e in retiring)
         self.retired_preemptions += sum(e.preemptions for e in retiring)
-        old = self.driver.router
-        keep = (
-            old if len(new.buckets) == len(self.setup.buckets) and new.router == self.setup.router else None
-        )
-        if keep is not None:
-            keep.buckets = list(new.buckets)
-        self.setup, self.driver = new, self._build_driver(new, keep)
+        # A new layout gets a new router: its cost model is the new engines', so nothing a router
+        # learned of the old layout (queue levels, per-bucket costs) carries over.
+        self.setup, self.driver = new, self._build_driver(new)
         self.next_batch_delay += new.reconfig_s
         self.replans += 1
         if self.pool is not None:  # the new layout's hybrid replicas; the counts run on
@@ -329,6 +335,16 @@ class RLSim:
             self.pool.carry_over(old)
 
     # ---- metrics ------------------------------------------------------------------------------
+
+    def bounds(self) -> list[float]:
+        """Each trained step's makespan lower bound (`sim.rl.limit`), computed once."""
+        if self._bounds is None:
+            floors = self.batches.floors(limit_of(self.sc, self.profile), self.steps)
+            taken = [StepTaken(r.step, r.rollout_start, sorted({(t.step, t.prompt_id) for t in r.trajs}))
+                     for r in self.history]  # fmt: skip
+            completion = self.sc.pipeline.consume == "completion" and not self.setup.colocated
+            self._bounds = makespan_bounds(taken, floors, self.total_gpus, completion)
+        return self._bounds
 
     def _engine_busy(self) -> float:
         return sum(e.busy_s * e.tp for e in self.driver.engines.values())
@@ -340,10 +356,13 @@ class RLSim:
         busy = self.engine_busy_gpu_s + self._engine_busy() + self.train_busy_gpu_s
         engines = self.driver.engines.values()
         rollout_tokens = self.retired_tokens + sum(e.prefill_tokens + e.decode_tokens for e in engines)
+        makespan, bound = float(np.mean([r.rollout_makespan for r in h])), float(np.mean(self.bounds()))
         return {
             "throughput_tokens_per_s": gen / wall,
             "mean_step_time_s": wall / len(h),
-            "mean_rollout_makespan_s": float(np.mean([r.rollout_makespan for r in h])),
+            "mean_rollout_makespan_s": makespan,
+            "makespan_lower_bound_s": bound,
+            "distance_to_limit": makespan / bound - 1 if bound > 0 else 0.0,
             "rollout_throughput_tokens_per_s": gen / sum(r.rollout_makespan for r in h),
             "mean_train_time_s": float(np.mean([r.train_time for r in h])),
             "gpu_utilization": busy / (self.total_gpus * wall),
@@ -357,6 +376,11 @@ class RLSim:
             "max_staleness": max(x for r in h for x in r.staleness),
             **({"elastic": self.pool.summary()} if self.pool else {}),
             **({"routing": self.routing.as_dict(rollout_tokens)} if self.bucketed else {}),
+            **(
+                {"tail": {"lane_turns": self.tail_stats.lane_turns, "evictions": self.tail_stats.evictions}}
+                if self.system.tail
+                else {}
+            ),  # fmt: skip
         }
 
     def record(self) -> SimRecord:
@@ -366,10 +390,11 @@ class RLSim:
 
     def per_step(self) -> list[dict]:
         out, prev = [], 0.0
-        for r in self.history:
+        for r, bound in zip(self.history, self.bounds(), strict=True):
             out.append({"step": r.step, "step_time_s": r.train_end - prev,
                         "throughput_tokens_per_s": r.generated_tokens / max(1e-9, r.train_end - prev),
-                        "rollout_makespan_s": r.rollout_makespan, "train_time_s": r.train_time,
+                        "rollout_makespan_s": r.rollout_makespan, "makespan_lower_bound_s": bound,
+                        "train_time_s": r.train_time,
                         "mean_length": float(np.mean(r.lengths)), "p90_length": float(np.percentile(r.lengths, 90))})  # fmt: skip
             prev = r.train_end
         return out
@@ -409,6 +434,13 @@ def _same_layout(a: Setup, b: Setup) -> bool:
     return key(a) == key(b)
 
 
+def limit_of(sc: RLScenario, profile: Profile) -> Limit:
+    """The scenario's limit (`sim.rl.limit`): its cluster, model and engines' settings."""
+    cat = load_catalog()
+    hw, model = cat.hardware(sc.cluster.hardware), cat.model(sc.model)
+    return Limit(hw, model, profile.rollout, sc.rollout, sc.pipeline.tool_latency_default_s)
+
+
 def _coster(costs: dict, n_buckets: int):
     from libra.rollout.placement import CostModelCoster
 
@@ -432,9 +464,8 @@ def run(sc: RLScenario, systems: list[str] | None, steps: int | None, seed: int,
     if n < 1:
         raise ConfigError("steps", n, "an integer >= 1")
     trace_step = sc.trace_step if sc.trace_step is not None else min(2, n - 1)
-    if trajs is None:  # generated once, here: every system's process reads the same batches
-        for s in range(n):
-            batches.get(s)
+    # Generated once, here, with their floors: every system's process reads the same batches.
+    batches.floors(limit_of(sc, profile or Profile()), n)
     systems_ = [make_system(name) for name in names]  # an unknown name fails here, before anything runs
     route_params({s.router for s in systems_}, sc.rollout.router_params)  # a param no router has: error
     results, per_step, records, shared = {}, {}, {}, {}

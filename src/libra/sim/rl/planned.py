@@ -13,12 +13,14 @@ mechanism per rung:
 | ablation:hetero-tp | libra | TP buckets | least-loaded | yes | no |
 | ablation:cmlfq | libra | TP buckets | cmlfq | yes | no |
 | libra | libra | TP buckets | cmlfq | yes | yes |
+| libra+tail | libra | TP buckets | cmlfq, with the tail lane | yes | yes |
 | planned:ROUTER | libra | TP buckets | any registered router | yes | no |
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 from libra.core.specs import HardwareSpec
 from libra.costmodel.catalog import load_catalog
@@ -33,13 +35,25 @@ from libra.sim.workloads import make_workload
 # own (a deployment profiles before training; the sample is not a batch any system runs).
 PROFILE_SEED = 12345
 
-# The ablation ladder, bottom rung first: (system, the mechanism that rung adds).
+
+@dataclass(frozen=True, slots=True)
+class Rung:
+    """One rung of the ablation ladder: its system, the mechanism it adds (a short name for the
+    gains map's tables and plots), and what that is in words."""
+
+    system: str
+    mechanism: str
+    adds: str
+
+
+# The ablation ladder, bottom rung first.
 LADDER = (
-    ("static-uniform", "baseline: the scenario's split, one TP, least-loaded"),
-    ("ablation:planner", "+ global planner (split, parallelism, one TP), re-planned"),
-    ("ablation:hetero-tp", "+ heterogeneous TP buckets (least-loaded routing)"),
-    ("ablation:cmlfq", "+ C-MLFQ routing"),
-    ("libra", "+ elastic hybrid pool"),
+    Rung("static-uniform", "baseline", "baseline: the scenario's split, one TP, least-loaded"),
+    Rung("ablation:planner", "planner", "+ global planner (split, parallelism, one TP), re-planned"),
+    Rung("ablation:hetero-tp", "hetero-tp", "+ heterogeneous TP buckets (least-loaded routing)"),
+    Rung("ablation:cmlfq", "cmlfq", "+ C-MLFQ routing"),
+    Rung("libra", "elastic", "+ elastic hybrid pool"),
+    Rung("libra+tail", "tail", "+ tail lane: stragglers on engines of their own as the batch drains"),
 )
 
 
@@ -81,8 +95,16 @@ class PlannedSystem(System):
         return setup_of(plan, hw, self.router, sc.rollout.router_params, reconfig_s)
 
 
-def _system(name: str, planner: str, router: str, replan: bool, elastic: bool = False) -> type[PlannedSystem]:
-    attrs = {"name": name, "planner": planner, "router": router, "replan": replan, "elastic": elastic}
+def _system(name: str, planner: str, router: str, replan: bool, elastic: bool = False,
+            tail: bool = False) -> type[PlannedSystem]:  # fmt: skip
+    attrs = {
+        "name": name,
+        "planner": planner,
+        "router": router,
+        "replan": replan,
+        "elastic": elastic,
+        "tail": tail,
+    }
     return type(name.replace(":", "_").replace("-", "_").title(), (PlannedSystem,), attrs)
 
 
@@ -93,6 +115,7 @@ PLANNED = (
     _system("ablation:hetero-tp", "libra", "least-loaded", replan=True),
     _system("ablation:cmlfq", "libra", "cmlfq", replan=True),
     _system("libra", "libra", "cmlfq", replan=True, elastic=True),
+    _system("libra+tail", "libra", "cmlfq", replan=True, elastic=True, tail=True),
 )
 # The planned systems whose planner may split the rollout into buckets by length (and may not).
 BUCKETED = tuple(cls.name for cls in PLANNED if cls.planner == "libra")

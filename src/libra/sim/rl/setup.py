@@ -90,6 +90,7 @@ class System:
 
     name = ""
     elastic = False  # whether the pipeline runs the elastic hybrid pool for this system
+    tail = False  # whether its router runs the tail lane (`libra.rollout.tail`)
     # A run-scoped cache the driver hands to every system of one simulation, so that pure,
     # expensive helpers (a planner and its memoised searches) are built once per run.
     shared: dict | None = None

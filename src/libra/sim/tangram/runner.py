@@ -31,7 +31,7 @@ from libra.sim.kernel import Kernel
 from libra.sim.output import write_results
 from libra.sim.tangram.config import TangramScenario
 from libra.sim.tangram.systems import Resources, SimAction, make_system
-from libra.sim.tangram.workloads import CodingParams, CodingWorkload, MopdWorkload, TrajPlan
+from libra.sim.tangram.workloads import ActionSpec, CodingParams, CodingWorkload, MopdWorkload, TrajPlan
 from libra.sim.tracing import span, write_trace
 
 
@@ -89,6 +89,10 @@ class CodingSetup:
     def resources(self, gpus: int | None = None) -> Resources:
         return Resources(cpu_nodes=self.nodes, quota=_quota(self.sc))
 
+    def ideal_s(self, spec: ActionSpec) -> float:
+        """The action alone at its best number of cores on one node (see `ideal_exec_s`)."""
+        return ideal_exec_s(spec, self.sc.cluster.cores_per_node)
+
     def plans(self, step: int, seed: int) -> list[TrajPlan]:
         return self.workload.step(step, random.Random(f"{seed}:{step}"))
 
@@ -125,6 +129,22 @@ class MopdSetup:
 
     def plans(self, step: int, seed: int) -> list[TrajPlan]:
         return self.workload.step(step, random.Random(f"{seed}:{step}"), self.dops)
+
+    def ideal_s(self, spec: ActionSpec) -> float:
+        """The action at its best DoP the service fits at on one node, already resident."""
+        dops = self.dops.get(spec.service or "", ())
+        return ideal_exec_s(spec, max(dops, default=1), dops)
+
+
+def ideal_exec_s(spec: ActionSpec, most: int, allowed: tuple[int, ...] | None = None) -> float:
+    """An action's execution time at its best feasible degree of parallelism up to `most` units
+    (and in `allowed`, if given): what it takes with no queueing and no restore, the limit its
+    completion time is measured against."""
+    key = spec.demand.get(spec.demand.key) if spec.demand.key else None
+    if spec.profile is None or key is None:
+        return spec.t1
+    units = [m for m in key.values(most) if m > 0 and (allowed is None or m in allowed)]
+    return min((spec.profile.duration(spec.t1, m) for m in units), default=spec.t1)
 
 
 SETUPS = {"coding": CodingSetup, "mopd": MopdSetup}
@@ -167,6 +187,10 @@ def simulate_system(
         )
         progress(name, (i + 1) / steps)
     out = _metrics(system, records, step_times, tokens, k.now)
+    ideal = _mean([setup.ideal_s(a.spec) for a in records])
+    act = out["actions"]["mean_act_s"]
+    out["actions"]["ideal_mean_act_s"] = ideal
+    out["actions"]["distance_to_limit"] = act / ideal - 1 if ideal > 0 else 0.0
     out["per_step"] = per_step
     return out, records
 

@@ -248,7 +248,7 @@ class AgentWorkload:
         return out
 
     def _knobs(self, step: int) -> _StepKnobs:
-        p, f = self.params, drift_fraction(step, self.params.drift_steps)
+        p, f = self.params, drift_fraction(step + self.cfg.first_step, self.params.drift_steps)
         return _StepKnobs(
             log_lerp(p.output_tokens_start, p.output_tokens_end, f),
             lerp(p.finish_logit_start, p.finish_logit_end, f),

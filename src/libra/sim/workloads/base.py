@@ -30,6 +30,11 @@ class WorkloadConfig(BaseModel):
     samples_per_prompt: int = Field(16, ge=1, le=1024, description="GRPO samples per prompt.")
     max_length: int = Field(40960, ge=256, description="Context limit in tokens; longer rollouts are cut.")
     params: dict = Field(default_factory=dict, description="Family parameters; see `libra trace params`.")
+    # Late training without simulating the steps before it: R2E-Gym's mean length is 2.5K at step 0
+    # and 11.5K after 100 steps (the Libra paper), and a run of its late steps starts there.
+    first_step: int = Field(
+        0, ge=0, le=1_000_000, description="The training step this run's step 0 stands for (length drift)."
+    )
 
 
 def step_rng(seed: int, step: int) -> random.Random:

@@ -84,7 +84,7 @@ class DapoMathWorkload:
         self.params = validate_params(self.Params, cfg.params, "workload.params")
 
     def generate(self, step: int, rng: random.Random) -> list[Trajectory]:
-        p, f = self.params, drift_fraction(step, self.params.drift_steps)
+        p, f = self.params, drift_fraction(step + self.cfg.first_step, self.params.drift_steps)
         median = log_lerp(p.output_tokens_start, p.output_tokens_end, f)
         wrong = lerp(p.wrong_logit_start, p.wrong_logit_end, f)
         out: list[Trajectory] = []

@@ -1,0 +1,195 @@
+"""Run `libra train` and account for the host's CPU: what the live-run prediction needs of the host.
+
+    python benchmarks/live_cpu.py [--before 15] -- libra train --out RUN --steps 5 ...
+
+The prediction takes the host's other work as an input (`libra.sim.rl.live.Host`). Linux shares
+the cores fairly between sessions (autogroup), not threads, and the run is started in a session of
+its own: so every half second of the run's RL steps it counts the runnable threads of every other
+session (less the run's own tool sandboxes) and records the share of a core one of the run's
+processes would get with 1..8 of them busy (`libra.sim.rl.live.fair_share`); `shares`, their
+mean, is what the prediction reads. `background` is the mean count of those threads, and
+`background_before` the same for `--before` seconds before the run (for comparison).
+
+During the run it also samples the CPU time of every process the run started, by role (engine per
+bucket, gateway, actions service and its tool processes, trainer replicas, driver), and the host's
+busy CPU; the CPU spent during the RL steps (from the first rollout to the last publication on the run's timeline, placed on the wall clock by
+the time steps.json was first written, right after step 0's publication) is what the prediction's
+CPU figures are compared with. Writes RUN/host.json and prints one JSON line. Linux only (/proc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from libra.sim.rl.live import fair_share
+
+HZ = os.sysconf("SC_CLK_TCK")
+MAX_BUSY = 8  # the run's busy processes the share table goes to (two engines, serving, trainers)
+ROLES = (("--tp-label", "engine"), ("serve gateway", "gateway"), ("serve actions", "actions"),
+         ("train.worker", "trainer"), ("libra train", "driver"))  # fmt: skip
+
+
+def host_sample() -> tuple[float, int]:
+    """(busy CPU seconds of the host since boot, runnable processes now, less this one)."""
+    with open("/proc/stat") as f:
+        cpu = f.readline().split()
+        busy = sum(int(x) for x in cpu[1:8]) - int(cpu[4]) - int(cpu[5])
+        running = next(int(x.split()[1]) for x in f if x.startswith("procs_running"))
+    return busy / HZ, running - 1
+
+
+def descendants(pid: int) -> list[int]:
+    todo, out = [pid], []
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for t in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    todo += [int(x) for x in f.read().split()]
+        except OSError:
+            continue
+    return out
+
+
+def runnable_by_session(skip: set[int]) -> list[int]:
+    """Runnable threads (state R) of each session not in `skip`; kernel threads (session 0) are
+    scheduled one by one, so each counts as its own."""
+    by_sid: dict[int, int] = {}
+    kernel = 0
+    me = str(os.getpid())  # this sampler, runnable while it looks
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if pid == me:
+            continue
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                f = Path(f"/proc/{pid}/task/{t}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            sid = int(f[3])
+            if f[0] != "R" or sid in skip:
+                continue
+            if sid == 0:
+                kernel += 1
+            else:
+                by_sid[sid] = by_sid.get(sid, 0) + 1
+    return list(by_sid.values()) + [1] * kernel
+
+
+def sessions(pids: list[int]) -> set[int]:
+    out = set()
+    for pid in pids:
+        try:
+            out.add(os.getsid(pid))
+        except OSError:
+            continue
+    return out
+
+
+def cpu_and_role(pid: int) -> tuple[float, str] | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+    role = next((r for key, r in ROLES if key in cmd), "tools")
+    return (int(stat[11]) + int(stat[12])) / HZ, role
+
+
+class Accounting:
+    """CPU seconds by role over time: [(wall-clock time, {role: cumulative CPU})]."""
+
+    def __init__(self) -> None:
+        self.last: dict[int, tuple[float, str]] = {}
+        self.total: dict[str, float] = {}
+        self.series: list[tuple[float, dict[str, float]]] = []
+        # (wall-clock time, runnable threads of each other session)
+        self.others: list[tuple[float, list[int]]] = []
+
+    def sample(self, root: int, t: float) -> None:
+        pids = descendants(root)
+        self.others.append((t, runnable_by_session(sessions(pids))))
+        for pid in pids:
+            got = cpu_and_role(pid)
+            if got is None:
+                continue
+            before = self.last.get(pid, (0.0, got[1]))[0]
+            self.total[got[1]] = self.total.get(got[1], 0.0) + got[0] - before
+            self.last[pid] = got
+        self.series.append((t, dict(self.total)))
+
+    def between(self, t0: float, t1: float) -> dict[str, float]:
+        at = lambda t: next((c for s, c in self.series if s >= t), self.series[-1][1])  # noqa: E731
+        a, b = at(t0), at(t1)
+        return {r: round(b.get(r, 0.0) - a.get(r, 0.0), 2) for r in sorted(b)}
+
+    def others_between(self, t0: float, t1: float) -> tuple[float, list[float]]:
+        """Other work over [t0, t1]: mean runnable threads, and the mean share of a core of one
+        of the run's processes with 1..MAX_BUSY of them busy."""
+        seen = [o for t, o in self.others if t0 <= t <= t1] or [o for _, o in self.others]
+        cores = float(os.cpu_count() or 1)
+        shares = [sum(fair_share(cores, n, o) for o in seen) / len(seen) for n in range(1, MAX_BUSY + 1)]
+        return sum(sum(o) for o in seen) / len(seen), shares
+
+
+def rl_phase(run: Path, first_write: float) -> tuple[float, float]:
+    """The first rollout's start and the last publication's end, on the wall clock: the run's
+    timeline starts `first_write` (steps.json's first mtime) less step 0's publication end."""
+    ev = json.loads((run / "trace.json").read_text())["traceEvents"]
+    phases = [e for e in ev if e.get("ph") == "X" and e["name"].split(" ")[0] in ("rollout", "publish")]
+    step0 = max(e["ts"] + e["dur"] for e in phases if e["name"] == "publish (step 0)") / 1e6
+    origin = first_write - step0
+    return origin + min(e["ts"] for e in phases) / 1e6, origin + max(e["ts"] + e["dur"] for e in phases) / 1e6
+
+
+def mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--before", type=float, default=15.0, help="seconds of background sampling first")
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="-- libra train --out RUN ...")
+    a = ap.parse_args()
+    cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
+    if "--out" not in cmd:
+        sys.exit("error: the command must name its run folder with --out")
+    run = Path(cmd[cmd.index("--out") + 1])
+    runnable = []
+    for _ in range(max(1, int(a.before * 2))):
+        runnable.append(sum(runnable_by_session(set())))
+        time.sleep(0.5)
+    acc, t0, busy0, first_write = Accounting(), time.time(), host_sample()[0], None
+    proc = subprocess.Popen(cmd, start_new_session=True)  # the run's own session: one autogroup
+    while proc.poll() is None:
+        acc.sample(proc.pid, time.time())
+        first_write = first_write or mtime(run / "steps.json")
+        time.sleep(0.5)
+    wall, busy = time.time() - t0, host_sample()[0] - busy0
+    if proc.returncode != 0 or first_write is None:
+        sys.exit(proc.returncode or "error: the run wrote no steps.json")
+    p0, p1 = rl_phase(run, first_write)
+    background, shares = acc.others_between(p0, p1)
+    out = {"cores": os.cpu_count(), "background": round(background, 2), "shares": [round(x, 4) for x in shares],
+           "background_before": round(sum(runnable) / len(runnable), 2), "rl_phase_s": round(p1 - p0, 2), "cpu_s_in_rl_phase": acc.between(p0, p1),
+           "cpu_s_whole_run": {r: round(v, 2) for r, v in sorted(acc.total.items())},
+           "host_busy_cores": round(busy / wall, 3), "run_cores": round(sum(acc.total.values()) / wall, 3)}  # fmt: skip
+    (run / "host.json").write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps({"bench": "live_cpu", **out}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""The planner, live: the simulator's `PlanController`, fed each live step's measured report.
+
+Why an adapter and nothing more: the decision is policy (`libra.planner.controller`), and the same
+object decides in simulation and here. This module only turns what `libra train` measured into a
+`StepReport` (the step's trajectories as the planner sees them, the train time, the batch's
+rollout makespan, the rollout pressure) and the pool into a `PoolView`; the driver carries the
+decision out at the step boundary and logs `decision.log()` in steps.json.
+
+Re-planning (new buckets, a new split) is not done live: the built-in CPU model has no entry in the
+planner's catalog to search over, so the controller runs with `replan=False` and says so in every
+decision's reason; the elastic half of the decision is carried out (`pool.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from libra.core.trajectory import ToolStatus
+from libra.core.trajectory import Trajectory as PlanTrajectory
+from libra.core.trajectory import Turn as PlanTurn
+from libra.planner import ElasticConfig, ElasticController, PlanController, PoolView, StepReport
+from libra.planner.config import SelectorConfig
+from libra.planner.controller import ControlDecision
+from libra.planner.cpu_fit import MIB, CpuFitSelector, DenseDims
+from libra.planner.staleness import Finished
+from libra.runtime.engine.config import PRESETS
+from libra.runtime.train.batch import TrainSample
+from libra.runtime.train.config import TrainConfig
+from libra.runtime.train.rollout import Group
+from libra.runtime.train.trajectory import Trajectory, TrajState
+
+
+def plan_trajectory(t: Trajectory, step: int) -> PlanTrajectory:
+    """A live trajectory as the planner's statistics read it: prompt, outputs, tool returns and
+    latencies (a tool return is the tokens between one turn's sample and the next turn's prompt)."""
+    turns = []
+    for k, turn in enumerate(t.turns):
+        nxt = t.turns[k + 1] if k + 1 < len(t.turns) else None
+        tool = t.tools[k] if k < len(t.tools) else None
+        ret = len(nxt.prompt_ids) - len(turn.prompt_ids) - len(turn.token_ids) if nxt else 0
+        status = ToolStatus.SUCCESS if tool is None or tool.status == "success" else ToolStatus.FAILURE
+        turns.append(PlanTurn(len(turn.token_ids), "calc" if nxt else None, max(0, ret), status,
+                              tool.seconds if tool and nxt else None))  # fmt: skip
+    prompt = len(t.turns[0].prompt_ids) if t.turns else 0
+    return PlanTrajectory(t.id, t.problem_id, step, prompt, turns)
+
+
+def rollout_makespan(groups: Sequence[Finished[Group]]) -> float:
+    """The batch's rollout time: first turn started to last turn ended, over the step's groups."""
+    turns = [turn for f in groups for t in f.group.trajs for turn in t.turns]
+    if not turns:
+        return 0.0
+    return max(x.ended for x in turns) - min(x.started for x in turns)
+
+
+def step_report(
+    step: int, groups: Sequence[Finished[Group]], t_train_s: float, pressure: float
+) -> StepReport:
+    trajs = [plan_trajectory(t, step) for f in groups for t in f.group.trajs if t.state == TrajState.FINISHED]
+    return StepReport(step, trajs, t_train_s, rollout_makespan(groups), pressure)
+
+
+def make_controller(elastic: ElasticConfig | None) -> PlanController:
+    """The run's controller. `planner=None`: it is only read when re-planning, which is off live."""
+    return PlanController(None, replan=False, elastic=ElasticController(elastic) if elastic else None)  # type: ignore[arg-type]
+
+
+def decide(ctrl: PlanController, report: StepReport, pool: PoolView | None) -> ControlDecision:
+    return ctrl.observe(report, None, pool)
+
+
+def decision_log(dec: ControlDecision, report: StepReport) -> dict:
+    """steps.json's `planner`: the decision with its reason, and what it was decided on."""
+    ratio = report.t_train_s / report.t_rollout_s if report.t_rollout_s > 0 else None
+    measured = {"t_train_s": report.t_train_s, "t_rollout_s": report.t_rollout_s, "ratio": ratio,
+                "rollout_pressure": report.rollout_pressure, "trajectories": len(report.trajectories)}  # fmt: skip
+    return {**dec.log(), "report": measured}
+
+
+class StageLayout:
+    """EARL's selector before each training stage: the micro-batch packing for the step's context
+    range (`planner.cpu_fit`, the built-in model's memory model against `trainer.memory_budget_mb`).
+    Packings that would not fit are refused and logged with the reason; if none fits, the step is
+    refused (`InfeasibleError`), never truncated."""
+
+    def __init__(self, cfg: TrainConfig):
+        t = cfg.trainer
+        dims = DenseDims.of(PRESETS[cfg.engine.model])
+        # `trainer.micro_batch_tokens` is the largest packing it may choose (the default run's).
+        packings = tuple(p for p in (1 << k for k in range(8, 18)) if p <= t.micro_batch_tokens) or (
+            t.micro_batch_tokens,
+        )
+        self.selector = CpuFitSelector(dims, t.memory_budget_mb * MIB, packings, SelectorConfig(edges=list(t.context_edges)))  # fmt: skip
+
+    def before(self, samples: Sequence[TrainSample]) -> tuple[int, dict]:
+        """(tokens per micro-batch, the log entry) for this step's longest sample."""
+        longest = max((len(s.ids) for s in samples), default=1)
+        fit = self.selector.choose(longest)
+        changed = self.selector.observe(longest) is not None
+        log = {"longest": longest, "context_bound": fit.context_bound, "micro_batch_tokens": fit.packed_tokens,
+               "mib": round(fit.bytes / MIB, 1), "changed": changed, "reason": fit.reason, "refused": list(fit.refused)}  # fmt: skip
+        return fit.packed_tokens, log

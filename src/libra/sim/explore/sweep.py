@@ -1,0 +1,148 @@
+"""Sweep a grid: simulate every cell's systems, then each mechanism's gain and the distance to the limit.
+
+A cell runs the ablation ladder (`sim.rl.planned.LADDER`) and `static-optimal` through the same
+path as `libra simulate` (`load_scenario` with the cell's overrides, then `run_scenario`), so a
+cell's figures are exactly what `libra simulate` prints for the same settings.
+
+What a mechanism gains in a cell:
+- `gain`: its rung over the rung below, as in the ladder (the planner's over `static-uniform`,
+  the scenario's own split, what a user would set by hand): what turning it on adds to
+  everything under it;
+- `vs_static`: its rung over the *best static configuration*, the faster of `static-uniform` and
+  the planner's one-shot homogeneous plan (`static-optimal`): the mechanisms up to it together.
+
+Cells run in parallel: one process per cell on local cores (each simulates its systems one after
+another, in forked children as `libra simulate` does), or, given a `map` function, anywhere
+(`libra.runtime.sweep` runs them as Ray tasks).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field
+from multiprocessing import get_context
+
+from libra.sim.explore.grid import Cell, Grid
+from libra.sim.rl.planned import LADDER
+
+STATIC = ("static-uniform", "static-optimal")
+# What each rung adds, by a short name for tables and plots: (mechanism, its rung, the rung below).
+MECHANISMS = tuple((r.mechanism, r.system, LADDER[i - 1].system) for i, r in enumerate(LADDER) if i)
+
+
+def cell_systems() -> list[str]:
+    """The systems every cell runs: the static configurations, then the ladder above its base."""
+    return [*STATIC, *(system for _, system, _ in MECHANISMS if system not in STATIC)]
+
+
+@dataclass(slots=True)
+class CellResult:
+    """One cell: its settings, the command that reproduces it, and what each system measured."""
+
+    index: int
+    settings: dict[str, str]
+    overrides: list[str]
+    command: str
+    throughput: dict[str, float] = field(default_factory=dict)  # tokens/s per system
+    distance_to_limit: dict[str, float] = field(default_factory=dict)  # per system
+    gains: dict[str, float] = field(default_factory=dict)  # per mechanism, over the rung below
+    vs_static: dict[str, float] = field(default_factory=dict)  # per mechanism, over the best static
+    best_static: str = ""
+    error: str | None = None  # a cell whose settings cannot run (e.g. a model that does not fit)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def gains_of(throughput: dict[str, float]) -> tuple[str, dict[str, float], dict[str, float]]:
+    """(best static system, gain per mechanism over the rung below, gain over the best static)."""
+    best = max(STATIC, key=lambda s: throughput[s])
+    base = throughput[best]
+    gains = {m: throughput[system] / throughput[below] - 1 for m, system, below in MECHANISMS}
+    vs = {m: throughput[system] / base - 1 for m, system, _ in MECHANISMS}
+    return best, gains, vs
+
+
+def run_cell(grid: Grid, cell: Cell) -> CellResult:
+    """Simulate one cell's systems (in this process; each system in a forked child)."""
+    from libra.core.errors import LibraError
+    from libra.sim.scenarios import load_scenario, run_scenario
+
+    systems = cell_systems()
+    res = CellResult(cell.index, cell.settings, cell.overrides, cell.command(grid, systems))
+    try:
+        sc = load_scenario(grid.scenario, cell.overrides)
+        out = run_scenario(sc, systems, grid.steps, grid.seed, None, lambda label, frac: None)
+    except LibraError as e:  # an impossible cell is reported, not fatal to the map
+        res.error = str(e)
+        return res
+    for name, m in out["systems"].items():
+        res.throughput[name] = m["throughput_tokens_per_s"]
+        res.distance_to_limit[name] = m["distance_to_limit"]
+    res.best_static, res.gains, res.vs_static = gains_of(res.throughput)
+    return res
+
+
+Mapper = Callable[[Callable[[Grid, Cell], CellResult], Grid, list[Cell]], Iterable[CellResult]]
+
+
+def local_map(workers: int | None = None) -> Mapper:
+    """Cells in parallel over local processes (forked: the workers start from this process)."""
+
+    def run(fn, grid: Grid, cells: list[Cell]) -> Iterator[CellResult]:
+        n = max(1, min(workers or os.cpu_count() or 1, len(cells)))
+        if n == 1:
+            yield from (fn(grid, c) for c in cells)
+            return
+        with ProcessPoolExecutor(n, mp_context=get_context("fork")) as pool:
+            futures = [pool.submit(fn, grid, c) for c in cells]
+            for f in as_completed(futures):
+                yield f.result()
+
+    return run
+
+
+def sweep(
+    grid: Grid,
+    mapper: Mapper | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    on_cell: Callable[[CellResult], None] | None = None,
+) -> dict:
+    """Run every cell; return {"grid", "systems", "cells", "best_gain"} (see `best_gain`).
+    `on_cell` sees each cell as it finishes (the CLI appends it to cells.jsonl, so a long sweep
+    that is stopped keeps what it measured)."""
+    cells = grid.cells()
+    done: list[CellResult] = []
+    for r in (mapper or local_map())(run_cell, grid, cells):
+        done.append(r)
+        if on_cell is not None:
+            on_cell(r)
+        if progress is not None:
+            progress(len(done), len(cells))
+    done.sort(key=lambda r: r.index)
+    return {
+        "grid": grid.model_dump(),
+        "systems": cell_systems(),
+        "mechanisms": [m for m, _, _ in MECHANISMS],
+        "cells": [r.as_dict() for r in done],
+        "best_gain": best_gain(done),
+    }
+
+
+def best_gain(cells: list[CellResult]) -> dict[str, dict]:
+    """Per mechanism: its largest gain over the grid and the cell where it occurs."""
+    out = {}
+    for mech, _, _ in MECHANISMS:
+        ok = [c for c in cells if c.error is None]
+        if not ok:
+            continue
+        top = max(ok, key=lambda c: c.gains[mech])
+        out[mech] = {
+            "gain": top.gains[mech],
+            "cell": top.settings,
+            "index": top.index,
+            "command": top.command,
+        }
+    return out

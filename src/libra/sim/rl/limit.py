@@ -1,0 +1,160 @@
+"""The limit: a lower bound on each step's rollout makespan that no layout, router or split beats.
+
+Why: a ladder of systems says which is fastest, not how much any system could still gain. A step's
+rollout cannot end before two things, whatever the engines, routing or GPU split:
+
+- **latency**: each trajectory's *serial floor*, its turns decoded alone (batch 1) on the fastest
+  engine the cluster can run (the TP that minimises it), plus its tool latencies. Every decode
+  iteration of a turn costs at least the batch-1 decode step at its context, and the turn's prefill
+  iteration at least the batch-1 step's non-attention part (`RolloutCostModel.decode_coeffs(1)`);
+  queueing, sharing a batch, migration and preemption only add. A GRPO group's floor is its
+  slowest member's.
+- **work**: the batch's tokens at the cluster's best per-GPU rate, on every GPU of the cluster: a
+  token costs at least the per-token time of the fullest iteration an engine runs (the larger of
+  `max_num_batched_tokens` and `max_num_seqs` tokens, attention at context 1), plus the decode
+  attention of the rest of its context, on the TP where GPU-seconds are fewest.
+
+How the two combine depends on what a step waits for (`pipeline.consume`):
+- `batch`: step s waits for batch s, so its bound is max(the slowest group's floor, the batch's
+  work / GPUs), the issue's definition.
+- `completion`: step s takes the first groups to finish, from any batch. By the time it is full,
+  steps 0..s have taken C_s groups, each finished no sooner than its batch's start plus its floor,
+  so the step cannot be full before the C_s-th smallest of those times; and the groups it takes
+  from batch s or later did all their work after batch s started. Both bounds use the batches'
+  actual start times in that run, so the bound is per system and strict for each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from libra.core.specs import HardwareSpec, ModelSpec
+from libra.core.trajectory import Trajectory
+from libra.costmodel.efficiency import RolloutEfficiency
+from libra.costmodel.rollout import RolloutCostModel
+
+
+@dataclass(frozen=True, slots=True)
+class TurnArrays:
+    """A batch's turns, flattened: what the floors need of each, and whose trajectory it is."""
+
+    out: np.ndarray  # decode tokens of the turn (at least 1, as the engine runs it)
+    ctx: np.ndarray  # the context the turn starts from
+    tool_s: np.ndarray  # the tool latency after the turn (0 for the last)
+    prefill: np.ndarray  # tokens the turn must prefill at least (prompt, then the tool return)
+    traj: np.ndarray  # index of the turn's trajectory in the batch
+
+
+def turn_arrays(trajs: Sequence[Trajectory], default_tool_s: float) -> TurnArrays:
+    out, ctx, tool, prefill, owner = [], [], [], [], []
+    for i, t in enumerate(trajs):
+        c, new = t.prompt_tokens, t.prompt_tokens
+        for turn in t.turns:
+            out.append(max(1, turn.output_tokens))
+            ctx.append(c)
+            prefill.append(max(1, new))
+            owner.append(i)
+            if turn.has_tool:
+                tool.append(default_tool_s if turn.tool_latency_s is None else turn.tool_latency_s)
+            else:
+                tool.append(0.0)
+            new = turn.tool_return_tokens
+            c += turn.output_tokens + new
+    return TurnArrays(np.asarray(out, float), np.asarray(ctx, float), np.asarray(tool, float),
+                      np.asarray(prefill, float), np.asarray(owner, np.int64))  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class BatchFloor:
+    """One batch's floors, per GRPO group in the order groups first appear in the batch."""
+
+    index: dict[str, int]  # prompt id -> its position in the arrays
+    latency_s: np.ndarray  # the group's slowest member alone on its fastest engine, tools included
+    work_gpu_s: np.ndarray  # GPU-seconds of the group's tokens at the best per-GPU rate
+
+
+class Limit:
+    """The floors of one cluster and model: which engines it can run, and their best times."""
+
+    def __init__(self, hw: HardwareSpec, model: ModelSpec, eff: RolloutEfficiency | None, rollout,
+                 default_tool_s: float):  # fmt: skip
+        """`rollout`: the scenario's rollout section (memory settings and the engine's limits)."""
+        self.default_tool_s = default_tool_s
+        costs = [RolloutCostModel(hw, model, tp, eff, rollout.gpu_memory_utilization, rollout.max_num_batched_tokens,
+                                  rollout.engine, rollout.max_num_seqs) for tp in _tps(hw, model)]  # fmt: skip
+        costs = [c for c in costs if c.fits()]
+        if not costs:
+            raise ValueError(f"no rollout engine of {model.name} fits on {hw.name}")
+        # Serial floor per TP: a turn of `out` tokens from context c costs out*A + B*((out-1)c + out(out-1)/2).
+        self.serial = [c.decode_coeffs(1) for c in costs]
+        full = max(rollout.max_num_batched_tokens, rollout.max_num_seqs)
+        # GPU-seconds per token at the fullest iteration (attention at context 1), and per
+        # context token of a decode's attention; each at its own best TP (a bound, if looser).
+        self.per_token = min(c.tp * c.step_time(full, 0.0, 0, 0.0) / full for c in costs)
+        self.per_ctx = min(c.tp * c.decode_coeffs(1)[1] for c in costs)
+
+    def batch(self, trajs: Sequence[Trajectory]) -> BatchFloor:
+        a = turn_arrays(trajs, self.default_tool_s)
+        n = len(trajs)
+        decode_ctx = (a.out - 1) * a.ctx + a.out * (a.out - 1) / 2
+        serial = np.full(n, np.inf)
+        for coef, slope in self.serial:
+            serial = np.minimum(serial, np.bincount(a.traj, coef * a.out + slope * decode_ctx, n))
+        latency = serial + np.bincount(a.traj, a.tool_s, n)
+        work = np.bincount(a.traj, self.per_token * (a.out + a.prefill) + self.per_ctx * decode_ctx, n)
+        return _by_group(trajs, latency, work)
+
+
+def _tps(hw: HardwareSpec, model: ModelSpec) -> list[int]:
+    tps, t = [], 1
+    while t <= hw.gpus_per_node:
+        if model.heads % t == 0:
+            tps.append(t)
+        t *= 2
+    return tps
+
+
+def _by_group(trajs: Sequence[Trajectory], latency: np.ndarray, work: np.ndarray) -> BatchFloor:
+    index: dict[str, int] = {}
+    owner = np.asarray([index.setdefault(t.prompt_id, len(index)) for t in trajs], np.int64)
+    lat = np.zeros(len(index))
+    np.maximum.at(lat, owner, latency)
+    return BatchFloor(index, lat, np.bincount(owner, work, len(index)))
+
+
+@dataclass(frozen=True, slots=True)
+class StepTaken:
+    """What one trained step was, as the bound needs it: when its batch started and which groups
+    (batch, prompt id) it trained."""
+
+    step: int
+    start: float
+    groups: Sequence[tuple[int, str]]
+
+
+def makespan_bounds(steps: Sequence[StepTaken], floors: dict[int, BatchFloor], gpus: int,
+                    completion: bool) -> list[float]:  # fmt: skip
+    """Each step's lower bound on its rollout makespan, seconds (see the module's docstring)."""
+    starts = {s.step: s.start for s in steps}
+    out, taken = [], 0
+    finish = _earliest_finishes(floors, starts) if completion else None
+    for s in steps:
+        taken += len(s.groups)
+        own = [(b, g) for b, g in s.groups if b >= s.step] if completion else list(s.groups)
+        work = sum(floors[b].work_gpu_s[floors[b].index[g]] for b, g in own) / gpus
+        if finish is None:
+            f = floors[s.step]
+            latency = float(f.latency_s.max()) if len(f.index) else 0.0
+        else:
+            latency = max(0.0, float(finish[min(taken, len(finish)) - 1]) - s.start)
+        out.append(max(latency, work))
+    return out
+
+
+def _earliest_finishes(floors: dict[int, BatchFloor], starts: dict[int, float]) -> np.ndarray:
+    """Every started batch's groups' earliest possible finish times, sorted."""
+    times = [starts[b] + f.latency_s for b, f in floors.items() if b in starts]
+    return np.sort(np.concatenate(times)) if times else np.zeros(0)

@@ -1,0 +1,484 @@
+"""Predict a live `libra train` run with the simulator, from what the run wrote.
+
+The run folder (`libra train --set save_trajectories=true`) holds every trained trajectory turn by
+turn (trajectories.jsonl: prompt and sampled token ids, and the engine instance that served each
+turn), the Perfetto timeline with each turn's wall-clock span (trace.json), the configuration
+(config.json) and the measured steps (steps.json).
+
+The prediction runs the run's whole pipeline on the simulated clock, with the pipeline's own
+policy (`libra.planner.staleness`: batch b starts once b - k steps are trained; a step trains the
+first whole groups to finish): one simulated engine per live instance, each turn on the instance
+that served it live, a trajectory waiting between turns as long as its tool call took live (the
+actions service is not simulated), the built-in engine's steps priced by the `libra-builtin`
+preset and the trainer replicas' steps by the training cost model, both fitted to the engine's and
+the trainer's own steps (`libra costmodel profile --model builtin-tiny --device cpu`, CPU seconds).
+
+The run's processes share one CPU host, so CPU seconds become wall seconds by processor sharing.
+Linux shares the cores fairly between sessions (autogroup) and the run is one session, so a busy
+process's share of a core depends on how many of the run's processes are busy (the busy engines,
+the serving path that streams their tokens: SERVING_PER_ENGINE each, the trainer replicas while
+they train) and on the other sessions' runnable threads, which `benchmarks/live_cpu.py` measures
+during the run (`Host.shares`; `fair_share` water-fills the cores between sessions).
+
+Of the run's own timings only its tool waits and its weight-publication time enter the prediction.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from libra.core.config import read_text_file
+from libra.core.errors import ConfigError
+from libra.core.trace import build_line, json_lines
+from libra.costmodel.catalog import Catalog, load_catalog
+from libra.costmodel.efficiency import Profile, load_profile
+from libra.costmodel.rollout import RolloutCostModel
+from libra.costmodel.training import TrainCostModel, TrainParallel, sequences_per_micro_batch
+from libra.planner.staleness import GroupQueue, StalenessGate
+from libra.sim.engine import Engine, KVPolicy, Seq
+from libra.sim.kernel import Kernel
+
+ENGINE = "libra-builtin"
+HARDWARE = "cpu-host"
+BUILTIN_MAX_BATCHED_TOKENS = 512  # the built-in engine's default max_num_batched_tokens
+# CPU the serving path spends per CPU second of a busy engine: the driver's agent loop, the
+# gateway's routing and the actions service's HTTP, all streaming every token. Measured by CPU
+# accounting of a 5-step default run (benchmarks/live_cpu.py: driver 8.6 s, gateway 3.2 s,
+# actions 3.3 s against the engines' 32 s; the 10-step run of docs/fidelity.md measured 0.34).
+SERVING_PER_ENGINE = 0.47
+T = TypeVar("T")
+_TRAJ_ID = re.compile(r"^b(\d+)-g(\d+)-")
+
+
+def fair_share(cores: float, own: float, others: Sequence[float]) -> float:
+    """One of `own` busy processes' share of a core, when the kernel shares `cores` fairly between
+    process groups (Linux's autogroup: one per session; the run's processes are one session) and
+    each other group has `others[i]` runnable threads. Water-filling: no group gets more than it
+    can run, the rest is split evenly."""
+    if own <= 0:
+        return 1.0
+    demands, left, level = sorted([own, *(d for d in others if d > 0)]), cores, 0.0
+    for i, d in enumerate(demands):
+        level = left / (len(demands) - i)
+        if d > level:
+            break
+        left -= d
+        level = d
+    else:
+        return 1.0
+    return min(1.0, min(own, level) / own)
+
+
+@dataclass(frozen=True, slots=True)
+class Host:
+    """The CPU host the run shared: its cores (None: a core for every process, no sharing) and the
+    other work on it, as a busy process's share of a core by how many of the run's processes are
+    busy (`shares[n - 1]`: n busy; `benchmarks/live_cpu.py` measures it during the run), or else
+    `background` other sessions of one runnable thread each."""
+
+    cores: float | None = None
+    background: float = 0.0
+    shares: tuple[float, ...] = ()
+
+    def share(self, busy: float) -> float:
+        """One busy process's share of a core when `busy` of the run's processes are busy."""
+        if self.cores is None:
+            return 1.0
+        if not self.shares:
+            return fair_share(self.cores, busy, [1.0] * round(self.background))
+        n = min(max(busy, 1.0), len(self.shares))
+        lo = int(n)
+        s = self.shares[lo - 1] if lo == len(self.shares) else (
+            self.shares[lo - 1] + (n - lo) * (self.shares[lo] - self.shares[lo - 1]))  # fmt: skip
+        return min(1.0, s * n / max(busy, 1.0))  # past the table, the run's group keeps its cores
+
+
+@dataclass(frozen=True, slots=True)
+class RunLayout:
+    """What of the run's config.json the prediction needs."""
+
+    model: str
+    max_num_seqs: int
+    kv_cache_mb: int
+    replicas: int
+    micro_batch_tokens: int
+    groups_per_step: int
+    staleness: int
+    consume: str
+
+    @classmethod
+    def of(cls, cfg: dict) -> RunLayout:
+        try:
+            e, t, p = cfg["engine"], cfg["trainer"], cfg["pipeline"]
+            return cls(f"builtin-{e['model']}", int(e["max_num_seqs"]), int(e["kv_cache_mb"]), int(t["replicas"]),
+                       int(t["micro_batch_tokens"]), int(cfg["rollout"]["groups_per_step"]), int(p["staleness"]),
+                       str(p["consume"]))  # fmt: skip
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError("--live", "config.json", f"a libra train config (missing or bad {e})") from None
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredStep:
+    step_s: float
+    train_s: float
+    publish_s: float
+
+
+@dataclass(slots=True)
+class LiveTurn:
+    prompt: int
+    sampled: int
+    instance: str
+    start: float  # seconds of the run's timeline
+    end: float
+
+
+@dataclass(slots=True)
+class LiveTraj:
+    step: int
+    batch: int
+    id: str
+    turns: list[LiveTurn] = field(default_factory=list)
+
+    @property
+    def group(self) -> tuple[int, str]:
+        m = _TRAJ_ID.match(self.id)
+        return (self.batch, m.group(2) if m else self.id)
+
+    @property
+    def tokens(self) -> int:
+        return self.turns[-1].prompt + self.turns[-1].sampled
+
+
+@dataclass(slots=True)
+class LiveRun:
+    layout: RunLayout
+    steps: list[MeasuredStep]
+    trajs: list[LiveTraj]
+
+    def batches(self) -> dict[int, list[LiveTraj]]:
+        out: dict[int, list[LiveTraj]] = {}
+        for t in self.trajs:
+            out.setdefault(t.batch, []).append(t)
+        return out
+
+
+def _json(path: Path) -> object:
+    try:
+        return json.loads(read_text_file(path))
+    except (OSError, ValueError) as e:
+        raise ConfigError("--live", str(path), f"a libra train run folder with {path.name} ({e})") from None
+
+
+class _Turn(BaseModel):
+    """One turn of a trajectories.jsonl line: what the prediction reads of it."""
+
+    model_config = ConfigDict(extra="ignore")
+    prompt_ids: list[int] = Field(min_length=1)
+    token_ids: list[int]
+    instance: str = Field(min_length=1, max_length=200)
+
+
+class _Traj(BaseModel):
+    """One line of trajectories.jsonl (libra.runtime.train.report)."""
+
+    model_config = ConfigDict(extra="ignore")
+    step: int = Field(ge=0)
+    batch: int = Field(ge=0)
+    id: str = Field(min_length=1, max_length=200)
+    turns: list[_Turn] = Field(min_length=1)
+
+
+class _Span(BaseModel):
+    """One complete event of trace.json (Perfetto's "X"), in microseconds."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    name: str
+    ts: float = Field(ge=0)
+    dur: float = Field(ge=0)
+
+
+def _spans(folder: Path) -> dict[str, tuple[float, float]]:
+    """Each turn's (start, end) in seconds of the run's timeline, by the span's name."""
+    path, spans = folder / "trace.json", {}
+    events = _json(path)
+    events = events.get("traceEvents") if isinstance(events, dict) else None
+    if not isinstance(events, list):
+        raise ConfigError("--live", str(path), "a Perfetto trace with a traceEvents list (libra train's)")
+    for n, ev in enumerate(events):
+        if isinstance(ev, dict) and ev.get("ph") == "X" and " turn " in str(ev.get("name", "")):
+            span = build_line(_Span, ev, path, n)
+            spans[span.name] = (span.ts / 1e6, (span.ts + span.dur) / 1e6)
+    return spans
+
+
+def _steps(folder: Path) -> list[MeasuredStep]:
+    try:
+        return [MeasuredStep(float(r["step_time_s"]), float(r["train_s"]), float(r["publish_s"]))
+                for r in _json(folder / "steps.json")]  # type: ignore[union-attr]  # fmt: skip
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError("--live", str(folder / "steps.json"), f"libra train's steps (bad {e})") from None
+
+
+def load_run(folder: str | Path) -> LiveRun:
+    """Read the run folder; turns are timed from the timeline's spans of the same turn (a
+    trajectory with a turn the timeline lacks is left out)."""
+    folder = Path(folder)
+    path = folder / "trajectories.jsonl"
+    if not path.is_file():
+        raise ConfigError(
+            "--live", str(folder), "a run folder with trajectories.jsonl (save_trajectories: true)"
+        )
+    spans, trajs = _spans(folder), []
+    for n, rec in json_lines(path):
+        r = build_line(_Traj, rec, path, n)
+        t = LiveTraj(r.step, r.batch, r.id)
+        for k, turn in enumerate(r.turns):
+            start, end = spans.get(f"{r.id} turn {k}", (0.0, 0.0))
+            t.turns.append(LiveTurn(len(turn.prompt_ids), len(turn.token_ids), turn.instance, start, end))
+        if all(x.end > 0 for x in t.turns):
+            trajs.append(t)
+    if not trajs:
+        raise ConfigError(
+            "--live", str(path), "trajectories whose turns trace.json times (libra train's own)"
+        )
+    return LiveRun(RunLayout.of(_json(folder / "config.json")), _steps(folder), trajs)  # type: ignore[arg-type]
+
+
+def _host_json(folder: str | Path, read: Callable[[dict], T]) -> T | None:
+    """What `benchmarks/live_cpu.py` wrote of the run (RUN/host.json) read by `read`, or None."""
+    path = Path(folder) / "host.json"
+    if not path.is_file():
+        return None
+    try:
+        return read(_json(path))  # type: ignore[arg-type]
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ConfigError("--live", str(path), f"live_cpu.py's host.json (bad {e})") from None
+
+
+def _host(d: dict) -> Host:
+    host = Host(float(d["cores"]), float(d["background"]), tuple(float(x) for x in d.get("shares", ())))
+    if not (1 <= host.cores < 1e5 and 0 <= host.background < 1e5 and all(0 < x <= 1 for x in host.shares)):
+        raise ValueError("cores >= 1, background >= 0 and shares in (0, 1]")
+    return host
+
+
+def load_host(folder: str | Path) -> Host | None:
+    """The host the run shared, as live_cpu.py measured it, or None."""
+    return _host_json(folder, _host)
+
+
+@dataclass(frozen=True, slots=True)
+class RunCpu:
+    """CPU seconds of the run's processes during its RL steps: engines, trainer replicas, and the
+    serving path (driver, gateway, actions service)."""
+
+    engine: float
+    trainer: float
+    serving: float | None = None
+
+
+def load_run_cpu(folder: str | Path) -> RunCpu | None:
+    """The run's CPU seconds as live_cpu.py measured them, or None."""
+
+    def read(d: dict) -> RunCpu:
+        c = d["cpu_s_in_rl_phase"]
+        return RunCpu(
+            float(c["engine"]), float(c["trainer"]), float(c["driver"] + c["gateway"] + c["actions"])
+        )
+
+    return _host_json(folder, read)
+
+
+def measured_makespan(trajs: list[LiveTraj]) -> float:
+    return max(t.turns[-1].end for t in trajs) - min(t.turns[0].start for t in trajs)
+
+
+class SharedCpuCost(RolloutCostModel):
+    """The built-in engine's cost model with each step stretched by the engine's current share of
+    the host's cores (a subclass, so the compiled simulated engine takes it as its cost model).
+    `cpu_s` adds up the CPU seconds it priced: the engine steps one at a time (max_segment_steps=1),
+    so a decode step is A + B * ctx_sum of the engine's context now (`ctx_now`)."""
+
+    __slots__ = ("share_now", "ctx_now", "cpu_s")
+
+    def step_time(self, prefill_tokens, prefill_attn, decode_seqs, decode_ctx):  # type: ignore[override]
+        t = super().step_time(prefill_tokens, prefill_attn, decode_seqs, decode_ctx)
+        self.cpu_s += t
+        return t / self.share_now()
+
+    def decode_coeffs(self, n: int) -> tuple[float, float]:
+        a, b = super().decode_coeffs(n)
+        self.cpu_s += a + b * self.ctx_now()
+        s = self.share_now()
+        return a / s, b / s
+
+
+@dataclass(slots=True)
+class Timeline:
+    """What the simulated run did: each batch's span, each step's end and training time."""
+
+    batch_span: dict[int, list[float]] = field(default_factory=dict)
+    step_end: list[float] = field(default_factory=list)
+    train_s: list[float] = field(default_factory=list)
+    train_cpu_s: float = 0.0  # all replicas
+
+
+class LivePipeline:
+    """The run's pipeline on the simulated clock (module docstring)."""
+
+    def __init__(self, run: LiveRun, host: Host, profile: Profile, catalog: Catalog):
+        self.run, self.host, self.k, lay = run, host, Kernel(0), run.layout
+        self.gate = StalenessGate(lay.staleness, lay.consume)  # type: ignore[arg-type]
+        self.queue: GroupQueue[list[LiveTraj]] = GroupQueue(self.gate)
+        self.batches = run.batches()
+        self.publish_s = statistics.fmean(s.publish_s for s in run.steps)
+        model, hw = catalog.model(lay.model), catalog.hardware(HARDWARE)
+        self.train_cost = TrainCostModel(hw, model, profile.train)
+        self.engines = {inst: self._engine(inst, hw, model, profile) for inst in sorted(
+            {x.instance for t in run.trajs for x in t.turns})}  # fmt: skip
+        self.trained = self.next_batch = 0
+        self.training = False
+        self.left: dict[tuple[int, str], int] = {}
+        self.out = Timeline()
+
+    def _engine(self, inst: str, hw, model, profile: Profile) -> Engine:
+        lay = self.run.layout
+        cost = SharedCpuCost(
+            hw, model, 1, profile.rollout, 1.0, BUILTIN_MAX_BATCHED_TOKENS, ENGINE, lay.max_num_seqs
+        )
+        # One step at a time, so each step is priced at the share of its own moment.
+        eng = Engine(self.k, inst, cost, lay.max_num_seqs, BUILTIN_MAX_BATCHED_TOKENS, KVPolicy.DROP,
+                     max_segment_steps=1)  # fmt: skip
+        eng.kv_cap = int(lay.kv_cache_mb * 2**20 // model.kv_bytes_per_token)  # the engine's --kv-cache-mb
+        cost.share_now, cost.ctx_now, cost.cpu_s = self._engine_share, lambda: eng.ctx_sum, 0.0
+        return eng
+
+    def engine_cpu_s(self) -> float:
+        return sum(e.cost.cpu_s for e in self.engines.values())  # type: ignore[attr-defined]
+
+    def _busy(self) -> float:
+        engines = sum(1 for e in self.engines.values() if e.outstanding)
+        return engines * (1 + SERVING_PER_ENGINE) + (self.run.layout.replicas if self.training else 0)
+
+    def _engine_share(self) -> float:
+        return self.host.share(self._busy())
+
+    def run_all(self) -> Timeline:
+        self._start_batches()
+        self.k.run()
+        return self.out
+
+    # ---- rollout ------------------------------------------------------------------------------------
+
+    def _start_batches(self) -> None:
+        while self.next_batch < len(self.run.steps) and self.gate.may_start(self.next_batch, self.trained):
+            b, self.next_batch = self.next_batch, self.next_batch + 1
+            self.out.batch_span[b] = [self.k.now, self.k.now]
+            for traj in self.batches.get(b, []):
+                self.left[traj.group] = self.left.get(traj.group, 0) + 1
+                self._submit(traj, 0)
+
+    def _submit(self, traj: LiveTraj, i: int) -> None:
+        turn = traj.turns[i]
+
+        def done(seq: Seq) -> None:
+            if i + 1 < len(traj.turns):
+                self.k.after(max(0.0, traj.turns[i + 1].start - turn.end), self._submit, traj, i + 1)
+            else:
+                self._traj_done(traj)
+
+        seq = Seq((traj.id, i), max(1, turn.prompt), max(1, turn.sampled), on_done=done)
+        self.engines[turn.instance].submit(seq)
+
+    def _traj_done(self, traj: LiveTraj) -> None:
+        span = self.out.batch_span[traj.batch]
+        span[1] = max(span[1], self.k.now)
+        self.left[traj.group] -= 1
+        if self.left[traj.group] == 0:
+            members = [t for t in self.batches[traj.batch] if t.group == traj.group]
+            self.queue.add(traj.batch, self.trained, members)
+            self._train_if_ready()
+
+    # ---- training -----------------------------------------------------------------------------------
+
+    def _train_if_ready(self) -> None:
+        if self.training or self.trained >= len(self.run.steps):
+            return
+        groups = self.queue.take(self.trained, self.run.layout.groups_per_step)
+        if groups is None:
+            return
+        lens = [t.tokens for g in groups for t in g.group]
+        self.training = True
+        cpu = self.train_cpu_s(lens)
+        self.out.train_cpu_s += cpu * self.run.layout.replicas
+        wall = cpu / self.host.share(self._busy())
+        self.out.train_s.append(wall)
+        self.k.after(wall + self.publish_s, self._published)
+
+    def train_cpu_s(self, lens: list[int]) -> float:
+        """CPU seconds of one step: the slowest replica's share, as the driver splits by tokens."""
+        lay = self.run.layout
+        par = TrainParallel(dp=lay.replicas, micro_batch=sequences_per_micro_batch(lens, lay.micro_batch_tokens),
+                            recompute=False)  # fmt: skip
+        return self.train_cost.step(par, lens).compute_s
+
+    def _published(self) -> None:
+        self.trained += 1
+        self.training = False
+        self.out.step_end.append(self.k.now)
+        self._start_batches()
+        self._train_if_ready()
+
+
+@dataclass(slots=True)
+class LivePrediction:
+    rollout: tuple[float, float]  # (measured, predicted) mean batch makespan, seconds
+    train: tuple[float, float]  # mean training step
+    step: tuple[float, float]  # mean step time
+    steps: int
+    host: Host
+    cpu: tuple[RunCpu | None, RunCpu]  # (measured by live_cpu.py if it was, predicted) over the RL steps
+
+    def errors(self) -> dict:
+        err = lambda p: (p[1] - p[0]) / p[0]  # noqa: E731
+        measured, pred = self.cpu
+        return {"step_err": err(self.step), "rollout_err": err(self.rollout), "train_err": err(self.train),
+                "measured": {"step_s": self.step[0], "rollout_s": self.rollout[0], "train_s": self.train[0]},
+                "predicted": {"step_s": self.step[1], "rollout_s": self.rollout[1], "train_s": self.train[1]},
+                "cpu_s": {"measured": measured and asdict(measured), "predicted": asdict(pred)},
+                "steps": self.steps, "host": asdict(self.host)}  # fmt: skip
+
+
+def predict_live(
+    folder: str | Path, profile_path: str | Path | None = None, host: Host | None = None
+) -> LivePrediction:
+    """Simulate the run in `folder` (module docstring); `host` defaults to what RUN/host.json
+    says, else no sharing."""
+    run, catalog = load_run(folder), load_catalog()
+    host = host or load_host(folder) or Host()
+    sim = LivePipeline(run, host, load_profile(profile_path), catalog)
+    tl = sim.run_all()
+    if len(tl.step_end) < len(run.steps):
+        raise ConfigError("--live", str(folder), "a run whose saved trajectories fill every step's groups")
+    batches = {b: ts for b, ts in run.batches().items() if b < len(run.steps)}
+    pred_roll = [tl.batch_span[b][1] - tl.batch_span[b][0] for b in batches]
+    return LivePrediction(
+        (statistics.fmean(measured_makespan(ts) for ts in batches.values()), statistics.fmean(pred_roll)),
+        (statistics.fmean(s.train_s for s in run.steps), statistics.fmean(tl.train_s)),
+        (statistics.fmean(s.step_s for s in run.steps), tl.step_end[-1] / len(run.steps)),
+        len(run.steps),
+        host,
+        (
+            load_run_cpu(folder),
+            RunCpu(sim.engine_cpu_s(), tl.train_cpu_s, SERVING_PER_ENGINE * sim.engine_cpu_s()),
+        ),
+    )

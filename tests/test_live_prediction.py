@@ -1,0 +1,185 @@
+"""The simulator predicts a live `libra train` run from what the run wrote (tests/data/live-mini: a
+whole 3-step run, README there)."""
+
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from libra.core.errors import ConfigError, LibraError
+from libra.costmodel.catalog import load_catalog
+from libra.costmodel.efficiency import load_profile
+from libra.sim.rl.live import (
+    Host,
+    LivePipeline,
+    fair_share,
+    load_host,
+    load_run,
+    measured_makespan,
+    predict_live,
+)
+from tests.conftest import run_cli
+
+LIVE = Path(__file__).parent / "data" / "live-mini"
+ROOT = Path(__file__).parents[1]
+
+
+@pytest.fixture(scope="module")
+def cpu_profile(tmp_path_factory) -> Path:
+    """The built-in engine's and trainer's own CPU-second steps (the fixture's profile), fitted
+    with `libra costmodel calibrate` as a user would."""
+    prof = tmp_path_factory.mktemp("prof") / "cpu.yaml"
+    r = run_cli("costmodel", "calibrate", "--data", str(LIVE / "builtin-tiny-steps.jsonl"),
+                "--train-data", str(LIVE / "builtin-tiny-train.jsonl"), "--out", str(prof), "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    fit = json.loads(r.stdout)
+    assert fit["records"] > 100 and fit["train"]["records"] > 10 and 0 < fit["train"]["mfu"] < 1
+    return prof
+
+
+def test_the_run_folder_reads_turn_by_turn():
+    run, cfg = load_run(LIVE), json.loads((LIVE / "config.json").read_text())
+    per_step = cfg["rollout"]["groups_per_step"] * cfg["rollout"]["group_size"]
+    assert len(run.steps) == cfg["steps"] and len(run.trajs) == per_step * cfg["steps"]
+    instances = {f"engine-{b['name']}-{i}" for b in cfg["buckets"] for i in range(b["instances"])}
+    for b, trajs in run.batches().items():
+        groups = {t.group for t in trajs}
+        assert len(groups) == cfg["rollout"]["groups_per_step"], b
+        assert measured_makespan(trajs) > 0
+    for t in run.trajs:
+        assert all(x.end > x.start > 0 and x.prompt > 0 and x.instance in instances for x in t.turns)
+        assert all(t.turns[i + 1].start >= t.turns[i].end for i in range(len(t.turns) - 1))
+        assert all(t.turns[i + 1].prompt > t.turns[i].prompt for i in range(len(t.turns) - 1))
+    assert load_host(LIVE).cores >= 1
+
+
+def test_prediction_trains_every_step_against_the_runs_own_steps(cpu_profile):
+    """Every step of the run is trained on the simulated clock, and the measured side of each
+    error is the run's own steps.json and timeline."""
+    errs = predict_live(LIVE, cpu_profile).errors()
+    steps = json.loads((LIVE / "steps.json").read_text())
+    assert errs["steps"] == len(steps)
+    assert errs["measured"]["step_s"] == pytest.approx(statistics.fmean(s["step_time_s"] for s in steps))
+    assert errs["measured"]["train_s"] == pytest.approx(statistics.fmean(s["train_s"] for s in steps))
+    for k, e in (("step_s", "step_err"), ("rollout_s", "rollout_err"), ("train_s", "train_err")):
+        m, p = errs["measured"][k], errs["predicted"][k]
+        assert p > 0 and errs[e] == pytest.approx((p - m) / m)
+
+
+def _timeline(profile: Path, host: Host):
+    sim = LivePipeline(load_run(LIVE), host, load_profile(profile), load_catalog())
+    return sim, sim.run_all()
+
+
+def test_the_staleness_gate_and_step_order_hold(cpu_profile):
+    sim, tl = _timeline(cpu_profile, load_host(LIVE))
+    k = sim.run.layout.staleness
+    assert tl.step_end == sorted(tl.step_end) and len(tl.step_end) == len(sim.run.steps)
+    for b, (start, end) in tl.batch_span.items():
+        assert end > start
+        if b > k:  # batch b may start once b - k steps are trained
+            assert start >= tl.step_end[b - k - 1]
+
+
+def test_more_load_is_never_faster(cpu_profile):
+    """Processor sharing: more other work, or fewer cores, never predicts a faster run, and a
+    core for every process is the fastest."""
+    free = predict_live(LIVE, cpu_profile, Host()).errors()["predicted"]
+    last = free
+    for cores, background in ((16, 0), (2, 0), (2, 4), (2, 12), (1, 12)):
+        now = predict_live(LIVE, cpu_profile, Host(cores, background)).errors()["predicted"]
+        assert all(now[k] >= last[k] - 1e-9 for k in now), (cores, background)
+        last = now
+    assert last["step_s"] > 2 * free["step_s"]
+
+
+@given(st.integers(1, 64), st.floats(0.5, 12), st.lists(st.integers(1, 8), max_size=20), st.integers(1, 8))
+def test_fair_share_between_sessions(cores, own, others, extra):
+    """The kernel's fair share between sessions: never more than a core a process, never more
+    than the cores in all, the run's group never loses by running more, and one more session of
+    other work never gives the run more."""
+    s = fair_share(cores, own, others)
+    assert 0 < s <= 1 and own * s <= cores + 1e-9
+    assert (own + 1) * fair_share(cores, own + 1, others) >= own * s - 1e-9
+    assert fair_share(cores, own, [*others, extra]) <= s + 1e-9
+    if own + sum(others) <= cores:
+        assert s == 1
+
+
+def test_the_measured_share_table_is_read_between_its_points():
+    h = Host(2, 0, (0.3, 0.15, 0.1))
+    assert h.share(1) == 0.3 and h.share(0.2) == 0.3 and h.share(2) == 0.15
+    assert h.share(1.5) == pytest.approx(0.225) and h.share(6) == pytest.approx(0.05)  # past it: 0.3 cores
+
+
+def test_a_slice_without_every_steps_groups_is_refused(tmp_path):
+    """A run whose last batch is missing cannot be predicted: one clear error, no partial figures."""
+    for name in ("config.json", "steps.json", "trace.json"):
+        shutil.copy(LIVE / name, tmp_path / name)
+    lines = (LIVE / "trajectories.jsonl").read_text().splitlines()
+    (tmp_path / "trajectories.jsonl").write_text("\n".join(x for x in lines if '"batch": 2' not in x) + "\n")
+    with pytest.raises(ConfigError, match="fill every step"):
+        predict_live(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("files", "says"),
+    [
+        ({}, "trajectories.jsonl"),
+        ({"trajectories.jsonl": "{}\n", "trace.json": '{"traceEvents": []}'}, "trajectories.jsonl:1"),
+        ({"trajectories.jsonl": "[1]\n", "trace.json": '{"traceEvents": []}'}, "JSON object"),
+        ({"trajectories.jsonl": "x\n", "trace.json": "{}"}, "traceEvents"),
+        (
+            {"trajectories.jsonl": "x\n", "trace.json": '{"traceEvents": [{"ph": "X", "name": "a turn 0"}]}'},
+            "ts",
+        ),
+    ],
+)
+def test_simulate_live_on_a_bad_folder_exits_2(tmp_path, files, says):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    r = run_cli("simulate", "--live", str(tmp_path))
+    assert r.returncode == 2, r.stderr
+    assert says in r.stderr and "Traceback" not in r.stderr
+    with pytest.raises(LibraError):
+        predict_live(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "host", ['{"cores": 0, "background": 1}', '{"cores": 2, "background": 1, "shares": [2]}', "[]"]
+)
+def test_a_bad_host_json_exits_2(tmp_path, host):
+    for name in ("config.json", "steps.json", "trace.json", "trajectories.jsonl"):
+        shutil.copy(LIVE / name, tmp_path / name)
+    (tmp_path / "host.json").write_text(host)
+    r = run_cli("simulate", "--live", str(tmp_path))
+    assert r.returncode == 2 and "host.json" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_simulate_live_prints_the_three_errors(cpu_profile):
+    r = run_cli("simulate", "--live", str(LIVE), "--profile", str(cpu_profile), "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    host = json.loads((LIVE / "host.json").read_text())  # RUN/host.json is the default host
+    assert d["host"] == {k: host[k] for k in ("cores", "background", "shares")} and d["steps"] == 3
+    assert {"step_err", "rollout_err", "train_err"} <= set(d)
+    r = run_cli(
+        "simulate", "--live", str(LIVE), "--profile", str(cpu_profile), "--cores", "4", "--background", "0"
+    )
+    # The table's title wraps at the terminal's width: compare with whitespace folded.
+    assert r.returncode == 0 and "4 cores, background 0" in " ".join(r.stdout.split()), r.stderr
+
+
+def test_bench_fidelity_json_has_the_issue_keys(cpu_profile):
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_fidelity.py"), "--json", "--live", str(LIVE),
+                        "--live-profile", str(cpu_profile)], capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-500:]
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    assert {"public_mape", "shipped_traces", "live"} <= set(d)
+    assert set(d["live"]) >= {"step_err", "rollout_err", "train_err"}
