@@ -6,6 +6,17 @@ step: the linear layers run once over every token of the step (decodes and prefi
 flattened together), and attention is split into one batched call for all single-token decodes
 plus one call per prefill chunk, so short decodes never pay for a long prompt's padding.
 
+Each token's input is its own embedding plus an embedding of the token before it (`embed_prev`).
+Why: the agentic tasks this engine is trained on are mostly copying (an operand from the question
+into a tool call, a tool's result into the answer). Copying needs an induction circuit: attend to
+the position after an earlier occurrence of the current token. Without the previous token in the
+input, a 2-layer model must first grow a previous-token head in layer 1, a phase change whose
+timing depends on the seed (the calculator warm-start broke through after 200 steps from one
+seed and not within 475 from another); with it, one attention layer can key on "what preceded
+me" directly (the "smeared key" of Olsson et al., 2022, or RWKV's token shift), and the same
+warm-start copies from every seed tried (docs/train.md). `embed_prev` starts at zero, so a random
+engine computes exactly what it did without it.
+
 Weights are random (seeded) or loaded from a local `state_dict` file; nothing is downloaded.
 """
 
@@ -41,6 +52,7 @@ class StepBatch:
     """Where each token of one step sits and where it reads and writes the KV cache."""
 
     tokens: Tensor  # [T] long
+    prev_tokens: Tensor  # [T] long: the token before each one in its sequence (vocab_size at position 0)
     positions: Tensor  # [T] long
     slots: Tensor  # [T] long: the cache slot each token's key and value are written to
     n_decode: int  # rows [0, n_decode) are single-token decodes, attended in one batched call
@@ -149,6 +161,8 @@ class TinyTransformer(nn.Module):
         self.layers = nn.ModuleList(Block(p) for _ in range(p.n_layers))
         self.final_norm = nn.Parameter(torch.ones(p.d_model))
         self.lm_head = nn.Linear(p.d_model, p.vocab_size, bias=False)
+        # Row vocab_size stands for "no token before" (a sequence's first position).
+        self.embed_prev = nn.Embedding(p.vocab_size + 1, p.d_model)
         inv_freq = 1.0 / (p.rope_theta ** (torch.arange(0, p.head_dim, 2).float() / p.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.init_weights(seed, embed_std)
@@ -159,12 +173,15 @@ class TinyTransformer(nn.Module):
         g = torch.Generator().manual_seed(seed)
         residual_std = 0.02 / (2 * self.preset.n_layers) ** 0.5
         for name, param in self.named_parameters():
+            if name.startswith("embed_prev"):  # zero, and drawing nothing keeps the other weights
+                continue
             if name.endswith("norm"):
                 param.fill_(1.0)
             else:
                 std = residual_std if name.endswith(("out.weight", "down.weight")) else 0.02
                 param.copy_(torch.randn(param.shape, generator=g) * std)
         self.embed.weight.copy_(torch.randn(self.embed.weight.shape, generator=g) * embed_std)
+        self.embed_prev.weight.zero_()
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
@@ -172,7 +189,7 @@ class TinyTransformer(nn.Module):
 
     def forward(self, b: StepBatch, cache: KVCache) -> Tensor:
         """Logits [S, vocab] for `b.sample_rows`, after writing every token's keys and values."""
-        x = self.embed(b.tokens)
+        x = self.embed(b.tokens) + self.embed_prev(b.prev_tokens)
         rope = self.rope(b.positions)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, b, cache.k[i], cache.v[i])
@@ -185,7 +202,8 @@ class TinyTransformer(nn.Module):
         Cache-free and differentiable: every position attends causally to the positions before it,
         so padding at the right never reaches a real token. Row t predicts token t + 1.
         """
-        x = self.embed(tokens)
+        prev = torch.cat([torch.full_like(tokens[:, :1], self.preset.vocab_size), tokens[:, :-1]], 1)
+        x = self.embed(tokens) + self.embed_prev(prev)
         rope = self.rope(torch.arange(tokens.shape[1], device=tokens.device))
         for layer in self.layers:
             x = layer.forward_train(x, rope)
