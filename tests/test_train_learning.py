@@ -30,6 +30,7 @@ RL_STEPS = 20
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # about 4 minutes on an idle 2-core machine, 15 under heavy load
 def test_the_warm_start_and_grpo_raise_success():
     """From a random model (success 0) the run ends above 0.3, and GRPO itself adds to what the
     warm-start gave: its last ten steps beat its first ten (seed 0 measured +0.08 at lr 1e-4,
