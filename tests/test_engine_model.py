@@ -23,17 +23,30 @@ from libra.runtime.engine.tokenizer import ChatMessage, render_chat
 @pytest.fixture(scope="module")
 def model():
     torch.set_num_threads(1)
-    return build_model(EngineConfig().preset, seed=0)
+    m = build_model(EngineConfig().preset, seed=0)
+    with torch.no_grad():  # a trained model's previous-token embedding is not zero: test the path
+        m.embed_prev.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(1))
+    return m
 
 
 def full_logits(model, tokens: list[int]) -> torch.Tensor:
-    """Logits at every position from one cache-free causal forward: the reference."""
-    n, p = len(tokens), model.preset
-    cache = KVCache(p, -(-n // 16) + 1, 16)
-    pos = torch.arange(n)
-    batch = StepBatch(torch.tensor(tokens), pos, pos + 16, 0, None, None, [PrefillChunk(0, n, 0, None, None)])
+    """Logits at every position from the trainer's cache-free causal forward: the reference."""
     with torch.inference_mode():
-        return model(batch, cache)
+        return model.forward_train(torch.tensor([tokens]))[0]
+
+
+def test_a_random_engine_ignores_the_previous_token_until_trained():
+    """`embed_prev` starts at zero, so seeded random engines compute what they did before it."""
+    m = build_model(EngineConfig().preset, seed=0)
+    assert not m.embed_prev.weight.any()
+    tokens = torch.tensor(prompt_of(3, 40))
+    n = len(tokens)
+    cache = KVCache(m.preset, -(-n // 16) + 1, 16)
+    pos = torch.arange(n)
+    shifted = torch.cat([tokens[:1], tokens[:-1]])  # any previous tokens: the rows are zero
+    batch = StepBatch(tokens, shifted, pos, pos + 16, 0, None, None, [PrefillChunk(0, n, 0, None, None)])
+    with torch.inference_mode():
+        torch.testing.assert_close(m(batch, cache), m.forward_train(tokens[None])[0], atol=2e-4, rtol=1e-4)
 
 
 def prompt_of(i: int, length: int) -> list[int]:

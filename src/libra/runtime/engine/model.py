@@ -6,6 +6,17 @@ step: the linear layers run once over every token of the step (decodes and prefi
 flattened together), and attention is split into one batched call for all single-token decodes
 plus one call per prefill chunk, so short decodes never pay for a long prompt's padding.
 
+Each token's input is its own embedding plus an embedding of the token before it (`embed_prev`).
+Why: the agentic tasks this engine is trained on are mostly copying (an operand from the question
+into a tool call, a tool's result into the answer). Copying needs an induction circuit: attend to
+the position after an earlier occurrence of the current token. Without the previous token in the
+input, a 2-layer model must first grow a previous-token head in layer 1, a phase change whose
+timing depends on the seed (the calculator warm-start broke through after 200 steps from one
+seed and not within 475 from another); with it, one attention layer can key on "what preceded
+me" directly (the "smeared key" of Olsson et al., 2022, or RWKV's token shift), and the same
+warm-start copies from every seed tried (docs/train.md). `embed_prev` starts at zero, so a random
+engine computes exactly what it did without it.
+
 Weights are random (seeded) or loaded from a local `state_dict` file; nothing is downloaded.
 """
 
@@ -41,6 +52,7 @@ class StepBatch:
     """Where each token of one step sits and where it reads and writes the KV cache."""
 
     tokens: Tensor  # [T] long
+    prev_tokens: Tensor  # [T] long: the token before each one in its sequence (vocab_size at position 0)
     positions: Tensor  # [T] long
     slots: Tensor  # [T] long: the cache slot each token's key and value are written to
     n_decode: int  # rows [0, n_decode) are single-token decodes, attended in one batched call
@@ -131,32 +143,45 @@ def _gather(cache: Tensor, blocks: Tensor, block_size: int) -> Tensor:
     return rows.index_select(0, blocks.reshape(-1)).view(b, nb * block_size, *cache.shape[1:]).transpose(1, 2)
 
 
+# Embedding scales of the seeded init. The engine's random weights use a unit-scale embedding, so
+# that a random model's next-token distribution depends visibly on its input (what batching and
+# cache tests need to catch mistakes). A model that is trained starts from GPT-2's 0.02: with unit
+# embeddings, every token's content swamps what attention needs for positional copying, and the
+# calculator task's warm-start did not learn to copy an operand in 600 steps; at 0.02 it copies
+# the expression after 300 (docs/train.md, "What the model learns").
+ENGINE_EMBED_STD = 1.0
+TRAIN_EMBED_STD = 0.02
+
+
 class TinyTransformer(nn.Module):
-    def __init__(self, preset: ModelPreset, seed: int = 0):
+    def __init__(self, preset: ModelPreset, seed: int = 0, embed_std: float = ENGINE_EMBED_STD):
         super().__init__()
         self.preset = p = preset
         self.embed = nn.Embedding(p.vocab_size, p.d_model)
         self.layers = nn.ModuleList(Block(p) for _ in range(p.n_layers))
         self.final_norm = nn.Parameter(torch.ones(p.d_model))
         self.lm_head = nn.Linear(p.d_model, p.vocab_size, bias=False)
+        # Row vocab_size stands for "no token before" (a sequence's first position).
+        self.embed_prev = nn.Embedding(p.vocab_size + 1, p.d_model)
         inv_freq = 1.0 / (p.rope_theta ** (torch.arange(0, p.head_dim, 2).float() / p.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.init_weights(seed)
+        self.init_weights(seed, embed_std)
 
     @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
+    def init_weights(self, seed: int, embed_std: float = ENGINE_EMBED_STD) -> None:
         """Seeded GPT-2 style init, so `--seed` alone fixes every weight on every machine."""
         g = torch.Generator().manual_seed(seed)
         residual_std = 0.02 / (2 * self.preset.n_layers) ** 0.5
         for name, param in self.named_parameters():
+            if name.startswith("embed_prev"):  # zero, and drawing nothing keeps the other weights
+                continue
             if name.endswith("norm"):
                 param.fill_(1.0)
             else:
                 std = residual_std if name.endswith(("out.weight", "down.weight")) else 0.02
                 param.copy_(torch.randn(param.shape, generator=g) * std)
-        # A unit-scale embedding makes the random model's next-token distribution depend visibly
-        # on its input, which is what batching and cache tests need to catch mistakes.
-        self.embed.weight.copy_(torch.randn(self.embed.weight.shape, generator=g))
+        self.embed.weight.copy_(torch.randn(self.embed.weight.shape, generator=g) * embed_std)
+        self.embed_prev.weight.zero_()
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
@@ -164,7 +189,7 @@ class TinyTransformer(nn.Module):
 
     def forward(self, b: StepBatch, cache: KVCache) -> Tensor:
         """Logits [S, vocab] for `b.sample_rows`, after writing every token's keys and values."""
-        x = self.embed(b.tokens)
+        x = self.embed(b.tokens) + self.embed_prev(b.prev_tokens)
         rope = self.rope(b.positions)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, b, cache.k[i], cache.v[i])
@@ -177,7 +202,8 @@ class TinyTransformer(nn.Module):
         Cache-free and differentiable: every position attends causally to the positions before it,
         so padding at the right never reaches a real token. Row t predicts token t + 1.
         """
-        x = self.embed(tokens)
+        prev = torch.cat([torch.full_like(tokens[:, :1], self.preset.vocab_size), tokens[:, :-1]], 1)
+        x = self.embed(tokens) + self.embed_prev(prev)
         rope = self.rope(torch.arange(tokens.shape[1], device=tokens.device))
         for layer in self.layers:
             x = layer.forward_train(x, rope)

@@ -145,9 +145,11 @@ class ModelRunner:
     def build(self, plan: StepPlan) -> tuple[StepBatch, list[Chunk]]:
         chunks = plan.chunks
         self._sync_block_tables(chunks)
-        tokens, positions, rows, sample_rows, sampling = [], [], [], [], []
+        tokens, prev, positions, rows, sample_rows, sampling = [], [], [], [], [], []
+        first = [self.model.preset.vocab_size]  # embed_prev's row for "no token before"
         for c in chunks:
             tokens += c.seq.tokens[c.start : c.start + c.n]
+            prev += first * (c.start == 0) + c.seq.tokens[max(c.start - 1, 0) : c.start + c.n - 1]
             positions += range(c.start, c.start + c.n)
             rows += [c.seq.row] * c.n
             if c.samples:
@@ -157,7 +159,9 @@ class ModelRunner:
         slots = self.table[row, pos // self.bs] * self.bs + pos % self.bs
         nd = len(plan.decodes)
         blocks, mask = self._decode_context(row[:nd], pos[:nd]) if nd else (None, None)
-        batch = StepBatch(torch.tensor(tokens), pos, slots, nd, blocks, mask, block_size=self.bs)
+        batch = StepBatch(
+            torch.tensor(tokens), torch.tensor(prev), pos, slots, nd, blocks, mask, block_size=self.bs
+        )
         batch.prefills = self._prefill_chunks(plan.prefills, nd)
         batch.sample_rows = torch.tensor(sample_rows, dtype=torch.long)
         return batch, sampling

@@ -96,7 +96,12 @@ class ActionsSettings(_Strict):
 
 class TrainerConfig(_Strict):
     replicas: int = Field(2, ge=1, le=64, description="Core data-parallel trainer replicas (one gloo group).")
-    lr: float = Field(2e-3, gt=0, le=1)
+    lr: float = Field(
+        1e-4,
+        gt=0,
+        le=1,
+        description="RL learning rate (AdamW); at 3e-4 and above GRPO undid the warm-start here.",
+    )
     betas: tuple[float, float] = (0.9, 0.99)
     weight_decay: float = Field(0.0, ge=0, le=1)
     grad_clip: float = Field(1.0, gt=0)
@@ -114,9 +119,11 @@ class TrainerConfig(_Strict):
 
 
 class WarmStartConfig(_Strict):
-    steps: int = Field(400, ge=0, le=100_000, description="Supervised steps on demonstrations before RL.")
+    steps: int = Field(600, ge=0, le=100_000, description="At most this many supervised steps on demonstrations before RL.")  # fmt: skip
     lr: float = Field(3e-3, gt=0, le=1)
     batch: int = Field(32, ge=1, le=4096)
+    target_success: float = Field(0.1, ge=0, le=1, description="Stop once the probe's success reaches this (0: run every step).")  # fmt: skip
+    probe_every: int = Field(10, ge=1, le=100_000, description="Steps between two probes.")
 
 
 class PublishConfig(_Strict):

@@ -86,7 +86,7 @@ def stop_message(e: Exception, run: Path) -> str:
 async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
     trainers = Trainers(cluster.trainer_urls, http, cfg.trainer.collective_timeout_s + 60)
     publisher = Publisher(cluster.gateway_url, http, cfg.publish.pause_mode, cfg.publish.admin_token)
-    start = await _guard(cluster, _prepare(cfg, trainers, folder, resume))
+    start = await _guard(cluster, _prepare(cfg, trainers, folder, resume, progress))
     await publisher.publish(str(Path(start.checkpoint) / ckpt.MODEL), start.version)
     rollouts = _rollouts(cfg, cluster, http, start.step)
     admin = GatewayAdmin(cluster.gateway_url, http, cfg.publish.admin_token)
@@ -150,7 +150,7 @@ async def _train(cfg: TrainConfig, trainers: Trainers, pool, step: int, samples,
     return result
 
 
-async def _prepare(cfg: TrainConfig, trainers: Trainers, folder: RunFolder, resume: bool) -> Start:
+async def _prepare(cfg: TrainConfig, trainers: Trainers, folder: RunFolder, resume: bool, progress) -> Start:
     """Resume the newest checkpoint, or warm-start from scratch."""
     found = ckpt.latest(folder.path / "checkpoints") if resume else None
     if found is not None:
@@ -158,6 +158,11 @@ async def _prepare(cfg: TrainConfig, trainers: Trainers, folder: RunFolder, resu
         folder.load_previous(found.step)
         return Start(found.step, found.version, str(found.path))
     out = await trainers.warmstart()
+    probes = out[0]["probes"]
+    folder.warmstart = {"steps": len(out[0]["losses"]), "probe_success": probes[-1][1] if probes else None}
+    if progress is not None:
+        ok = folder.warmstart["probe_success"]
+        progress.note(f"warm-start: {folder.warmstart['steps']} supervised steps" + (f", probe success {ok:.2f}" if ok is not None else ""))  # fmt: skip
     return Start(0, 0, next(r["checkpoint"] for r in out if r.get("checkpoint")))
 
 

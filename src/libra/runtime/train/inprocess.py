@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import random
 import time
 from dataclasses import dataclass
 
@@ -27,14 +26,16 @@ from libra.runtime.engine.sequence import SamplingParams, SeqEvent, Sequence, Te
 from libra.runtime.engine.tokenizer import render_chat
 from libra.runtime.train.agent import AgentEnv, CalcLoop
 from libra.runtime.train.chat import RouteSummary, Sampling, SessionInfo, chat_body
-from libra.runtime.train.grpo import Clip
-from libra.runtime.train.learner import Learner, OptimConfig
+from libra.runtime.train.config import TrainConfig
+from libra.runtime.train.learner import Learner
 from libra.runtime.train.reducer import LocalReducer
 from libra.runtime.train.rollout import Rollouts, RolloutShape
 from libra.runtime.train.samples import figures, to_samples
-from libra.runtime.train.task import ProblemStream, call_id, demonstration
+from libra.runtime.train.task import ProblemStream
 from libra.runtime.train.tools import InProcessTools
 from libra.runtime.train.trajectory import Turn
+from libra.runtime.train.warmstart import WarmStartResult, warm_start
+from libra.runtime.train.worker import clip_of, optim_of
 
 
 class LocalChat:
@@ -100,53 +101,35 @@ def _deliver(events: list[tuple[asyncio.Queue, SeqEvent]]) -> None:
 # ---- a quick GRPO run in this process -------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class QuickConfig:
-    """The in-process loop's knobs (the live run's come from `TrainConfig`)."""
-
-    seed: int = 0
-    sft_steps: int = 300
-    sft_lr: float = 3e-3
-    sft_batch: int = 32
-    rl_steps: int = 150
-    rl_lr: float = 1e-3
-    groups: int = 8
-    group_size: int = 8
-    max_tokens: int = 48
-    lo: int = 10
-    hi: int = 99
-    ops: str = "+-*"
+@dataclass(slots=True)
+class QuickRun:
+    warmstart: WarmStartResult
+    steps: list[dict]  # per RL step: step, success, reward, kl, logprob_diff
 
 
-def warm_start(learner: Learner, cfg: QuickConfig, on_step=None) -> None:
-    """Supervised steps on demonstrations of the task (correct episodes, model tokens only)."""
-    rng, problems = random.Random(cfg.seed), ProblemStream(cfg.seed + 1, cfg.lo, cfg.hi, cfg.ops)
-    for i in range(cfg.sft_steps):
-        batch = [demonstration(problems.next(), call_id(rng)) for _ in range(cfg.sft_batch)]
-        loss = learner.sft_step(batch, sum(sum(m) for _, m in batch))
-        if on_step is not None:
-            on_step(i, loss)
-
-
-async def quick_grpo(cfg: QuickConfig, on_step=None, on_sft=None) -> list[dict]:
-    """Warm-start, then `rl_steps` synchronous GRPO steps (staleness 0). Returns per-step figures."""
-    ecfg = EngineConfig(kv_cache_mb=64, seed=cfg.seed)
-    learner = Learner(ecfg.preset, cfg.seed, OptimConfig(lr=cfg.sft_lr), LocalReducer())
-    warm_start(learner, cfg, on_sft)
-    learner.reset_optimizer(OptimConfig(lr=cfg.rl_lr))
-    out = []
+async def quick_grpo(cfg: TrainConfig, on_step=None, on_sft=None) -> QuickRun:
+    """The warm-start (to the probe's target), then `cfg.steps` synchronous GRPO steps, with
+    `libra train`'s config, task, agent loop and learner. Synchronous (staleness 0) because this
+    engine takes new weights only while idle; the live run pipelines by `pipeline.staleness`."""
+    ecfg = EngineConfig(model=cfg.engine.model, kv_cache_mb=64, seed=cfg.seed)
+    learner = Learner(ecfg.preset, cfg.seed, optim_of(cfg, cfg.warmstart.lr), LocalReducer())
+    ws = warm_start(learner, cfg.warmstart, cfg.task, cfg.seed, on_step=on_sft)
+    learner.reset_optimizer(optim_of(cfg, cfg.trainer.lr))
+    r, out = cfg.rollout, []
     async with LocalChat(ecfg, cfg.seed) as chat:
         chat.load(learner.model, 0)
-        env = AgentEnv(chat, InProcessTools(), Sampling(1.0, 1.0, cfg.max_tokens))
-        problems = ProblemStream(cfg.seed + 2, cfg.lo, cfg.hi, cfg.ops)
-        ro = Rollouts(RolloutShape(cfg.groups, cfg.group_size), StalenessGate(0), problems, CalcLoop(), env)
+        env = AgentEnv(chat, InProcessTools(), Sampling(r.temperature, r.top_p, r.max_tokens))
+        problems = ProblemStream(cfg.seed * 1_000_003 + 2, cfg.task.lo, cfg.task.hi, cfg.task.ops)
+        ro = Rollouts(
+            RolloutShape(r.groups_per_step, r.group_size), StalenessGate(0), problems, CalcLoop(), env
+        )
         ro.start()
         try:
-            for step in range(cfg.rl_steps):
+            for step in range(cfg.steps):
                 taken = await ro.take(step)
-                samples = to_samples(taken)
+                samples = to_samples(taken, cfg.trainer.normalize_std)
                 fig = figures(taken, step, samples)
-                stats = learner.rl_step(samples, fig.model_tokens, Clip())
+                stats = learner.rl_step(samples, fig.model_tokens, clip_of(cfg))
                 chat.load(learner.model, learner.version)
                 ro.mark_trained(step + 1)
                 rec = {"step": step, "success": fig.success, "reward": fig.reward, "kl": stats.kl_sum / max(1, stats.tokens), "logprob_diff": stats.logprob_diff_max}  # fmt: skip
@@ -155,4 +138,4 @@ async def quick_grpo(cfg: QuickConfig, on_step=None, on_sft=None) -> list[dict]:
                     on_step(rec)
         finally:
             await ro.stop()
-    return out
+    return QuickRun(ws, out)

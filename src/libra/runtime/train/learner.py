@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from libra.runtime.engine.config import ModelPreset
-from libra.runtime.engine.model import TinyTransformer, token_logprobs
+from libra.runtime.engine.model import TRAIN_EMBED_STD, TinyTransformer, token_logprobs
 from libra.runtime.train.batch import TrainSample, micro_batches, pad
 from libra.runtime.train.grpo import Clip, policy_loss
 from libra.runtime.train.reducer import Reducer
@@ -56,7 +56,7 @@ class StepStats:
 
 class Learner:
     def __init__(self, preset: ModelPreset, seed: int, optim: OptimConfig, reducer: Reducer):
-        self.model = TinyTransformer(preset, seed).train()
+        self.model = TinyTransformer(preset, seed, embed_std=TRAIN_EMBED_STD).train()
         self.optim_cfg, self.reducer = optim, reducer
         self.opt = self._new_optimizer()
         self.step, self.version = 0, 0

@@ -136,6 +136,7 @@ class RunFolder:
         self.timeline = Timeline(t0)
         self.records: list[dict] = []
         self.unfinished = 0  # trajectories still generating when the run ended
+        self.warmstart: dict | None = None  # steps run and the probe's last success (None on resume)
 
     def save_trajectories(self, step: int, groups) -> None:
         """Every trained trajectory of the step, turn by turn, as the engines reported it."""
@@ -163,7 +164,7 @@ class RunFolder:
         tmp.replace(self.path / name)
 
     def finish(self, metrics_text: bytes | None) -> dict:
-        summary = {**summarize(self.records), "unfinished": self.unfinished}
+        summary = {**summarize(self.records), "unfinished": self.unfinished, "warmstart": self.warmstart}
         self._write("summary.json", summary)
         self._write("trace.json", self.timeline.chrome())
         if metrics_text is not None:

@@ -7,7 +7,8 @@ HOST:PORT`), so the launcher starts the other ranks with it; no fixed port is ev
 every rank has joined, each serves:
 
 - `POST /warmstart`: the supervised warm-start (every replica draws the same seeded demonstrations
-  and trains its share; gradients summed), then rank 0 writes the step-0 checkpoint;
+  and trains its share; gradients summed; all stop at the same probe, `runtime/train/warmstart`),
+  then rank 0 writes the step-0 checkpoint;
 - `POST /resume {path}`: load a checkpoint (weights, optimizer, step, version);
 - `POST /train {step, samples, global_tokens, micro_batch_tokens?, release?}`: one GRPO step on
   this replica's samples, the gradient sum over the group, AdamW; rank 0 writes the checkpoint
@@ -28,7 +29,6 @@ import asyncio
 import datetime
 import json
 import os
-import random
 import socket
 import sys
 import time
@@ -49,7 +49,7 @@ from libra.runtime.train.config import TrainConfig
 from libra.runtime.train.grpo import Clip
 from libra.runtime.train.learner import Learner, OptimConfig
 from libra.runtime.train.reducer import SumAllReduce
-from libra.runtime.train.task import ProblemStream, call_id, demonstration
+from libra.runtime.train.warmstart import warm_start
 
 HOST = "127.0.0.1"
 
@@ -83,17 +83,11 @@ class Replica:
     # ---- the work (run in a thread: torch releases the GIL, the event loop stays responsive) ----
 
     def warmstart(self) -> dict:
-        w, t0 = self.cfg.warmstart, time.perf_counter()
-        rng, problems = random.Random(self.cfg.seed), ProblemStream(self.cfg.seed + 1, self.cfg.task.lo, self.cfg.task.hi, self.cfg.task.ops)  # fmt: skip
-        losses = []
-        for _ in range(w.steps):
-            batch = [demonstration(problems.next(), call_id(rng)) for _ in range(w.batch)]
-            total = sum(sum(m) for _, m in batch)
-            mine = batch[self.rank :: self.world]
-            losses.append(self.learner.sft_step(mine, total))
-        self.learner.reset_optimizer(optim_of(self.cfg, self.cfg.trainer.lr))
+        t0, cfg = time.perf_counter(), self.cfg
+        out = warm_start(self.learner, cfg.warmstart, cfg.task, cfg.seed, self.rank, self.world)
+        self.learner.reset_optimizer(optim_of(cfg, cfg.trainer.lr))
         path = self._save(0, 0, with_optimizer=False)
-        return {"losses": losses, "seconds": time.perf_counter() - t0, "checkpoint": path, "fingerprint": self.learner.fingerprint()}  # fmt: skip
+        return {"losses": out.losses, "probes": out.probes, "seconds": time.perf_counter() - t0, "checkpoint": path, "fingerprint": self.learner.fingerprint()}  # fmt: skip
 
     def resume(self, path: str) -> dict:
         info = next((c for c in ckpt.complete(Path(path).parent) if str(c.path) == path), None)
