@@ -108,6 +108,16 @@ class EngineOverhead(_Frozen):
     # custom all-reduce); NCCL above it, or when it is off.
     custom_allreduce: bool = True
     custom_allreduce_max_bytes: float = Field(8 * 2**20, ge=0)
+    # The engine process's CPU outside its steps, for an engine that shares a CPU host with its
+    # steps (the built-in engine; the live-run prediction, `libra.sim.rl.live`): per request
+    # (parsing it, rendering the chat template, building the response), per generated token
+    # (its logprob and token id in the response, the event that carries it across threads) and
+    # per weight update from disk (reading and copying the checkpoint). Fitted by `libra
+    # costmodel calibrate --serving-data`; 0 for the GPU engines, whose serving CPU is off the
+    # step's critical path.
+    request_cpu_s: float = Field(0.0, ge=0)
+    token_cpu_s: float = Field(0.0, ge=0)
+    weight_load_cpu_s: float = Field(0.0, ge=0)
     source: str = ""
 
 

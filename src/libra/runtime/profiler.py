@@ -231,6 +231,7 @@ def main() -> None:
 
 ENGINE_GRID = ((1, 32, 48), (4, 64, 48), (16, 128, 48), (32, 64, 32), (64, 200, 24), (8, 1500, 8))
 ENGINE_QUICK = ((1, 32, 8), (8, 64, 8))
+STEP_KEYS = {"hardware": "cpu-host", "tp": 1, "engine": "libra-builtin"}  # what a step line is of
 # (samples, tokens each) of one trainer replica's GRPO step; the live default splits 64 samples of
 # about 200-300 tokens over two replicas.
 TRAIN_GRID = ((4, 128), (8, 280), (16, 280), (32, 280), (32, 140), (48, 200), (16, 600), (4, 1500))
@@ -257,16 +258,18 @@ def profile_builtin_engine(model: str, out: Path, threads: int = 1, quick: bool 
                          TextOutput(ignore_eos=True), None, cfg.preset.max_model_len) for i in range(n)]  # fmt: skip
         timed = _timed_steps(core, seqs, f"builtin-{model}")
         rows += timed if k else []  # the first batch warms torch up
-    return _write_jsonl(out / f"builtin-{model}-steps.jsonl", rows)
+    return write_jsonl(out / f"builtin-{model}-steps.jsonl", rows)
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
 def _timed_steps(core, seqs: list, model: str) -> list[dict]:
+    from libra.runtime.engine.core import StepShape
+
     plans: list = []
     schedule = core.sched.schedule
 
@@ -285,12 +288,7 @@ def _timed_steps(core, seqs: list, model: str) -> list[dict]:
         plan = plans[-1]
         if plan.empty:
             continue
-        pre = [c for c in plan.prefills]
-        rows.append({"hardware": "cpu-host", "model": model, "tp": 1, "engine": "libra-builtin",
-                     "prefill_tokens": sum(c.n for c in pre),
-                     "prefill_attn": float(sum(c.n * c.start + c.n * (c.n + 1) / 2 for c in pre)),
-                     "decode_seqs": len(plan.decodes), "decode_ctx": float(sum(c.start + 1 for c in plan.decodes)),
-                     "step_time_s": max(dt, 1e-6)})  # fmt: skip
+        rows.append({**STEP_KEYS, "model": model, **asdict(StepShape.of(plan)), "step_time_s": max(dt, 1e-6)})
     return rows
 
 
@@ -324,7 +322,7 @@ def profile_builtin_trainer(model: str, out: Path, threads: int = 1, quick: bool
                                      "micro_batch_tokens": cfg.trainer.micro_batch_tokens, "step_time_s": dt})  # fmt: skip
     finally:
         dist.destroy_process_group()
-    return _write_jsonl(out / f"builtin-{model}-train.jsonl", rows)
+    return write_jsonl(out / f"builtin-{model}-train.jsonl", rows)
 
 
 def _train_body(n: int, length: int, seed: int) -> dict:
