@@ -326,15 +326,24 @@ def calibrate(data, vllm_bench, vidur, engine, train_data, serving_data, out, as
 
 
 def _fit_data(data, cat: Catalog, base: Profile):
-    recs = read_measurements(data)
+    """The step terms from the uncontended steps; from the contended ones (the built-in engine's
+    profile), the CPU factor by share of a core."""
+    from libra.costmodel.calibrate import fit_contention
+
+    every = read_measurements(data)
+    recs = [r for r in every if not r["co_runners"]]
+    if not recs:
+        raise ConfigError("data", str(data), "steps timed alone (co_runners 0) beside any contended ones")
     eff, mape = fit_rollout(recs, cat, base.rollout)
     hw = sorted({r["hardware"] for r in recs})
     terms = {h: eff.gpu(h).model_dump(include={"bw", "compute"}) for h in hw}
-    return (
-        eff,
-        f"fitted to {len(recs)} iterations from {data}; MAPE {mape:.3f}",
-        {"records": len(recs), "mape": mape, "gpus": terms},
-    )
+    fit = {"records": len(recs), "mape": mape, "gpus": terms}
+    contention = fit_contention(every, cat, eff)
+    if contention:
+        engine = recs[0]["engine"]
+        eff = eff.model_copy(update={"engines": {**eff.engines, engine: eff.engine(engine).model_copy(update={"contention": contention})}})  # fmt: skip
+        fit["contention"] = [list(p) for p in contention]
+    return eff, f"fitted to {len(recs)} iterations from {data}; MAPE {mape:.3f}", fit
 
 
 def _fit_train_data(path, cat: Catalog, base: Profile):

@@ -17,12 +17,13 @@ every command loads with `--profile FILE`. They are never fitted per test.
 
 from __future__ import annotations
 
+import itertools
 from functools import cache
 from pathlib import Path
 from typing import Annotated
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from libra.core.config import build, load_yaml
 from libra.core.errors import ConfigError
@@ -118,6 +119,34 @@ class EngineOverhead(_Frozen):
     request_cpu_s: float = Field(0.0, ge=0)
     token_cpu_s: float = Field(0.0, ge=0)
     weight_load_cpu_s: float = Field(0.0, ge=0)
+    # CPU seconds per priced CPU second by the share of a core the engine gets, as (share, factor)
+    # points by share: a time-shared core runs the same step in more CPU seconds (caches refilled
+    # after every switch). Measured by the profile beside 0..3 busy processes and fitted by
+    # `libra costmodel calibrate --data`; interpolated between points, the end points beyond
+    # them; empty: 1 at any share.
+    contention: tuple[tuple[float, float], ...] = ()
+
+    @field_validator("contention")
+    @classmethod
+    def _by_share(cls, pts: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
+        if any(not (0 < s <= 1 and 0 < f <= 100) for s, f in pts):
+            raise ValueError("(share, factor) points with share in (0, 1] and factor in (0, 100]")
+        if any(b[0] <= a[0] for a, b in itertools.pairwise(pts)):
+            raise ValueError("points in increasing share")
+        return pts
+
+    def cpu_factor(self, share: float) -> float:
+        """CPU seconds per priced CPU second at this share of a core (`contention`)."""
+        pts = self.contention
+        if not pts:
+            return 1.0
+        if share <= pts[0][0]:
+            return pts[0][1]
+        for (s0, f0), (s1, f1) in itertools.pairwise(pts):
+            if share <= s1:
+                return f0 + (f1 - f0) * (share - s0) / (s1 - s0)
+        return pts[-1][1]
+
     source: str = ""
 
 

@@ -310,20 +310,22 @@ class SharedCpuCost(RolloutCostModel):
     (`ctx_now`). The engine process's CPU outside its steps (the preset's `request_cpu_s` and
     `token_cpu_s`) runs between steps on the same Python interpreter, so it lengthens the next
     step: a turn's request and first token when it arrives (`request`), each decoding sequence's
-    token in its step; `serving_cpu_s` adds it up."""
+    token in its step; `serving_cpu_s` adds it up. Both cost more CPU seconds on a time-shared
+    core (`EngineOverhead.cpu_factor` of the share; `factor_now`, 1 in the profile's replay)."""
 
-    __slots__ = ("share_now", "ctx_now", "cpu_s", "serving_cpu_s", "pending")
+    __slots__ = ("share_now", "factor_now", "ctx_now", "cpu_s", "serving_cpu_s", "pending")
 
     def step_time(self, prefill_tokens, prefill_attn, decode_seqs, decode_ctx):  # type: ignore[override]
         t = super().step_time(prefill_tokens, prefill_attn, decode_seqs, decode_ctx)
-        self.cpu_s += t
-        return (t + self._serving(decode_seqs)) / self.share_now()
+        s, f = self.share_now(), self.factor_now()
+        self.cpu_s += t * f
+        return (t + self._serving(decode_seqs)) * f / s
 
     def decode_coeffs(self, n: int) -> tuple[float, float]:
         a, b = super().decode_coeffs(n)
-        self.cpu_s += a + b * self.ctx_now()
-        s = self.share_now()
-        return (a + self._serving(n)) / s, b / s
+        s, f = self.share_now(), self.factor_now()
+        self.cpu_s += (a + b * self.ctx_now()) * f
+        return (a + self._serving(n)) * f / s, b * f / s
 
     def request(self) -> None:
         """A turn arrived: its request's CPU and its first token's (its prefill samples it)."""
@@ -332,13 +334,14 @@ class SharedCpuCost(RolloutCostModel):
 
     def _serving(self, tokens: int) -> float:
         extra, self.pending = self.pending + tokens * self.overhead.token_cpu_s, 0.0
-        self.serving_cpu_s += extra
+        self.serving_cpu_s += extra * self.factor_now()
         return extra
 
 
 def cpu_engine(k: Kernel, iid: str, eff: RolloutEfficiency, max_num_seqs: int, kv_cache_mb: int,
-               share_now: Callable[[], float], catalog: Catalog, model: str) -> Engine:  # fmt: skip
-    """One simulated built-in engine on the CPU host, its steps priced by `SharedCpuCost`."""
+               share_now: Callable[[], float], catalog: Catalog, model: str, contended: bool = True) -> Engine:  # fmt: skip
+    """One simulated built-in engine on the CPU host, its steps priced by `SharedCpuCost`
+    (`contended`: at the CPU factor of its share of a core)."""
     hw, m = catalog.hardware(HARDWARE), catalog.model(model)
     cost = SharedCpuCost(hw, m, 1, eff, 1.0, BUILTIN_MAX_BATCHED_TOKENS, ENGINE, max_num_seqs)
     # One step at a time, so each step is priced at the share of its own moment.
@@ -346,6 +349,8 @@ def cpu_engine(k: Kernel, iid: str, eff: RolloutEfficiency, max_num_seqs: int, k
     eng.kv_cap = int(kv_cache_mb * 2**20 // m.kv_bytes_per_token)  # the engine's --kv-cache-mb
     cost.share_now, cost.ctx_now, cost.cpu_s, cost.serving_cpu_s, cost.pending = (
         share_now, lambda: eng.ctx_sum, 0.0, 0.0, 0.0)  # fmt: skip
+    factor = cost.overhead.cpu_factor
+    cost.factor_now = (lambda: factor(share_now())) if contended else (lambda: 1.0)
     return eng
 
 
@@ -403,7 +408,11 @@ class LivePipeline:
         self.out = Timeline()
 
     def engine_cpu_s(self) -> float:
-        return sum(e.cost.cpu_s for e in self.engines.values())  # type: ignore[attr-defined]
+        """The engines' CPU seconds: their steps, what serving the turns adds, and one weight
+        update each per step (its wall time is in the run's measured publication time)."""
+        costs = [e.cost for e in self.engines.values()]
+        loads = len(self.run.steps) * sum(c.overhead.weight_load_cpu_s for c in costs)
+        return sum(c.cpu_s + c.serving_cpu_s for c in costs) + loads  # type: ignore[attr-defined]
 
     def _busy(self) -> float:
         engines = sum(1 for e in self.engines.values() if e.outstanding)
