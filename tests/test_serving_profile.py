@@ -80,7 +80,9 @@ def test_fit_serving_recovers_the_terms_it_was_made_with(req, tok, seed):
         priced.append(steps)
     recs.append(ServingMeasurement(kind="weights", loads=4, cpu_s=0.04, **COMMON))
     fit = fit_serving(recs, priced)
-    assert fit.request_cpu_s == pytest.approx(req, abs=1e-7) and fit.token_cpu_s == pytest.approx(tok, abs=1e-8)
+    assert fit.request_cpu_s == pytest.approx(req, abs=1e-7) and fit.token_cpu_s == pytest.approx(
+        tok, abs=1e-8
+    )
     assert fit.weight_load_cpu_s == pytest.approx(0.01) and fit.mape < 1e-6
     assert fit.steps_measured_vs_priced == pytest.approx(1.0)
 
