@@ -6,6 +6,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -172,7 +173,10 @@ def test_simulate_live_prints_the_three_errors(cpu_profile):
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     host = json.loads((LIVE / "host.json").read_text())  # RUN/host.json is the default host
-    assert d["host"] == {k: host[k] for k in ("cores", "background", "shares")} and d["steps"] == 3
+    assert {k: d["host"][k] for k in ("cores", "background", "shares")} == {
+        k: host[k] for k in ("cores", "background", "shares")
+    }
+    assert d["steps"] == 3 and d["host_speed"] == 1.0  # the fixture's run timed no speed probe
     assert {"step_err", "rollout_err", "train_err"} <= set(d)
     r = run_cli(
         "simulate", "--live", str(LIVE), "--profile", str(cpu_profile), "--cores", "4", "--background", "0"
@@ -224,3 +228,31 @@ def test_the_engines_cpu_outside_steps_and_on_a_shared_core_only_add(cpu_profile
     )
     for k in ("rollout_s", "step_s"):
         assert base["predicted"][k] <= more["predicted"][k] + 1e-9 <= most["predicted"][k] + 2e-9
+
+
+def test_a_slower_host_during_the_run_predicts_more_cpu_and_time(cpu_profile, tmp_path):
+    """The speed probe timed during the run (host.json's probe_cpu_s) against the profile's scales
+    every CPU second: twice as slow a host, twice the engines' and trainers' CPU."""
+    prof = load_profile(cpu_profile)
+    eng = prof.rollout.engine("libra-builtin").model_copy(update={"probe_cpu_s": 0.02})
+    engines = {**prof.rollout.engines, "libra-builtin": eng}
+    probed = tmp_path / "probed.yaml"
+    save_profile(
+        prof.model_copy(update={"rollout": prof.rollout.model_copy(update={"engines": engines})}), probed
+    )
+    host = load_host(LIVE)
+    same, slow = (predict_live(LIVE, probed, replace(host, probe_cpu_s=p)) for p in (0.02, 0.04))
+    assert same.speed == 1.0 and slow.speed == pytest.approx(2.0)
+    assert slow.cpu[1].trainer == pytest.approx(2 * same.cpu[1].trainer)
+    assert slow.cpu[1].engine > 1.5 * same.cpu[1].engine
+    assert all(
+        slow.errors()["predicted"][k] > same.errors()["predicted"][k]
+        for k in ("step_s", "rollout_s", "train_s")
+    )
+    (tmp_path / "run").mkdir()
+    for f in LIVE.iterdir():
+        shutil.copy(f, tmp_path / "run" / f.name)
+    host_json = json.loads((LIVE / "host.json").read_text())
+    (tmp_path / "run" / "host.json").write_text(json.dumps({**host_json, "probe_cpu_s": -1}))
+    r = run_cli("simulate", "--live", str(tmp_path / "run"), "--profile", str(probed))
+    assert r.returncode == 2 and "probe_cpu_s" in r.stderr and "Traceback" not in r.stderr, r.stderr

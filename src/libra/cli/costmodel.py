@@ -338,11 +338,16 @@ def _fit_data(data, cat: Catalog, base: Profile):
     hw = sorted({r["hardware"] for r in recs})
     terms = {h: eff.gpu(h).model_dump(include={"bw", "compute"}) for h in hw}
     fit = {"records": len(recs), "mape": mape, "gpus": terms}
+    upd: dict = {}
     contention = fit_contention(every, cat, eff)
     if contention:
+        upd["contention"] = fit["contention"] = contention
+    probes = sorted(r["probe_s"] for r in recs if r["probe_s"] is not None)
+    if probes:
+        upd["probe_cpu_s"] = fit["probe_cpu_s"] = probes[len(probes) // 2]
+    if upd:
         engine = recs[0]["engine"]
-        eff = eff.model_copy(update={"engines": {**eff.engines, engine: eff.engine(engine).model_copy(update={"contention": contention})}})  # fmt: skip
-        fit["contention"] = [list(p) for p in contention]
+        eff = eff.model_copy(update={"engines": {**eff.engines, engine: eff.engine(engine).model_copy(update=upd)}})  # fmt: skip
     return eff, f"fitted to {len(recs)} iterations from {data}; MAPE {mape:.3f}", fit
 
 

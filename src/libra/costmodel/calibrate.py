@@ -115,6 +115,7 @@ class Measurement(BaseModel):
     # contended runs; `fit_contention`).
     co_runners: int = Field(0, ge=0, le=1024)
     share: float | None = Field(None, gt=0, le=1)
+    probe_s: float | None = Field(None, gt=0, le=1e3)  # the host's speed before its batch
 
 
 def read_measurements(path: str | Path) -> list[dict]:

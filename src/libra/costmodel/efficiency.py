@@ -125,6 +125,11 @@ class EngineOverhead(_Frozen):
     # `libra costmodel calibrate --data`; interpolated between points, the end points beyond
     # them; empty: 1 at any share.
     contention: tuple[tuple[float, float], ...] = ()
+    # The host's speed when these terms were measured: CPU seconds of the profile's probe (a fixed
+    # forward pass of the built-in model, `libra.runtime.profiler.cpu_probe`), median over the
+    # uncontended steps' batches; a run whose host was slower or faster (RUN/host.json's
+    # `probe_cpu_s`) scales every CPU second by the ratio. 0: not measured, no scaling.
+    probe_cpu_s: float = Field(0.0, ge=0)
 
     @field_validator("contention")
     @classmethod

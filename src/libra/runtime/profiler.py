@@ -272,18 +272,21 @@ def profile_builtin_engine(model: str, out: Path, threads: int = 1, quick: bool 
 def _engine_batches(cfg, net, model: str, grid, co_runners: int = 0) -> list[dict]:
     """Each batch of `grid` run to completion on a fresh engine core, step by step, beside
     `co_runners` busy processes; each step's line says how many, and the share of a core this
-    process got meanwhile (its CPU seconds over the wall time)."""
+    process got meanwhile (its CPU seconds over the wall time); alone, also the host's speed
+    measured just before its batch (`probe_s`, `cpu_probe`)."""
     from libra.runtime.engine.core import EngineCore
     from libra.runtime.engine.sequence import SamplingParams, Sequence, TextOutput
 
     rows: list[dict] = []
+    probe = probe_model(model)
     with busy_processes(co_runners, model):
         w0, c0 = time.perf_counter(), time.process_time()
         for n, prompt, gen in grid:
+            speed = {"probe_s": round(cpu_probe(probe), 6)} if not co_runners else {}
             core = EngineCore(cfg, net, publish=lambda events: None)
             seqs = [Sequence(f"p{i}", 0, [65 + (i + j) % 26 for j in range(prompt)], SamplingParams(gen, 1.0, seed=i),
                              TextOutput(ignore_eos=True), None, cfg.preset.max_model_len) for i in range(n)]  # fmt: skip
-            rows += _timed_steps(core, seqs, f"builtin-{model}")
+            rows += [{**r, **speed} for r in _timed_steps(core, seqs, f"builtin-{model}")]
         share = (time.process_time() - c0) / (time.perf_counter() - w0)
     return [{**r, "co_runners": co_runners, "share": round(share, 4)} for r in rows]
 
@@ -303,6 +306,28 @@ def busy_processes(n: int, model: str = "tiny"):
         for p in procs:
             p.kill()
             p.wait()
+
+
+PROBE_TOKENS = (4, 128)  # the probe's batch: a forward pass of the built-in model, about 20 ms
+
+
+def probe_model(model: str = "tiny"):
+    """The network `cpu_probe` runs (the built-in model, seed 0)."""
+    from libra.runtime.engine.config import PRESETS
+    from libra.runtime.engine.model import build_model
+
+    return build_model(PRESETS[model], 0)
+
+
+def cpu_probe(net) -> float:
+    """CPU seconds of this thread for one fixed forward pass of `net` (`probe_model`): the host's
+    speed in CPU seconds per unit of the built-in model's work, which changes with what else runs
+    on it. The profile records it beside its steps and `benchmarks/live_cpu.py` during a run."""
+    tokens = torch.arange(PROBE_TOKENS[0] * PROBE_TOKENS[1]).reshape(PROBE_TOKENS) % 256
+    t0 = time.thread_time()
+    with torch.no_grad():
+        net.forward_train(tokens)
+    return time.thread_time() - t0
 
 
 def train_forever(model: str) -> None:

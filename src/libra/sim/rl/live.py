@@ -39,7 +39,7 @@ from libra.core.config import read_text_file
 from libra.core.errors import ConfigError
 from libra.core.trace import build_line, json_lines
 from libra.costmodel.catalog import Catalog, load_catalog
-from libra.costmodel.efficiency import Profile, RolloutEfficiency, load_profile
+from libra.costmodel.efficiency import EngineOverhead, Profile, RolloutEfficiency, load_profile
 from libra.costmodel.rollout import RolloutCostModel
 from libra.costmodel.training import TrainCostModel, TrainParallel, sequences_per_micro_batch
 from libra.planner.staleness import GroupQueue, StalenessGate
@@ -87,6 +87,7 @@ class Host:
     cores: float | None = None
     background: float = 0.0
     shares: tuple[float, ...] = ()
+    probe_cpu_s: float | None = None  # the host's speed during the run (live_cpu.py), if measured
 
     def share(self, busy: float) -> float:
         """One busy process's share of a core when `busy` of the run's processes are busy."""
@@ -265,9 +266,13 @@ def _host_json(folder: str | Path, read: Callable[[dict], T]) -> T | None:
 
 
 def _host(d: dict) -> Host:
-    host = Host(float(d["cores"]), float(d["background"]), tuple(float(x) for x in d.get("shares", ())))
+    probe = d.get("probe_cpu_s")
+    host = Host(float(d["cores"]), float(d["background"]), tuple(float(x) for x in d.get("shares", ())),
+                None if probe is None else float(probe))  # fmt: skip
     if not (1 <= host.cores < 1e5 and 0 <= host.background < 1e5 and all(0 < x <= 1 for x in host.shares)):
         raise ValueError("cores >= 1, background >= 0 and shares in (0, 1]")
+    if host.probe_cpu_s is not None and not 0 < host.probe_cpu_s < 1e3:
+        raise ValueError("probe_cpu_s in (0, 1000) seconds")
     return host
 
 
@@ -339,9 +344,10 @@ class SharedCpuCost(RolloutCostModel):
 
 
 def cpu_engine(k: Kernel, iid: str, eff: RolloutEfficiency, max_num_seqs: int, kv_cache_mb: int,
-               share_now: Callable[[], float], catalog: Catalog, model: str, contended: bool = True) -> Engine:  # fmt: skip
-    """One simulated built-in engine on the CPU host, its steps priced by `SharedCpuCost`
-    (`contended`: at the CPU factor of its share of a core)."""
+               share_now: Callable[[], float], catalog: Catalog, model: str, speed: float | None = 1.0) -> Engine:  # fmt: skip
+    """One simulated built-in engine on the CPU host, its steps priced by `SharedCpuCost` at the
+    CPU factor of its share of a core times the host's `speed` (`host_speed`; None: neither, as
+    the profile's own replay)."""
     hw, m = catalog.hardware(HARDWARE), catalog.model(model)
     cost = SharedCpuCost(hw, m, 1, eff, 1.0, BUILTIN_MAX_BATCHED_TOKENS, ENGINE, max_num_seqs)
     # One step at a time, so each step is priced at the share of its own moment.
@@ -350,8 +356,16 @@ def cpu_engine(k: Kernel, iid: str, eff: RolloutEfficiency, max_num_seqs: int, k
     cost.share_now, cost.ctx_now, cost.cpu_s, cost.serving_cpu_s, cost.pending = (
         share_now, lambda: eng.ctx_sum, 0.0, 0.0, 0.0)  # fmt: skip
     factor = cost.overhead.cpu_factor
-    cost.factor_now = (lambda: factor(share_now())) if contended else (lambda: 1.0)
+    cost.factor_now = (lambda: speed * factor(share_now())) if speed is not None else (lambda: 1.0)
     return eng
+
+
+def host_speed(host: Host, engine: EngineOverhead) -> float:
+    """CPU seconds on the run's host per CPU second on the profile's: the ratio of the speed probe
+    timed during the run (live_cpu.py) to the one timed during the profile; 1 without both."""
+    if host.probe_cpu_s and engine.probe_cpu_s:
+        return host.probe_cpu_s / engine.probe_cpu_s
+    return 1.0
 
 
 def submit_turn(eng: Engine, key: object, prompt: int, sampled: int, on_done: Callable[[Seq], None]) -> None:
@@ -399,8 +413,9 @@ class LivePipeline:
         self.batches = run.batches()
         self.publish_s = statistics.fmean(s.publish_s for s in run.steps)
         self.train_cost = TrainCostModel(catalog.hardware(HARDWARE), catalog.model(lay.model), profile.train)
+        self.speed = host_speed(host, profile.rollout.engine(ENGINE))
         self.engines = {inst: cpu_engine(self.k, inst, profile.rollout, lay.max_num_seqs, lay.kv_cache_mb,
-                                         self._engine_share, catalog, lay.model)
+                                         self._engine_share, catalog, lay.model, self.speed)
                         for inst in sorted({x.instance for t in run.trajs for x in t.turns})}  # fmt: skip
         self.trained = self.next_batch = 0
         self.training = False
@@ -466,7 +481,7 @@ class LivePipeline:
             return
         lens = [t.tokens for g in groups for t in g.group]
         self.training = True
-        cpu = self.train_cpu_s(lens)
+        cpu = self.train_cpu_s(lens) * self.speed
         self.out.train_cpu_s += cpu * self.run.layout.replicas
         wall = cpu / self.host.share(self._busy())
         self.out.train_s.append(wall)
@@ -495,6 +510,7 @@ class LivePrediction:
     steps: int
     host: Host
     cpu: tuple[RunCpu | None, RunCpu]  # (measured by live_cpu.py if it was, predicted) over the RL steps
+    speed: float = 1.0  # the run's host's CPU seconds per the profile's (`host_speed`)
 
     def errors(self) -> dict:
         err = lambda p: (p[1] - p[0]) / p[0]  # noqa: E731
@@ -503,7 +519,7 @@ class LivePrediction:
                 "measured": {"step_s": self.step[0], "rollout_s": self.rollout[0], "train_s": self.train[0]},
                 "predicted": {"step_s": self.step[1], "rollout_s": self.rollout[1], "train_s": self.train[1]},
                 "cpu_s": {"measured": measured and asdict(measured), "predicted": asdict(pred)},
-                "steps": self.steps, "host": asdict(self.host)}  # fmt: skip
+                "steps": self.steps, "host": asdict(self.host), "host_speed": self.speed}  # fmt: skip
 
 
 def predict_live(
@@ -529,4 +545,5 @@ def predict_live(
             load_run_cpu(folder),
             RunCpu(sim.engine_cpu_s(), tl.train_cpu_s, SERVING_PER_ENGINE * sim.engine_cpu_s()),
         ),
+        sim.speed,
     )
