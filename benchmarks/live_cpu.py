@@ -16,7 +16,8 @@ busy CPU; the CPU spent during the RL steps (from the first rollout to the last 
 the time steps.json was first written, right after step 0's publication) is what the prediction's
 CPU figures are compared with. Every 2 s it also times the host's speed probe
 (`libra.runtime.profiler.cpu_probe`, a fixed forward pass of the built-in model in CPU seconds):
-its median over the RL steps, `probe_cpu_s`, scales the profile's CPU seconds to the run's host.
+its median over the RL steps, `probe_cpu_s`, against the profile's says how much slower or faster
+the run's host was than the profile's (the live prediction's `host_speed`).
 Writes RUN/host.json and prints one JSON line. Linux only (/proc).
 """
 

@@ -230,9 +230,9 @@ def test_the_engines_cpu_outside_steps_and_on_a_shared_core_only_add(cpu_profile
         assert base["predicted"][k] <= more["predicted"][k] + 1e-9 <= most["predicted"][k] + 2e-9
 
 
-def test_a_slower_host_during_the_run_predicts_more_cpu_and_time(cpu_profile, tmp_path):
-    """The speed probe timed during the run (host.json's probe_cpu_s) against the profile's scales
-    every CPU second: twice as slow a host, twice the engines' and trainers' CPU."""
+def test_the_hosts_speed_is_reported_beside_the_prediction(cpu_profile, tmp_path):
+    """The speed probe timed during the run (host.json's probe_cpu_s) over the profile's is the
+    prediction's `host_speed`; it is reported, not applied (docs/fidelity.md); a bad one exits 2."""
     prof = load_profile(cpu_profile)
     eng = prof.rollout.engine("libra-builtin").model_copy(update={"probe_cpu_s": 0.02})
     engines = {**prof.rollout.engines, "libra-builtin": eng}
@@ -242,13 +242,8 @@ def test_a_slower_host_during_the_run_predicts_more_cpu_and_time(cpu_profile, tm
     )
     host = load_host(LIVE)
     same, slow = (predict_live(LIVE, probed, replace(host, probe_cpu_s=p)) for p in (0.02, 0.04))
-    assert same.speed == 1.0 and slow.speed == pytest.approx(2.0)
-    assert slow.cpu[1].trainer == pytest.approx(2 * same.cpu[1].trainer)
-    assert slow.cpu[1].engine > 1.5 * same.cpu[1].engine
-    assert all(
-        slow.errors()["predicted"][k] > same.errors()["predicted"][k]
-        for k in ("step_s", "rollout_s", "train_s")
-    )
+    assert same.speed == 1.0 and slow.errors()["host_speed"] == pytest.approx(2.0)
+    assert slow.errors()["predicted"] == same.errors()["predicted"]
     (tmp_path / "run").mkdir()
     for f in LIVE.iterdir():
         shutil.copy(f, tmp_path / "run" / f.name)

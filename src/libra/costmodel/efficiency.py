@@ -127,8 +127,9 @@ class EngineOverhead(_Frozen):
     contention: tuple[tuple[float, float], ...] = ()
     # The host's speed when these terms were measured: CPU seconds of the profile's probe (a fixed
     # forward pass of the built-in model, `libra.runtime.profiler.cpu_probe`), median over the
-    # uncontended steps' batches; a run whose host was slower or faster (RUN/host.json's
-    # `probe_cpu_s`) scales every CPU second by the ratio. 0: not measured, no scaling.
+    # uncontended steps' batches. Against RUN/host.json's `probe_cpu_s` (the same probe during a
+    # live run), how much slower or faster the run's host was (reported by the live prediction,
+    # not yet applied: docs/fidelity.md). 0: not measured.
     probe_cpu_s: float = Field(0.0, ge=0)
 
     @field_validator("contention")

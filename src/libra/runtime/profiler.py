@@ -324,10 +324,15 @@ def cpu_probe(net) -> float:
     speed in CPU seconds per unit of the built-in model's work, which changes with what else runs
     on it. The profile records it beside its steps and `benchmarks/live_cpu.py` during a run."""
     tokens = torch.arange(PROBE_TOKENS[0] * PROBE_TOKENS[1]).reshape(PROBE_TOKENS) % 256
-    t0 = time.thread_time()
-    with torch.no_grad():
-        net.forward_train(tokens)
-    return time.thread_time() - t0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the engine runs: more would spin at their barriers on a busy host
+    try:
+        t0 = time.thread_time()
+        with torch.no_grad():
+            net.forward_train(tokens)
+        return time.thread_time() - t0
+    finally:
+        torch.set_num_threads(threads)
 
 
 def train_forever(model: str) -> None:

@@ -346,8 +346,8 @@ class SharedCpuCost(RolloutCostModel):
 def cpu_engine(k: Kernel, iid: str, eff: RolloutEfficiency, max_num_seqs: int, kv_cache_mb: int,
                share_now: Callable[[], float], catalog: Catalog, model: str, speed: float | None = 1.0) -> Engine:  # fmt: skip
     """One simulated built-in engine on the CPU host, its steps priced by `SharedCpuCost` at the
-    CPU factor of its share of a core times the host's `speed` (`host_speed`; None: neither, as
-    the profile's own replay)."""
+    CPU factor of its share of a core times `speed` (CPU seconds on this host per the profile's;
+    None: neither, as the profile's own replay)."""
     hw, m = catalog.hardware(HARDWARE), catalog.model(model)
     cost = SharedCpuCost(hw, m, 1, eff, 1.0, BUILTIN_MAX_BATCHED_TOKENS, ENGINE, max_num_seqs)
     # One step at a time, so each step is priced at the share of its own moment.
@@ -413,9 +413,11 @@ class LivePipeline:
         self.batches = run.batches()
         self.publish_s = statistics.fmean(s.publish_s for s in run.steps)
         self.train_cost = TrainCostModel(catalog.hardware(HARDWARE), catalog.model(lay.model), profile.train)
+        # Reported beside the prediction, not applied: one run so far (docs/fidelity.md), where it
+        # over-corrected the trainers and the step.
         self.speed = host_speed(host, profile.rollout.engine(ENGINE))
         self.engines = {inst: cpu_engine(self.k, inst, profile.rollout, lay.max_num_seqs, lay.kv_cache_mb,
-                                         self._engine_share, catalog, lay.model, self.speed)
+                                         self._engine_share, catalog, lay.model)
                         for inst in sorted({x.instance for t in run.trajs for x in t.turns})}  # fmt: skip
         self.trained = self.next_batch = 0
         self.training = False
@@ -481,7 +483,7 @@ class LivePipeline:
             return
         lens = [t.tokens for g in groups for t in g.group]
         self.training = True
-        cpu = self.train_cpu_s(lens) * self.speed
+        cpu = self.train_cpu_s(lens)
         self.out.train_cpu_s += cpu * self.run.layout.replicas
         wall = cpu / self.host.share(self._busy())
         self.out.train_s.append(wall)
@@ -510,7 +512,7 @@ class LivePrediction:
     steps: int
     host: Host
     cpu: tuple[RunCpu | None, RunCpu]  # (measured by live_cpu.py if it was, predicted) over the RL steps
-    speed: float = 1.0  # the run's host's CPU seconds per the profile's (`host_speed`)
+    speed: float = 1.0  # the run's host's CPU seconds per the profile's (`host_speed`; reported)
 
     def errors(self) -> dict:
         err = lambda p: (p[1] - p[0]) / p[0]  # noqa: E731
