@@ -124,3 +124,59 @@ def test_the_selector_picks_what_fits_and_logs_what_it_refused():
     assert log["mib"] <= 100
     with pytest.raises(InfeasibleError, match="4096-token"):
         StageLayout(load_train_config(None, ["trainer.memory_budget_mb=8"])).before([_sample(3000)])
+
+
+def _record(step: int, step_s: float, elastic: dict | None) -> dict:
+    """A steps.json object with just what the summary, the table and the plot read."""
+    return {"step": step, "success": 0.5, "reward": 0.5, "step_time_s": step_s, "rollout_wait_s": 1.0,
+            "train_s": step_s - 1.5, "publish_s": 0.5, "tokens": {"total": 100}, "trained": 8,
+            "dropped": {"trajectories": 0}, "weight_version": step + 1, "elastic": elastic}  # fmt: skip
+
+
+def _counts(joins: int, releases: int, rollbacks: int, active: int) -> dict:
+    return {"joins": joins, "releases": releases, "rollbacks": rollbacks, "hybrid_active": active}
+
+
+# a borrow at step 1, counted at steps 3-4, released (back in rollout) at step 5, a rollback at step 6
+POOL_RUN = [_record(0, 10.0, _counts(0, 0, 0, 0)), _record(1, 10.0, _counts(1, 0, 0, 0)),
+            _record(2, 10.0, _counts(1, 0, 0, 0)), _record(3, 8.0, _counts(1, 0, 0, 1)),
+            _record(4, 6.0, _counts(1, 0, 0, 1)), _record(5, 10.0, _counts(1, 1, 0, 0)),
+            _record(6, 10.0, _counts(2, 1, 1, 0))]  # fmt: skip
+
+
+def test_the_summary_and_the_table_show_the_pool():
+    from libra.cli.train import summary_table
+    from libra.runtime.train.report import pool_changes, summarize
+
+    s = summarize(POOL_RUN)
+    assert s["elastic"] == {"joins": 2, "releases": 1, "rollbacks": 1, "hybrid_active_steps": 2,
+                            "mean_step_s_hybrid_active": 7.0, "mean_step_s_no_hybrid": 10.0}  # fmt: skip
+    assert pool_changes(POOL_RUN) == {"joins": [1, 6], "releases": [5], "rollbacks": [6]}
+    labels = list(summary_table(s).columns[0].cells)
+    values = dict(zip(labels, summary_table(s).columns[1].cells, strict=True))
+    assert values["hybrid pool: joins / releases / rollbacks"] == "2 / 1 / 1"
+    assert values["  steps with a hybrid replica active"] == "2"
+    # without the pool (elastic.enabled false: no `elastic` in the records) the rows are absent
+    plain = summarize([{**r, "elastic": None} for r in POOL_RUN])
+    assert "elastic" not in plain
+    assert not any("hybrid" in c for c in summary_table(plain).columns[0].cells)
+
+
+def test_the_split_plot_marks_the_pool(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from libra.runtime.train.report import _plot_pool, plot
+
+    fig, ax = plt.subplots()
+    _plot_pool(ax, POOL_RUN)
+    labels = ax.get_legend_handles_labels()[1]
+    assert labels == ["hybrid replica counted", "borrow", "released", "rollback"]
+    shaded = [p.get_x() for p in ax.patches]  # one band per step with a counted hybrid replica
+    assert shaded == pytest.approx([2.5, 3.5])
+    assert [t.get_text() for t in ax.texts] == ["+1", "+1"]
+    plt.close(fig)
+    plot(POOL_RUN, tmp_path / "reward.png")
+    assert (tmp_path / "reward.png").stat().st_size > 0

@@ -32,6 +32,8 @@ class _Bar:
 
     def step(self, rec) -> None:
         desc = f"step {rec.step}: success {rec.success:.2f}, reward {rec.reward:.2f}, v{rec.weight_version}, {rec.step_time_s:.1f} s"  # fmt: skip
+        if rec.elastic:
+            desc += f", hybrid active {rec.elastic['hybrid_active']}"
         self.bar.update(self.task, completed=rec.step + 1, description=desc)
 
     def stop(self) -> None:
@@ -107,4 +109,12 @@ def summary_table(s: dict):
         ("trajectories dropped", s.get("dropped")),
         ("final weight version", s.get("final_weight_version")),
     ]
+    if "elastic" in s:  # the hybrid pool (elastic.enabled)
+        e = s["elastic"]
+        rows += [
+            ("hybrid pool: joins / releases / rollbacks", f"{e['joins']} / {e['releases']} / {e['rollbacks']}"),
+            ("  steps with a hybrid replica active", e["hybrid_active_steps"]),
+            ("  mean step s, hybrid active", e["mean_step_s_hybrid_active"] if e["hybrid_active_steps"] else "-"),
+            ("  mean step s, no hybrid", e["mean_step_s_no_hybrid"] if e["mean_step_s_no_hybrid"] is not None else "-"),
+        ]  # fmt: skip
     return table("libra train", ["", "value"], rows)

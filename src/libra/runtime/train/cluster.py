@@ -33,7 +33,7 @@ MODEL_NAME = "tiny"
 
 @dataclass(slots=True)
 class Proc:
-    role: str  # engine | gateway | actions | trainer | hybrid
+    role: str  # engine | gateway | actions | trainer | hybrid | standby (an engine not yet in the gateway)
     handle: Handle
     url: str = ""
     bucket: str = ""
@@ -75,7 +75,7 @@ class Cluster:
 
     def stop(self) -> None:
         """Trainers and the gateway first (nothing new is asked of engines), then the rest."""
-        order = {"hybrid": 0, "trainer": 0, "gateway": 1, "engine": 2, "actions": 3}
+        order = {"hybrid": 0, "trainer": 0, "gateway": 1, "engine": 2, "standby": 2, "actions": 3}
         for p in sorted(self.procs, key=lambda p: order[p.role]):
             p.handle.stop(timeout=10.0)
         self.launcher.shutdown()

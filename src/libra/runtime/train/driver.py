@@ -92,6 +92,7 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
     admin = GatewayAdmin(cluster.gateway_url, http, cfg.publish.admin_token)
     controller = make_controller(cfg.elastic.policy if cfg.elastic.enabled else None)
     pool, layout = make_pool(cfg, cluster, admin, http), StageLayout(cfg)
+    pool.prestart()  # hybrid trainers on standby, so a borrow does not wait for a process start
     rollouts.start()
     try:
         for step in range(start.step, cfg.steps):

@@ -2,16 +2,18 @@
 
     python -m libra.runtime.train.hybrid --slot S --world N --store HOST:PORT --config RUN/config.json
 
-It never joins the core gloo group. It runs `libra.runtime.elastic.Joiner` against its core
-partner (found through the core's rendezvous store): REQUESTED -> FETCHING_STATE (the partner's
-snapshot of weights and AdamW) -> ZERO_SYNC -> ACTIVATING -> ACTIVE, then trains its share of
-each step until the partner releases it, and exits; any failure makes it exit too (the slot goes
-back to rollout). It trains with the core's own `Learner` (same model class, same GRPO loss over
+It starts on standby: the pool prestarts it (interpreter, imports, its model) while the slot's
+engine still serves, so a borrow does not pay a process start on the critical path; it touches
+nothing of the core until `POST /join`. It never joins the core gloo group. It runs
+`libra.runtime.elastic.Joiner` against its core partner (found through the core's rendezvous
+store): REQUESTED -> FETCHING_STATE (the partner's snapshot of weights and AdamW) -> ZERO_SYNC ->
+ACTIVATING -> ACTIVE, then trains its share of each step until the partner releases it, and
+exits; any failure makes it exit too (the slot goes back to rollout). It trains with the core's own `Learner` (same model class, same GRPO loss over
 the step's global tokens, same clip and AdamW step), so it is bitwise equal to the core.
 
-Its HTTP door: `POST /samples {step, samples, global_tokens}` (the driver sends every step to
-every hybrid replica; a replica's share is decided by the membership, as on the core) and
-`GET /health` (its join's outcome once it has one).
+Its HTTP door: `POST /join` (leave standby and join), `POST /samples {step, samples,
+global_tokens}` (the driver sends every step to every hybrid replica; a replica's share is decided
+by the membership, as on the core) and `GET /health` (its join's outcome once it has one).
 """
 
 from __future__ import annotations
@@ -76,7 +78,11 @@ def _update(learner: Learner):
     return update
 
 
-async def _serve(feed: StepFeed, outcome: dict, slot: int, done: asyncio.Event) -> None:
+async def _serve(feed: StepFeed, outcome: dict, slot: int, join: asyncio.Event, done: asyncio.Event) -> None:
+    async def joined(request: web.Request) -> web.Response:
+        join.set()
+        return web.json_response({"ok": True})
+
     async def samples(request: web.Request) -> web.Response:
         try:
             body = await request.json()
@@ -89,13 +95,14 @@ async def _serve(feed: StepFeed, outcome: dict, slot: int, done: asyncio.Event) 
         return web.json_response({"slot": slot, **outcome})
 
     app = web.Application(client_max_size=512 * 2**20)
+    app.router.add_post("/join", joined)
     app.router.add_post("/samples", samples)
     app.router.add_get("/health", health)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     sock = bind(HOST, 0)
     await web.SockSite(runner, sock).start()
-    print(f"hybrid slot {slot} listening on http://{HOST}:{sock.getsockname()[1]}", flush=True)
+    print(f"hybrid slot {slot} on standby, listening on http://{HOST}:{sock.getsockname()[1]}", flush=True)
     await done.wait()
     await runner.cleanup()
 
@@ -117,13 +124,16 @@ def main(argv: list[str] | None = None) -> None:
     feed, outcome = StepFeed(learner, cfg), {}
     joiner = Joiner(a.slot, a.world, cfg.elastic.hybrid, learner.model, learner.opt, feed, store,
                     update=_update(learner), config=cfg.elastic.runtime,
-                    on_step=lambda step: outcome.__setitem__("applied", step))  # fmt: skip
+                    on_step=lambda step: outcome.update(applied=step, weights=learner.fingerprint()))  # fmt: skip
 
     async def run() -> None:
-        done = asyncio.Event()
-        server = asyncio.create_task(_serve(feed, outcome, a.slot, done))
+        join, done = asyncio.Event(), asyncio.Event()
+        server = asyncio.create_task(_serve(feed, outcome, a.slot, join, done))
+        await join.wait()  # standby until the pool has drained and stopped the slot's engine
+        print(f"hybrid slot {a.slot}: joining", flush=True)
         outcome["outcome"] = await asyncio.to_thread(joiner.run)
-        print(f"hybrid slot {a.slot}: {outcome['outcome']} (last step applied: {outcome.get('applied')})", flush=True)  # fmt: skip
+        # The weights' digest after the last step it applied: equal to the core's checkpoint of that step.
+        print(f"hybrid slot {a.slot}: {outcome['outcome']} (last step applied: {outcome.get('applied')}, weights {outcome.get('weights')})", flush=True)  # fmt: skip
         done.set()
         await server
 

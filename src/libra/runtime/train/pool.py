@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -36,6 +37,8 @@ from libra.runtime.train.config import TrainConfig
 from libra.runtime.train.gateway_admin import AdminFailed, GatewayAdmin
 
 log = logging.getLogger(__name__)
+DRAINED_STOP_S = 3.0  # how long a drained engine gets to exit on SIGTERM
+RETIRE_WAIT_S = 15.0  # how long a released trainer may take to exit after its goodbye
 JOIN_PATH = (JoinState.FETCHING_STATE, JoinState.ZERO_SYNC, JoinState.ACTIVATING, JoinState.ACTIVE)
 
 
@@ -45,9 +48,11 @@ class Slot:
     engine: ProcessSpec  # the engine this slot runs while it serves rollout
     backend: dict  # how the gateway knows it (url filled in when it runs)
     replica: HybridReplica
-    hybrid: procs.Proc | None = None  # the trainer process while it is borrowed
-    task: asyncio.Task | None = None
-    ready: procs.Proc | None = None  # an engine restarted, to be re-added at the next boundary
+    hybrid: procs.Proc | None = None  # the slot's trainer process: on standby, or joined while borrowed
+    joined: bool = False  # the hybrid process was told to join
+    standby: asyncio.Task | None = None  # prestarting the hybrid trainer
+    task: asyncio.Task | None = None  # the borrow in progress
+    engine_next: asyncio.Task | None = None  # the engine (re)starting for the slot's return to rollout
     failed: str = ""  # why the join is being rolled back ("" when it is not)
 
 
@@ -68,6 +73,11 @@ class HybridPool:
         self.counts = PoolCounts()
         self.releasing: list[int] = []
         self.core_status: dict = {}
+
+    def prestart(self) -> None:
+        """Start each slot's hybrid trainer on standby in the background (it waits for /join)."""
+        for slot in self.slots:
+            slot.standby = asyncio.create_task(self._standby(slot), name=f"standby {slot.index}")
 
     # ---- what the controller reads -------------------------------------------------------------
 
@@ -93,6 +103,9 @@ class HybridPool:
             if slot.replica.release(r.generation):
                 self.releasing.append(slot.index)
                 self._event(slot, f"release: {dec.reason}")
+                # Its engine starts now, while the replica trains its last step, so the slot
+                # can serve again at that step's boundary.
+                self._restart_engine(slot)
 
     def take_releases(self) -> list[int]:
         """Slots the core lets go at the end of the coming step (sent with its /train)."""
@@ -100,7 +113,7 @@ class HybridPool:
         return out
 
     async def _borrow(self, slot: Slot, gen: int) -> None:
-        name = slot.engine.name
+        name, t0 = slot.engine.name, time.monotonic()
         try:
             await self.admin.drain_and_remove(name, self.cfg.elastic.drain_timeout_s)
         except AdminFailed as e:  # the engine still serves: nothing to restart
@@ -108,17 +121,44 @@ class HybridPool:
             self.counts.rollbacks += 1
             self._event(slot, f"rollback: {e}")
             return
+        t1 = time.monotonic()
         await asyncio.to_thread(self._stop_engine, name)
+        t2 = time.monotonic()
         try:
-            slot.hybrid = await asyncio.to_thread(self._start_hybrid, slot)
-            self._event(slot, f"trainer started in {name}'s slot")
-        except LaunchError as e:
-            self._fail(slot, f"hybrid trainer did not start: {str(e)[:200]}")
+            if slot.standby is not None:
+                await slot.standby
+            if slot.hybrid is None:  # the standby did not start: one more try, on the critical path
+                await self._standby(slot)
+            if slot.hybrid is None:
+                raise LaunchError("no hybrid trainer")
+            await self._post(slot.hybrid.url + "/join")
+        except (LaunchError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+            self._fail(slot, f"hybrid trainer did not join: {str(e)[:200]}")
+            return
+        slot.joined = True
+        took = f"drained in {t1 - t0:.1f} s, engine stopped in {t2 - t1:.1f} s"
+        self._event(slot, f"trainer joins in {name}'s slot: {took}, standby trainer told to join "
+                          f"{time.monotonic() - t2:.1f} s later")  # fmt: skip
+
+    async def _post(self, url: str) -> None:
+        async with self.http.post(url, json={}, timeout=aiohttp.ClientTimeout(total=30)) as r:
+            await r.read()
+            r.raise_for_status()
 
     def _stop_engine(self, name: str) -> None:
         for p in [p for p in self.cluster.procs if p.role == "engine" and p.handle.name == name]:
-            p.handle.stop(timeout=10.0)
+            # Drained: nothing in flight, so a short grace (then SIGKILL) loses nothing; the
+            # engine's own shutdown waits for its generation thread, ~10 s on a loaded machine.
+            p.handle.stop(timeout=DRAINED_STOP_S)
             self.cluster.procs.remove(p)
+
+    async def _standby(self, slot: Slot) -> None:
+        t0 = time.monotonic()
+        try:
+            slot.hybrid = await asyncio.to_thread(self._start_hybrid, slot)
+            self._event(slot, f"hybrid trainer on standby ({time.monotonic() - t0:.1f} s to start)")
+        except LaunchError as e:
+            self._event(slot, f"hybrid trainer did not start: {str(e)[:200]}")
 
     def _start_hybrid(self, slot: Slot) -> procs.Proc:
         spec = procs.hybrid_spec(self.cfg, self.cluster.run, slot.index, self.cluster.store)
@@ -130,10 +170,10 @@ class HybridPool:
     # ---- each step --------------------------------------------------------------------------------
 
     async def feed(self, step: int, samples: list[TrainSample], total: int) -> None:
-        """Every running hybrid replica gets the step (its share is the membership's business)."""
+        """Every joined hybrid replica gets the step (its share is the membership's business)."""
         body = {"step": step, "global_tokens": total, "samples": [s.model_dump() for s in samples]}
         for slot in self.slots:
-            if slot.hybrid is not None and slot.hybrid.url:
+            if slot.joined and slot.hybrid is not None:
                 try:
                     async with self.http.post(slot.hybrid.url + "/samples", json=body) as r:
                         await r.read()
@@ -148,52 +188,71 @@ class HybridPool:
             r = slot.replica
             if slot.index < len(states) and r.state in (*JOIN_PATH[:-1], JoinState.REQUESTED):
                 _advance(r, JoinState[states[slot.index]])
-            done = slot.hybrid is not None and slot.hybrid.handle.returncode() is not None
-            if done and not slot.failed and slot.ready is None and (slot.task is None or slot.task.done()):
-                ok = r.state == JoinState.RELEASING
-                self._event(slot, "the replica left at the step boundary" if ok else "the join ended")
-                if not ok:
-                    slot.failed = "the hybrid trainer exited (rolled back by its partner)"
-                slot.task = asyncio.create_task(self._restart(slot), name=f"restart {slot.index}")
+            ended = slot.joined and slot.hybrid is not None and slot.hybrid.handle.returncode() is not None
+            if ended and not slot.failed and r.state != JoinState.RELEASING:
+                self._fail(slot, "the hybrid trainer exited (rolled back by its partner)")
+
+    def _left(self, slot: Slot) -> bool:
+        """The core no longer counts a releasing replica (it let it go at the last step's end)."""
+        states = self.core_status.get("states") or []
+        core = states[slot.index] if slot.index < len(states) else "ACTIVE"
+        return slot.replica.state == JoinState.RELEASING and core != JoinState.ACTIVE.name
 
     def _fail(self, slot: Slot, why: str) -> None:
         slot.failed = why
         self._event(slot, f"rollback: {why}")
-        slot.task = asyncio.create_task(self._restart(slot), name=f"restart {slot.index}")
+        self._restart_engine(slot)
 
-    async def _restart(self, slot: Slot) -> None:
-        """Stop the hybrid process, start the engine; it joins the gateway at the next boundary."""
-        if slot.hybrid is not None:
-            await asyncio.to_thread(slot.hybrid.handle.stop, 10.0)
-            self.cluster.procs.remove(slot.hybrid)
-            slot.hybrid = None
-        try:
-            slot.ready = await asyncio.to_thread(self._start_engine, slot)
-        except LaunchError as e:
-            self._event(slot, f"engine did not restart: {str(e)[:200]}")
+    def _restart_engine(self, slot: Slot) -> None:
+        if slot.engine_next is None:
+            slot.engine_next = asyncio.create_task(self._start_engine(slot), name=f"engine {slot.index}")
 
-    def _start_engine(self, slot: Slot) -> procs.Proc:
-        p = procs.Proc("engine", self.cluster.launcher.start(slot.engine), bucket=slot.backend["bucket"])
-        p.url = wait_for_line(p.handle, LISTENING, procs.START_TIMEOUT_S).group(1)
+    async def _start_engine(self, slot: Slot) -> procs.Proc:
+        t0 = time.monotonic()
+        p = procs.Proc("standby", self.cluster.launcher.start(slot.engine), bucket=slot.backend["bucket"])
+        self.cluster.procs.append(p)  # stopped with the run whatever happens
+        p.url = (await asyncio.to_thread(wait_for_line, p.handle, LISTENING, procs.START_TIMEOUT_S)).group(1)
+        self._event(slot, f"engine started ({time.monotonic() - t0:.1f} s), not yet serving")
         return p
 
     async def boundary(self, model_path: str, version: int) -> None:
-        """Restarted engines load the newest weights and serve again (between publications, so
-        none misses a version)."""
+        """Slots whose trainer has left (released at the last step's end, or rolled back) serve
+        again: the engine started for them loads the newest weights and is added to the gateway
+        (between publications, so it misses no version); a new hybrid trainer goes on standby."""
         for slot in self.slots:
-            p = slot.ready
-            if p is None:
+            t = slot.engine_next
+            if t is None or not t.done() or not (slot.failed or self._left(slot)):
                 continue
-            slot.ready = None
+            slot.engine_next = None
+            if t.exception() is not None:
+                self._event(slot, f"engine did not start: {str(t.exception())[:200]}; trying again")
+                self._restart_engine(slot)
+                continue
+            await self._retire_hybrid(slot)
+            p = t.result()
             try:
                 await self._load(p.url, model_path, version)
                 await self.admin.add({**slot.backend, "url": p.url})
             except (AdminFailed, aiohttp.ClientError, asyncio.TimeoutError) as e:
-                self._event(slot, f"engine could not rejoin the gateway: {e}")
+                self._event(slot, f"engine could not rejoin the gateway: {e}; trying again")
                 await asyncio.to_thread(p.handle.stop, 10.0)
+                self.cluster.procs.remove(p)
+                self._restart_engine(slot)
                 continue
-            self.cluster.procs.append(p)
+            p.role = "engine"
             self._back_to_rollout(slot)
+            slot.standby = asyncio.create_task(self._standby(slot), name=f"standby {slot.index}")
+
+    async def _retire_hybrid(self, slot: Slot) -> None:
+        """A released trainer exits by itself after its goodbye; give it a moment, then stop it."""
+        p, slot.hybrid, slot.joined = slot.hybrid, None, False
+        if p is None:
+            return
+        deadline = time.monotonic() + RETIRE_WAIT_S
+        while p.handle.returncode() is None and time.monotonic() < deadline and not slot.failed:
+            await asyncio.sleep(0.1)
+        await asyncio.to_thread(p.handle.stop, 10.0)
+        self.cluster.procs.remove(p)
 
     def _back_to_rollout(self, slot: Slot) -> None:
         r = slot.replica
@@ -236,11 +295,12 @@ class HybridPool:
         self.counts.events.append(f"{slot.replica.id}: {what}")
 
     async def stop(self) -> None:
+        """Cancel what is in flight; every process the pool started is in the cluster's list,
+        which the driver stops."""
         for slot in self.slots:
-            if slot.task is not None:
-                slot.task.cancel()
-            if slot.ready is not None:
-                await asyncio.to_thread(slot.ready.handle.stop, 10.0)
+            for t in (slot.standby, slot.task, slot.engine_next):
+                if t is not None:
+                    t.cancel()
 
 
 def _advance(r: HybridReplica, core: JoinState) -> None:
@@ -281,6 +341,9 @@ class StaticPool:
 
     def take_releases(self) -> list[int]:
         return []
+
+    def prestart(self) -> None:
+        return None
 
     async def feed(self, step: int, samples: list[TrainSample], total: int) -> None:
         return None

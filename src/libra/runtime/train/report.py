@@ -93,7 +93,41 @@ def summarize(records: list[dict]) -> dict:
         "trained": sum(r["trained"] for r in records),
         "dropped": sum(r["dropped"]["trajectories"] for r in records),
         "final_weight_version": records[-1]["weight_version"],
+        **({"elastic": elastic_summary(records)} if any(r.get("elastic") for r in records) else {}),
     }
+
+
+def elastic_summary(records: list[dict]) -> dict:
+    """The hybrid pool over the run: its counters at the end, and the step time with a borrowed
+    replica counted beside the step time without (same run: the first steps and a workload shift
+    differ, so this is no A/B; `elastic.enabled=false` is the control run)."""
+    pool = [r for r in records if r.get("elastic")]
+    last = pool[-1]["elastic"]
+    on = [r["step_time_s"] for r in pool if r["elastic"]["hybrid_active"] > 0]
+    off = [r["step_time_s"] for r in pool if r["elastic"]["hybrid_active"] == 0]
+    return {
+        "joins": last["joins"],
+        "releases": last["releases"],
+        "rollbacks": last["rollbacks"],
+        "hybrid_active_steps": len(on),
+        "mean_step_s_hybrid_active": sum(on) / len(on) if on else None,
+        "mean_step_s_no_hybrid": sum(off) / len(off) if off else None,
+    }
+
+
+def pool_changes(records: list[dict]) -> dict[str, list[int]]:
+    """The steps at which the pool's counters went up: borrows, releases, rollbacks."""
+    out: dict[str, list[int]] = {"joins": [], "releases": [], "rollbacks": []}
+    prev = dict.fromkeys(out, 0)
+    for r in records:
+        e = r.get("elastic")
+        if not e:
+            continue
+        for k in out:
+            if e[k] > prev[k]:
+                out[k].append(r["step"])
+            prev[k] = e[k]
+    return out
 
 
 class RunFolder:
@@ -164,8 +198,31 @@ def plot(records: list[dict], out: Path) -> None:
         vals = [r[key] for r in records]
         b.bar(steps, vals, bottom=bottom, label=label, width=1.0)
         bottom = [x + y for x, y in zip(bottom, vals, strict=True)]
+    if any(r.get("elastic") for r in records):
+        _plot_pool(b, records)
     b.set(xlabel="step", ylabel="seconds", title="step time")
-    b.legend(loc="upper right")
+    b.legend(loc="upper right", fontsize="small")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
+
+
+POOL_MARKS = {"joins": ("borrow", "tab:purple", "--"), "releases": ("released", "tab:green", "-"),
+              "rollbacks": ("rollback", "tab:red", ":")}  # fmt: skip
+
+
+def _plot_pool(ax, records: list[dict]) -> None:
+    """The hybrid pool on the step-time split: shaded where a borrowed replica counted (with how
+    many), a line where a borrow started, a replica came back to rollout, or one was rolled back."""
+    shown = False
+    for r in records:
+        n = (r.get("elastic") or {}).get("hybrid_active", 0)
+        if n:
+            ax.axvspan(r["step"] - 0.5, r["step"] + 0.5, color="gold", alpha=0.25, zorder=0,
+                       label=None if shown else "hybrid replica counted")  # fmt: skip
+            ax.annotate(f"+{n}", (r["step"], 0), ha="center", va="bottom", fontsize="x-small")
+            shown = True
+    for key, steps in pool_changes(records).items():
+        label, color, style = POOL_MARKS[key]
+        for k, step in enumerate(steps):
+            ax.axvline(step + 0.5, color=color, linestyle=style, label=None if k else label)
