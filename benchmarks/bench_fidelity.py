@@ -9,7 +9,9 @@
   fitted to them), and the held-out data-parallel expert-parallel run in tests/data.
 - The KV cache vLLM allocated, where a run recorded it (tests/data/vllm-bench/kv-*).
 - The live run (`--live DIR`, a `libra train` output folder): `libra simulate` replays its
-  trajectories on the built-in engine's CPU profile and predicts its step, rollout and train time.
+  trajectories on the built-in engine's CPU profile (its steps, its HTTP serving and its steps on a
+  shared core) and predicts its step, rollout and train time, with the CPU seconds measured and
+  predicted by role (`live.cpu_s`; the measured side from live_cpu.py's RUN/host.json).
 
 Goals (issue 29): public mean absolute error <= 12%; shipped traces mean latency error <= 12%;
 live step, rollout and train time each within 15%.
@@ -98,7 +100,9 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print only the JSON line")
     ap.add_argument("--live", default=None, help="a `libra train` output folder to predict")
     ap.add_argument(
-        "--live-profile", default=None, help="the CPU profile YAML (calibrate of the built-in engine's steps)"
+        "--live-profile",
+        default=None,
+        help="the CPU profile YAML (calibrate --data --train-data --serving-data of `costmodel profile --model builtin-tiny --device cpu`)",
     )
     ap.add_argument(
         "--fit", choices=["vllm-v0"], default=None, help="fit a preset's CPU terms and print them"

@@ -14,7 +14,11 @@ During the run it also samples the CPU time of every process the run started, by
 bucket, gateway, actions service and its tool processes, trainer replicas, driver), and the host's
 busy CPU; the CPU spent during the RL steps (from the first rollout to the last publication on the run's timeline, placed on the wall clock by
 the time steps.json was first written, right after step 0's publication) is what the prediction's
-CPU figures are compared with. Writes RUN/host.json and prints one JSON line. Linux only (/proc).
+CPU figures are compared with. Every 2 s it also times the host's speed probe
+(`libra.runtime.profiler.cpu_probe`, a fixed forward pass of the built-in model in CPU seconds):
+its median over the RL steps, `probe_cpu_s`, against the profile's says how much slower or faster
+the run's host was than the profile's (the live prediction's `host_speed`).
+Writes RUN/host.json and prints one JSON line. Linux only (/proc).
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ import sys
 import time
 from pathlib import Path
 
+from libra.runtime.profiler import cpu_probe, probe_model
 from libra.sim.rl.live import fair_share
 
 HZ = os.sysconf("SC_CLK_TCK")
+PROBE_EVERY = 4  # samples (2 s) between two runs of the host's speed probe
 MAX_BUSY = 8  # the run's busy processes the share table goes to (two engines, serving, trainers)
 ROLES = (("--tp-label", "engine"), ("serve gateway", "gateway"), ("serve actions", "actions"),
          ("train.worker", "trainer"), ("libra train", "driver"))  # fmt: skip
@@ -172,19 +178,23 @@ def main() -> None:
     for _ in range(max(1, int(a.before * 2))):
         runnable.append(sum(runnable_by_session(set())))
         time.sleep(0.5)
+    net, probes = probe_model(), []  # (wall-clock time, the probe's CPU seconds)
     acc, t0, busy0, first_write = Accounting(), time.time(), host_sample()[0], None
     proc = subprocess.Popen(cmd, start_new_session=True)  # the run's own session: one autogroup
     while proc.poll() is None:
         acc.sample(proc.pid, time.time())
         first_write = first_write or mtime(run / "steps.json")
+        if len(acc.series) % PROBE_EVERY == 0:
+            probes.append((time.time(), cpu_probe(net)))
         time.sleep(0.5)
     wall, busy = time.time() - t0, host_sample()[0] - busy0
     if proc.returncode != 0 or first_write is None:
         sys.exit(proc.returncode or "error: the run wrote no steps.json")
     p0, p1 = rl_phase(run, first_write)
     background, shares = acc.others_between(p0, p1)
+    in_rl = sorted(c for t, c in probes if p0 <= t <= p1) or sorted(c for _, c in probes)
     out = {"cores": os.cpu_count(), "background": round(background, 2), "shares": [round(x, 4) for x in shares],
-           "background_before": round(sum(runnable) / len(runnable), 2), "rl_phase_s": round(p1 - p0, 2), "cpu_s_in_rl_phase": acc.between(p0, p1),
+           "background_before": round(sum(runnable) / len(runnable), 2), "probe_cpu_s": round(in_rl[len(in_rl) // 2], 6), "rl_phase_s": round(p1 - p0, 2), "cpu_s_in_rl_phase": acc.between(p0, p1),
            "cpu_s_whole_run": {r: round(v, 2) for r, v in sorted(acc.total.items())},
            "host_busy_cores": round(busy / wall, 3), "run_cores": round(sum(acc.total.values()) / wall, 3)}  # fmt: skip
     (run / "host.json").write_text(json.dumps(out, indent=1) + "\n")

@@ -6,6 +6,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 
 from libra.core.errors import ConfigError, LibraError
 from libra.costmodel.catalog import load_catalog
-from libra.costmodel.efficiency import load_profile
+from libra.costmodel.efficiency import load_profile, save_profile
 from libra.sim.rl.live import (
     Host,
     LivePipeline,
@@ -36,10 +37,15 @@ def cpu_profile(tmp_path_factory) -> Path:
     with `libra costmodel calibrate` as a user would."""
     prof = tmp_path_factory.mktemp("prof") / "cpu.yaml"
     r = run_cli("costmodel", "calibrate", "--data", str(LIVE / "builtin-tiny-steps.jsonl"),
-                "--train-data", str(LIVE / "builtin-tiny-train.jsonl"), "--out", str(prof), "--json")  # fmt: skip
+                "--train-data", str(LIVE / "builtin-tiny-train.jsonl"),
+                "--serving-data", str(LIVE / "builtin-tiny-serving.jsonl"), "--out", str(prof), "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr
     fit = json.loads(r.stdout)
     assert fit["records"] > 100 and fit["train"]["records"] > 10 and 0 < fit["train"]["mfu"] < 1
+    # The steps timed beside busy processes cost more CPU seconds the smaller their share of a core.
+    factors = [f for _, f in fit["contention"]]
+    assert factors == sorted(factors, reverse=True) and factors[0] > 1
+    assert fit["serving"]["weight_load_cpu_s"] > 0 and 0 < fit["serving"]["outside_steps"] < 0.5
     return prof
 
 
@@ -167,7 +173,10 @@ def test_simulate_live_prints_the_three_errors(cpu_profile):
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     host = json.loads((LIVE / "host.json").read_text())  # RUN/host.json is the default host
-    assert d["host"] == {k: host[k] for k in ("cores", "background", "shares")} and d["steps"] == 3
+    assert {k: d["host"][k] for k in ("cores", "background", "shares")} == {
+        k: host[k] for k in ("cores", "background", "shares")
+    }
+    assert d["steps"] == 3 and d["host_speed"] == 1.0  # the fixture's run timed no speed probe
     assert {"step_err", "rollout_err", "train_err"} <= set(d)
     r = run_cli(
         "simulate", "--live", str(LIVE), "--profile", str(cpu_profile), "--cores", "4", "--background", "0"
@@ -183,3 +192,62 @@ def test_bench_fidelity_json_has_the_issue_keys(cpu_profile):
     d = json.loads(r.stdout.strip().splitlines()[-1])
     assert {"public_mape", "shipped_traces", "live"} <= set(d)
     assert set(d["live"]) >= {"step_err", "rollout_err", "train_err"}
+
+
+def test_the_engines_cpu_outside_steps_and_on_a_shared_core_only_add(cpu_profile, tmp_path):
+    """The preset's serving terms add at least their own CPU (requests, tokens, one weight update
+    per step and engine), the CPU factor of a shared core more, and neither predicts a faster run."""
+    prof = load_profile(cpu_profile)
+    eng = prof.rollout.engine("libra-builtin")
+    none = {"request_cpu_s": 0.0, "token_cpu_s": 0.0, "weight_load_cpu_s": 0.0, "contention": ()}
+    terms = {**none, "request_cpu_s": 2e-3, "token_cpu_s": 1e-4, "weight_load_cpu_s": 0.01}
+    bare, with_terms, shared = tmp_path / "bare.yaml", tmp_path / "terms.yaml", tmp_path / "shared.yaml"
+    for path, upd in (
+        (bare, none),
+        (with_terms, terms),
+        (shared, {**terms, "contention": ((0.2, 1.3), (0.6, 1.0))}),
+    ):
+        engines = {**prof.rollout.engines, "libra-builtin": eng.model_copy(update=upd)}
+        save_profile(
+            prof.model_copy(update={"rollout": prof.rollout.model_copy(update={"engines": engines})}), path
+        )
+    run = load_run(LIVE)
+    turns = [x for t in run.trajs for x in t.turns]
+    sim = LivePipeline(run, load_host(LIVE), load_profile(with_terms), load_catalog())
+    sim.run_all()
+    costs = [e.cost for e in sim.engines.values()]
+    serving = sum(c.serving_cpu_s for c in costs)
+    assert serving == pytest.approx(2e-3 * len(turns) + 1e-4 * sum(x.sampled for x in turns))
+    loads = sim.engine_cpu_s() - sum(c.cpu_s + c.serving_cpu_s for c in costs)
+    assert loads == pytest.approx(0.01 * len(run.steps) * len(costs))
+    base, more, most = (predict_live(LIVE, p).errors() for p in (bare, with_terms, shared))
+    assert (
+        most["cpu_s"]["predicted"]["engine"]
+        > more["cpu_s"]["predicted"]["engine"]
+        > base["cpu_s"]["predicted"]["engine"]
+    )
+    for k in ("rollout_s", "step_s"):
+        assert base["predicted"][k] <= more["predicted"][k] + 1e-9 <= most["predicted"][k] + 2e-9
+
+
+def test_the_hosts_speed_is_reported_beside_the_prediction(cpu_profile, tmp_path):
+    """The speed probe timed during the run (host.json's probe_cpu_s) over the profile's is the
+    prediction's `host_speed`; it is reported, not applied (docs/fidelity.md); a bad one exits 2."""
+    prof = load_profile(cpu_profile)
+    eng = prof.rollout.engine("libra-builtin").model_copy(update={"probe_cpu_s": 0.02})
+    engines = {**prof.rollout.engines, "libra-builtin": eng}
+    probed = tmp_path / "probed.yaml"
+    save_profile(
+        prof.model_copy(update={"rollout": prof.rollout.model_copy(update={"engines": engines})}), probed
+    )
+    host = load_host(LIVE)
+    same, slow = (predict_live(LIVE, probed, replace(host, probe_cpu_s=p)) for p in (0.02, 0.04))
+    assert same.speed == 1.0 and slow.errors()["host_speed"] == pytest.approx(2.0)
+    assert slow.errors()["predicted"] == same.errors()["predicted"]
+    (tmp_path / "run").mkdir()
+    for f in LIVE.iterdir():
+        shutil.copy(f, tmp_path / "run" / f.name)
+    host_json = json.loads((LIVE / "host.json").read_text())
+    (tmp_path / "run" / "host.json").write_text(json.dumps({**host_json, "probe_cpu_s": -1}))
+    r = run_cli("simulate", "--live", str(tmp_path / "run"), "--profile", str(probed))
+    assert r.returncode == 2 and "probe_cpu_s" in r.stderr and "Traceback" not in r.stderr, r.stderr

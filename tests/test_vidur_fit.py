@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from libra.costmodel.efficiency import RolloutEfficiency
+from libra.costmodel.efficiency import RolloutEfficiency, load_profile
 from libra.costmodel.rollout import RolloutCostModel
 from libra.costmodel.vidur import fit_vidur, layer_errors, predict_layers, read_allreduce, read_layers
 from tests.conftest import run_cli
@@ -141,3 +141,14 @@ def test_profile_on_cpu_writes_what_calibrate_reads(tmp_path):
         "costmodel", "calibrate", "--vidur", str(tmp_path), "--out", str(tmp_path / "p.yaml"), "--json"
     )
     assert r.returncode == 0 and "cpu-host" in json.loads(r.stdout)["gpus"], r.stderr
+    # The built-in engine's own files: steps (alone, with the host's speed probe, and beside a busy
+    # process), a trainer replica's steps and the engine served over HTTP; calibrate reads all three.
+    steps = [json.loads(x) for x in (tmp_path / "builtin-tiny-steps.jsonl").read_text().splitlines()]
+    assert {s["co_runners"] for s in steps} == {0, 1} and all(0 < s["share"] <= 1 for s in steps)
+    assert all(s["probe_s"] > 0 for s in steps if s["co_runners"] == 0)
+    r = run_cli("costmodel", "calibrate", "--data", str(tmp_path / "builtin-tiny-steps.jsonl"),
+                "--train-data", str(tmp_path / "builtin-tiny-train.jsonl"),
+                "--serving-data", str(tmp_path / "builtin-tiny-serving.jsonl"), "--out", str(tmp_path / "c.yaml"), "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    eng = load_profile(tmp_path / "c.yaml").rollout.engine("libra-builtin")
+    assert eng.probe_cpu_s > 0 and eng.contention and eng.weight_load_cpu_s > 0

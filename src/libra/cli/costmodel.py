@@ -23,7 +23,7 @@ from libra.core.errors import ConfigError
 from libra.core.trace import MAX_TOKENS
 from libra.costmodel.calibrate import fit_rollout, read_measurements
 from libra.costmodel.catalog import Catalog, load_catalog
-from libra.costmodel.efficiency import DEFAULT_ENGINE, Profile, load_profile, save_profile
+from libra.costmodel.efficiency import DEFAULT_ENGINE, Profile, RolloutEfficiency, load_profile, save_profile
 from libra.costmodel.rollout import RolloutCostModel
 from libra.costmodel.training import TrainCostModel, TrainParallel
 
@@ -280,24 +280,27 @@ def report(hardware, model, max_num_seqs, engine, as_json, catalogs, profile):
 )
 @click.option("--train-data", type=click.Path(dir_okay=False), default=None,
               help="JSONL of measured training steps (with or without one of the above): fit the training terms.")  # fmt: skip
+@click.option("--serving-data", type=click.Path(dir_okay=False), default=None,
+              help="JSONL of the built-in engine served over HTTP (`profile`'s OUT/builtin-MODEL-serving.jsonl): fit its CPU outside the steps.")  # fmt: skip
 @click.option(
     "--out", required=True, type=click.Path(dir_okay=False), help="Where to write the profile YAML."
 )
 @json_option
 @catalog_option
 @profile_option
-def calibrate(data, vllm_bench, vidur, engine, train_data, out, as_json, catalogs, profile):
+def calibrate(data, vllm_bench, vidur, engine, train_data, serving_data, out, as_json, catalogs, profile):
     """Fit efficiency terms to measurements; write a profile YAML.
 
     Give at most one of --data (measured iteration times), --vllm-bench (a real serving trace,
     fitted through the simulated engine) or --vidur (per-layer kernel and all-reduce times: the GPU
-    terms of every GPU type measured there), and --train-data (measured training steps) beside it
-    or alone.
+    terms of every GPU type measured there), and --train-data (measured training steps) or
+    --serving-data (the built-in engine's CPU outside its steps, priced with the step terms of
+    --data when given) beside it or alone.
     """
     given = [x for x in (data, ", ".join(vllm_bench) or None, vidur) if x is not None]
-    if len(given) > 1 or not (given or train_data):
+    if len(given) > 1 or not (given or train_data or serving_data):
         raise ConfigError("--data/--vllm-bench/--vidur", ", ".join(given) or "none",
-                          "one of the three, or --train-data, or one of the three with --train-data")  # fmt: skip
+                          "one of the three, or --train-data or --serving-data, or one of the three with them")  # fmt: skip
     base, cat = load_profile(profile), load_catalog(catalogs)
     base.rollout.engine(engine, "--engine")
     writable_file(Path(out))  # before the fit, which takes a while
@@ -308,6 +311,9 @@ def calibrate(data, vllm_bench, vidur, engine, train_data, out, as_json, catalog
         eff, note, fit = _fit_vidur(vidur, cat, base)
     elif vllm_bench:
         eff, note, fit = _fit_bench(vllm_bench, cat, base, engine)
+    if serving_data is not None:
+        eff, serving_note, fit["serving"] = _fit_serving_data(serving_data, cat, eff)
+        note = f"{note}; {serving_note}" if note else serving_note
     train = base.train
     if train_data is not None:
         train, train_note, fit["train"] = _fit_train_data(train_data, cat, base)
@@ -320,15 +326,29 @@ def calibrate(data, vllm_bench, vidur, engine, train_data, out, as_json, catalog
 
 
 def _fit_data(data, cat: Catalog, base: Profile):
-    recs = read_measurements(data)
+    """The step terms from the uncontended steps; from the contended ones (the built-in engine's
+    profile), the CPU factor by share of a core."""
+    from libra.costmodel.calibrate import fit_contention
+
+    every = read_measurements(data)
+    recs = [r for r in every if not r["co_runners"]]
+    if not recs:
+        raise ConfigError("data", str(data), "steps timed alone (co_runners 0) beside any contended ones")
     eff, mape = fit_rollout(recs, cat, base.rollout)
     hw = sorted({r["hardware"] for r in recs})
     terms = {h: eff.gpu(h).model_dump(include={"bw", "compute"}) for h in hw}
-    return (
-        eff,
-        f"fitted to {len(recs)} iterations from {data}; MAPE {mape:.3f}",
-        {"records": len(recs), "mape": mape, "gpus": terms},
-    )
+    fit = {"records": len(recs), "mape": mape, "gpus": terms}
+    upd: dict = {}
+    contention = fit_contention(every, cat, eff)
+    if contention:
+        upd["contention"] = fit["contention"] = contention
+    probes = sorted(r["probe_s"] for r in recs if r["probe_s"] is not None)
+    if probes:
+        upd["probe_cpu_s"] = fit["probe_cpu_s"] = probes[len(probes) // 2]
+    if upd:
+        engine = recs[0]["engine"]
+        eff = eff.model_copy(update={"engines": {**eff.engines, engine: eff.engine(engine).model_copy(update=upd)}})  # fmt: skip
+    return eff, f"fitted to {len(recs)} iterations from {data}; MAPE {mape:.3f}", fit
 
 
 def _fit_train_data(path, cat: Catalog, base: Profile):
@@ -338,6 +358,25 @@ def _fit_train_data(path, cat: Catalog, base: Profile):
     eff, mape = fit_train(recs, cat, base.train)
     terms = eff.model_dump(include={"mfu", "per_microbatch_overhead_s"})
     return eff, f"training terms fitted to {len(recs)} steps from {path}; MAPE {mape:.3f}", {"records": len(recs), "mape": mape, **terms}  # fmt: skip
+
+
+def _fit_serving_data(path, cat: Catalog, eff: RolloutEfficiency):
+    from dataclasses import asdict
+
+    from libra.costmodel.calibrate import SERVING_FIT, fit_serving, read_serving_measurements
+    from libra.sim.rl.live import profile_step_cpu_s
+
+    recs = read_serving_measurements(path)
+    r0 = recs[0]
+    cat.hardware(r0.hardware)
+    eff.engine(r0.engine, "serving-data: engine")
+    priced = [profile_step_cpu_s([[tuple(t) for t in traj] for traj in r.trajectories], eff, r.max_num_seqs,
+                                 r.kv_cache_mb, r.model, cat) for r in recs if r.kind == "chat"]  # fmt: skip
+    fit = fit_serving(recs, priced)
+    eff = eff.updated(r0.hardware, r0.engine, {f: getattr(fit, f) for f in SERVING_FIT})
+    note = (f"{r0.engine} CPU outside its steps fitted to {fit.workloads} workloads served over HTTP from {path}; "
+            f"MAPE {fit.steps_only_mape:.3f} -> {fit.mape:.3f}")  # fmt: skip
+    return eff, note, asdict(fit)
 
 
 def _fit_vidur(folder, cat: Catalog, base: Profile):
@@ -396,7 +435,10 @@ def profile(model, device, out, threads, quick, catalogs):
     bf16 on a GPU; on the CPU the dtype of the model's weights (fp32 for the built-in engine's).
     One device, so TP1 only. For the built-in engine's models on the CPU, the engine and a trainer
     replica are also timed step by step, in CPU seconds (OUT/builtin-MODEL-steps.jsonl for
-    `calibrate --data`, OUT/builtin-MODEL-train.jsonl for `calibrate --train-data`)."""
+    `calibrate --data`, OUT/builtin-MODEL-train.jsonl for `calibrate --train-data`), and a real
+    `libra serve engine` on loopback is driven with the calculator task's turns, its process's CPU
+    seconds by workload and by weight update (OUT/builtin-MODEL-serving.jsonl for
+    `calibrate --serving-data`)."""
     import torch
 
     from libra.runtime.profiler import QUICK, Grid, Shape
@@ -418,3 +460,9 @@ def profile(model, device, out, threads, quick, catalogs):
         console.print(f"the built-in engine's steps (CPU seconds) -> {steps} (for `calibrate --data`)")
         train = profile_builtin_trainer(model.removeprefix("builtin-"), Path(out), threads, quick)
         console.print(f"the built-in trainer's steps (CPU seconds) -> {train} (for `calibrate --train-data`)")
+        from libra.runtime.serving_profile import profile_builtin_serving
+
+        served = profile_builtin_serving(model.removeprefix("builtin-"), Path(out), threads, quick)
+        console.print(
+            f"the built-in engine served over HTTP (CPU seconds) -> {served} (for `calibrate --serving-data`)"
+        )

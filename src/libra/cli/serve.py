@@ -147,6 +147,7 @@ def _presets() -> list[str]:
 @click.option("--weight-version", default="0", show_default=True, help="Weight version reported until a trainer sets another.")  # fmt: skip
 @click.option("--admin-token", default=None, envvar="LIBRA_ADMIN_TOKEN", help="Control calls (pause, weights, flush) need 'Authorization: Bearer TOKEN' [env: LIBRA_ADMIN_TOKEN].")  # fmt: skip
 @click.option("--access-log", is_flag=True, help="Log every HTTP request.")
+@click.option("--step-log", type=click.Path(dir_okay=False), default=None, help="Append each step's composition and CPU seconds to this JSONL file (for `libra costmodel profile`).")  # fmt: skip
 @_needs_extra
 def engine(save_checkpoint: str | None, host: str, port: int, access_log: bool, **options) -> None:
     """Built-in CPU inference engine: a small torch transformer with continuous batching and a

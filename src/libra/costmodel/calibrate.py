@@ -13,17 +13,23 @@ Training steps (`--train-data`) are JSONL too, one measured optimizer step of on
     {"hardware": "cpu-host", "model": "builtin-tiny", "seq_lens": [280, 280, ...],
      "micro_batch_tokens": 8192, "step_time_s": 1.1}
 and fit the training cost model's `mfu` and `per_microbatch_overhead_s` the same way.
+
+The built-in engine served over HTTP (`--serving-data`, `libra.runtime.serving_profile`) is JSONL
+too, a workload a line: its trajectories' turns, the engine process's CPU seconds and its engine
+thread's in steps, or a run of weight updates; the CPU outside the steps is fitted per request and
+per generated token (`fit_serving`), and a weight update's CPU is measured directly.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from libra.core.errors import ConfigError
 from libra.core.trace import MAX_TOKENS, build_line, json_lines
@@ -105,6 +111,11 @@ class Measurement(BaseModel):
     prefill_attn: float | None = Field(None, ge=0)
     decode_ctx: float = Field(0, ge=0, le=MAX_TOKENS)
     engine: str = DEFAULT_ENGINE
+    # Beside how many busy processes it was timed, and the share of a core it got (the profile's
+    # contended runs; `fit_contention`).
+    co_runners: int = Field(0, ge=0, le=1024)
+    share: float | None = Field(None, gt=0, le=1)
+    probe_s: float | None = Field(None, gt=0, le=1e3)  # the host's speed before its batch
 
 
 def read_measurements(path: str | Path) -> list[dict]:
@@ -159,6 +170,37 @@ def fit_rollout(
     pred = _predict(recs, catalog, best)
     mape = float(np.mean(np.abs(pred - np.exp(y)) / np.exp(y)))
     return best, mape
+
+
+def fit_contention(
+    recs: list[dict], catalog: Catalog, eff: RolloutEfficiency
+) -> tuple[tuple[float, float], ...]:
+    """The (share, factor) points of `EngineOverhead.contention`: for the steps timed beside each
+    number of busy processes, the share of a core they got (median) and their CPU seconds over
+    what `eff` prices them at; made non-increasing in share (pooling adjacent points that are not:
+    a busier core never costs fewer CPU seconds, and the host's other work varies between runs).
+    Empty when the steps were timed beside one number of busy processes only."""
+    by_k: dict[int, list[dict]] = {}
+    for r in recs:
+        if r.get("share") is not None:
+            by_k.setdefault(int(r["co_runners"]), []).append(r)
+    if len(by_k) < 2:
+        return ()
+    pts = []  # [share, CPU seconds, priced seconds], by share
+    for group in by_k.values():
+        share = float(np.median([r["share"] for r in group]))
+        pts.append(
+            [share, sum(r["step_time_s"] for r in group), float(np.sum(_predict(group, catalog, eff)))]
+        )
+    pts.sort()
+    pooled: list[list] = []  # pool adjacent violators: [[shares], CPU, priced]
+    for share, cpu, priced in pts:
+        pooled.append([[share], cpu, priced])
+        while len(pooled) > 1 and pooled[-2][1] / pooled[-2][2] < pooled[-1][1] / pooled[-1][2]:
+            last = pooled.pop()
+            pooled[-1] = [pooled[-1][0] + last[0], pooled[-1][1] + last[1], pooled[-1][2] + last[2]]
+    out = {round(s, 4): round(cpu / priced, 4) for shares, cpu, priced in pooled for s in shares}
+    return tuple(sorted(out.items()))
 
 
 # ---- training steps --------------------------------------------------------------------------------
@@ -216,3 +258,112 @@ def fit_train(
     best = fitted(nelder_mead(loss, x0))
     pred = predict_train(recs, catalog, best)
     return best, float(np.mean(np.abs(pred - np.exp(y)) / np.exp(y)))
+
+
+# ---- the engine's CPU outside its steps (`--serving-data`) -----------------------------------------
+
+SERVING_FIT = ("request_cpu_s", "token_cpu_s", "weight_load_cpu_s")
+Turn = tuple[Annotated[int, Field(ge=0, le=MAX_TOKENS)], Annotated[int, Field(ge=0, le=MAX_TOKENS)]]
+
+
+class ServingMeasurement(BaseModel):
+    """One line of `--serving-data` (`libra.runtime.serving_profile`): a workload the built-in
+    engine served over HTTP, or a run of weight updates, and its process's CPU seconds."""
+
+    model_config = ConfigDict(allow_inf_nan=False, extra="ignore")
+    kind: Literal["chat", "weights"]
+    hardware: str
+    model: str
+    engine: str = DEFAULT_ENGINE
+    max_num_seqs: int = Field(64, ge=1, le=16384)
+    kv_cache_mb: int = Field(32, ge=1, le=1 << 20)
+    cpu_s: float = Field(gt=0, le=1e6)
+    step_cpu_s: float = Field(0.0, ge=0, le=1e6)  # the engine thread's, in steps
+    # chat: each trajectory's turns as [prompt tokens, sampled tokens]; weights: how many updates
+    trajectories: list[Annotated[list[Turn], Field(min_length=1, max_length=64)]] = Field([], max_length=4096)
+    loads: int = Field(0, ge=0, le=1 << 20)
+
+    @model_validator(mode="after")
+    def _complete(self) -> ServingMeasurement:
+        if self.kind == "chat" and not (self.trajectories and 0 < self.step_cpu_s <= self.cpu_s):
+            raise ValueError(
+                "a chat workload needs its trajectories and its steps' CPU (0 < step_cpu_s <= cpu_s)"
+            )
+        if self.kind == "weights" and not self.loads:
+            raise ValueError("a weights record needs loads >= 1")
+        return self
+
+    @property
+    def requests(self) -> int:
+        return sum(len(t) for t in self.trajectories)
+
+    @property
+    def tokens(self) -> int:
+        return sum(max(1, s) for t in self.trajectories for _, s in t)
+
+
+def read_serving_measurements(path: str | Path) -> list[ServingMeasurement]:
+    recs = [build_line(ServingMeasurement, r, path, n) for n, r in json_lines(Path(path))]
+    if not [r for r in recs if r.kind == "chat"] or not [r for r in recs if r.kind == "weights"]:
+        raise ConfigError("serving-data", str(path), "a JSONL file with chat workloads and a weights record")
+    if len({(r.hardware, r.model, r.engine) for r in recs}) > 1:
+        raise ConfigError("serving-data", str(path), "one hardware, model and engine for every line")
+    return recs
+
+
+@dataclass(frozen=True, slots=True)
+class ServingFit:
+    """The engine's CPU terms outside its steps, and how well the priced steps alone, and the
+    priced steps with the terms, account for the chat workloads' measured CPU (mean absolute
+    relative error), and the engine thread's measured step CPU over the priced steps."""
+
+    request_cpu_s: float
+    token_cpu_s: float
+    weight_load_cpu_s: float
+    workloads: int
+    outside_steps: float  # the share of the workloads' CPU outside the engine thread's steps
+    steps_only_mape: float
+    mape: float
+    steps_measured_vs_priced: float
+
+
+def fit_serving(recs: Sequence[ServingMeasurement], priced_steps: Sequence[float]) -> ServingFit:
+    """Fit the CPU outside the steps (the process's less the engine thread's in steps, both
+    measured) as request_cpu_s * requests + token_cpu_s * tokens over the chat workloads (least
+    squares on the error relative to the process's CPU, both terms >= 0); `weight_load_cpu_s`
+    is the weights records' CPU per update. `priced_steps[i]` is the step CPU the simulated
+    engine prices for chat workload i (`libra.sim.rl.live.profile_step_cpu_s`): with the terms,
+    the whole process's CPU as the live prediction prices it."""
+    chats = [r for r in recs if r.kind == "chat"]
+    if len(priced_steps) != len(chats):
+        raise ValueError("one priced step CPU per chat workload")
+    y = np.array([r.cpu_s for r in chats])
+    steps = np.array([r.step_cpu_s for r in chats])
+    p = np.array(priced_steps, dtype=float)
+    x = np.array([[r.requests, r.tokens] for r in chats], dtype=float)
+    a, b = _nonneg_lsq(x / y[:, None], (y - steps) / y)
+    pred = p + x @ np.array([a, b])
+    loads = [r for r in recs if r.kind == "weights"]
+    return ServingFit(
+        float(a), float(b), sum(r.cpu_s for r in loads) / sum(r.loads for r in loads), len(chats),
+        float(1 - steps.sum() / y.sum()), float(np.mean(np.abs(p - y) / y)), float(np.mean(np.abs(pred - y) / y)),
+        float(steps.sum() / p.sum()),
+    )  # fmt: skip
+
+
+def _nonneg_lsq(x: np.ndarray, y: np.ndarray) -> tuple[float, ...]:
+    """min |x c - y|^2 with every c >= 0, for a few columns: the best over the subsets of columns
+    whose unconstrained fit is nonnegative."""
+    n, best, best_err = x.shape[1], (0.0,) * x.shape[1], float(np.sum(y**2))
+    for mask in range(1, 2**n):
+        cols = [i for i in range(n) if mask >> i & 1]
+        c = np.linalg.lstsq(x[:, cols], y, rcond=None)[0]
+        if (c < 0).any():
+            continue
+        err = float(np.sum((x[:, cols] @ c - y) ** 2))
+        if err < best_err:
+            full = [0.0] * n
+            for i, v in zip(cols, c, strict=True):
+                full[i] = float(v)
+            best, best_err = tuple(full), err
+    return best

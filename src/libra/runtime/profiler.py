@@ -20,6 +20,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -231,6 +232,11 @@ def main() -> None:
 
 ENGINE_GRID = ((1, 32, 48), (4, 64, 48), (16, 128, 48), (32, 64, 32), (64, 200, 24), (8, 1500, 8))
 ENGINE_QUICK = ((1, 32, 8), (8, 64, 8))
+# The contended runs: batches shaped like a live run's turns, beside 1..3 busy processes.
+CONTENDED_GRID = ((16, 128, 48), (32, 160, 32), (64, 200, 24))
+CO_RUNNERS = (0, 1, 2, 3)
+CONTENDED_ROUNDS = 2
+STEP_KEYS = {"hardware": "cpu-host", "tp": 1, "engine": "libra-builtin"}  # what a step line is of
 # (samples, tokens each) of one trainer replica's GRPO step; the live default splits 64 samples of
 # about 200-300 tokens over two replicas.
 TRAIN_GRID = ((4, 128), (8, 280), (16, 280), (32, 280), (32, 140), (48, 200), (16, 600), (4, 1500))
@@ -241,32 +247,116 @@ TRAIN_REPEATS = 3
 def profile_builtin_engine(model: str, out: Path, threads: int = 1, quick: bool = False) -> Path:
     """Time every step of the built-in engine (scheduler, model, sampling; no HTTP) over batches of
     (sequences, prompt tokens, output tokens), each step with its batch's composition, as the JSONL
-    `libra costmodel calibrate --data` reads (hardware `cpu-host`, engine preset `libra-builtin`)."""
+    `libra costmodel calibrate --data` reads (hardware `cpu-host`, engine preset `libra-builtin`).
+
+    Then batches shaped like a live run's turns, alone and beside 1..3 busy processes that share
+    this process's session (as a live run's engines, trainers and serving path share theirs): a
+    step takes more CPU seconds when its core is time-shared, and those lines are what calibrate
+    fits that by (`EngineOverhead.contention`, by the share of a core the process got, `share`)."""
     from libra.runtime.engine.config import EngineConfig
-    from libra.runtime.engine.core import EngineCore
     from libra.runtime.engine.model import build_model
-    from libra.runtime.engine.sequence import SamplingParams, Sequence, TextOutput
 
     torch.set_num_threads(threads)
     cfg = EngineConfig(model=model, max_num_seqs=64, kv_cache_mb=256, threads=threads)
     net = build_model(cfg.preset, cfg.seed)
+    _engine_batches(cfg, net, model, ((2, 16, 4),))  # warms torch up
+    rows = _engine_batches(cfg, net, model, ENGINE_QUICK if quick else ENGINE_GRID)
+    # Rounds of 0..3 co-runners in turn, so that the host's other work, which changes by the
+    # minute, weighs on every count alike.
+    for _ in range(1 if quick else CONTENDED_ROUNDS):
+        for k in (0, 1) if quick else CO_RUNNERS:
+            rows += _engine_batches(cfg, net, model, ENGINE_QUICK if quick else CONTENDED_GRID, co_runners=k)
+    return write_jsonl(out / f"builtin-{model}-steps.jsonl", rows)
+
+
+def _engine_batches(cfg, net, model: str, grid, co_runners: int = 0) -> list[dict]:
+    """Each batch of `grid` run to completion on a fresh engine core, step by step, beside
+    `co_runners` busy processes; each step's line says how many, and the share of a core this
+    process got meanwhile (its CPU seconds over the wall time); alone, also the host's speed
+    measured just before its batch (`probe_s`, `cpu_probe`)."""
+    from libra.runtime.engine.core import EngineCore
+    from libra.runtime.engine.sequence import SamplingParams, Sequence, TextOutput
+
     rows: list[dict] = []
-    for k, (n, prompt, gen) in enumerate(((2, 16, 4),) + (ENGINE_QUICK if quick else ENGINE_GRID)):
-        core = EngineCore(cfg, net, publish=lambda events: None)
-        seqs = [Sequence(f"p{i}", 0, [65 + (i + j) % 26 for j in range(prompt)], SamplingParams(gen, 1.0, seed=i),
-                         TextOutput(ignore_eos=True), None, cfg.preset.max_model_len) for i in range(n)]  # fmt: skip
-        timed = _timed_steps(core, seqs, f"builtin-{model}")
-        rows += timed if k else []  # the first batch warms torch up
-    return _write_jsonl(out / f"builtin-{model}-steps.jsonl", rows)
+    probe = probe_model(model)
+    with busy_processes(co_runners, model):
+        w0, c0 = time.perf_counter(), time.process_time()
+        for n, prompt, gen in grid:
+            speed = {"probe_s": round(cpu_probe(probe), 6)} if not co_runners else {}
+            core = EngineCore(cfg, net, publish=lambda events: None)
+            seqs = [Sequence(f"p{i}", 0, [65 + (i + j) % 26 for j in range(prompt)], SamplingParams(gen, 1.0, seed=i),
+                             TextOutput(ignore_eos=True), None, cfg.preset.max_model_len) for i in range(n)]  # fmt: skip
+            rows += [{**r, **speed} for r in _timed_steps(core, seqs, f"builtin-{model}")]
+        share = (time.process_time() - c0) / (time.perf_counter() - w0)
+    return [{**r, "co_runners": co_runners, "share": round(share, 4)} for r in rows]
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+@contextmanager
+def busy_processes(n: int, model: str = "tiny"):
+    """`n` processes busy as a live run's trainer replicas are (`train_forever`), this session's
+    so they share its time, until the block ends."""
+    import subprocess
+    import sys
+
+    code = f"from libra.runtime.profiler import train_forever; train_forever({model!r})"
+    procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+PROBE_TOKENS = (4, 128)  # the probe's batch: a forward pass of the built-in model, about 20 ms
+
+
+def probe_model(model: str = "tiny"):
+    """The network `cpu_probe` runs (the built-in model, seed 0)."""
+    from libra.runtime.engine.config import PRESETS
+    from libra.runtime.engine.model import build_model
+
+    return build_model(PRESETS[model], 0)
+
+
+def cpu_probe(net) -> float:
+    """CPU seconds of this thread for one fixed forward pass of `net` (`probe_model`): the host's
+    speed in CPU seconds per unit of the built-in model's work, which changes with what else runs
+    on it. The profile records it beside its steps and `benchmarks/live_cpu.py` during a run."""
+    tokens = torch.arange(PROBE_TOKENS[0] * PROBE_TOKENS[1]).reshape(PROBE_TOKENS) % 256
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the engine runs: more would spin at their barriers on a busy host
+    try:
+        t0 = time.thread_time()
+        with torch.no_grad():
+            net.forward_train(tokens)
+        return time.thread_time() - t0
+    finally:
+        torch.set_num_threads(threads)
+
+
+def train_forever(model: str) -> None:
+    """The built-in model's forward and backward passes on random tokens, one torch thread, until
+    killed: a busy process that uses the caches as the run's own engines and trainers do."""
+    from libra.runtime.engine.config import PRESETS
+    from libra.runtime.engine.model import build_model
+
+    torch.set_num_threads(1)
+    net = build_model(PRESETS[model], 0)
+    tokens = torch.randint(0, 256, (8, 256))
+    while True:
+        net.forward_train(tokens).float().mean().backward()
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
 def _timed_steps(core, seqs: list, model: str) -> list[dict]:
+    from libra.runtime.engine.core import StepShape
+
     plans: list = []
     schedule = core.sched.schedule
 
@@ -285,12 +375,7 @@ def _timed_steps(core, seqs: list, model: str) -> list[dict]:
         plan = plans[-1]
         if plan.empty:
             continue
-        pre = [c for c in plan.prefills]
-        rows.append({"hardware": "cpu-host", "model": model, "tp": 1, "engine": "libra-builtin",
-                     "prefill_tokens": sum(c.n for c in pre),
-                     "prefill_attn": float(sum(c.n * c.start + c.n * (c.n + 1) / 2 for c in pre)),
-                     "decode_seqs": len(plan.decodes), "decode_ctx": float(sum(c.start + 1 for c in plan.decodes)),
-                     "step_time_s": max(dt, 1e-6)})  # fmt: skip
+        rows.append({**STEP_KEYS, "model": model, **asdict(StepShape.of(plan)), "step_time_s": max(dt, 1e-6)})
     return rows
 
 
@@ -324,7 +409,7 @@ def profile_builtin_trainer(model: str, out: Path, threads: int = 1, quick: bool
                                      "micro_batch_tokens": cfg.trainer.micro_batch_tokens, "step_time_s": dt})  # fmt: skip
     finally:
         dist.destroy_process_group()
-    return _write_jsonl(out / f"builtin-{model}-train.jsonl", rows)
+    return write_jsonl(out / f"builtin-{model}-train.jsonl", rows)
 
 
 def _train_body(n: int, length: int, seed: int) -> dict:

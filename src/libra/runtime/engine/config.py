@@ -77,6 +77,9 @@ class EngineConfig(BaseModel):
     weight_version: Visible = "0"
     # When set, control calls (pause, weights, flush) need `Authorization: Bearer <admin_token>`.
     admin_token: Visible | None = None
+    # When set, every step's composition and CPU seconds are appended to this JSONL file (the
+    # serving profile of `libra costmodel profile --model builtin-M --device cpu`).
+    step_log: str | None = None
 
     @field_validator("model")
     @classmethod

@@ -25,12 +25,14 @@ thread does die, `/health` says so (503) so that a gateway stops sending it work
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import asdict, dataclass
 from enum import Enum
 
 import torch
@@ -58,6 +60,23 @@ class PauseMode(str, Enum):
     WAIT = "wait"
 
 
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What a step computed, as the cost model prices it (`libra costmodel calibrate --data`):
+    prompt tokens and their attention pairs, decoding sequences and their context."""
+
+    prefill_tokens: int
+    prefill_attn: float
+    decode_seqs: int
+    decode_ctx: float
+
+    @classmethod
+    def of(cls, plan: StepPlan) -> StepShape:
+        pre = plan.prefills
+        return cls(sum(c.n for c in pre), float(sum(c.n * c.start + c.n * (c.n + 1) / 2 for c in pre)),
+                   len(plan.decodes), float(sum(c.start + 1 for c in plan.decodes)))  # fmt: skip
+
+
 class ControlError(Exception):
     """A control command the engine's state does not allow (the server answers 400)."""
 
@@ -78,6 +97,8 @@ class EngineCore:
         self.paused: PauseMode | None = None
         self._held: dict[Sequence, None] = {}  # submitted while paused (in order): join at continue
         self._drained: list[Future] = []  # `wait` pauses that answer once what ran has finished
+        # `--step-log`: written by the engine thread only, after each step's CPU is read.
+        self._step_log = open(cfg.step_log, "a", buffering=1, encoding="utf-8") if cfg.step_log else None  # noqa: SIM115
 
     # ---- the thread-safe doors ------------------------------------------------------------------
 
@@ -102,6 +123,8 @@ class EngineCore:
         self._inbox.put(("stop", None))
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._step_log is not None and not self.alive:
+            self._step_log.close()
 
     def run_sync(self, seqs: list[Sequence]) -> None:
         """Run `seqs` to completion on the calling thread (tests, benchmarks); never with start()."""
@@ -315,7 +338,7 @@ class EngineCore:
 
     def step(self) -> int:
         """One scheduling step; returns how many sequences it computed."""
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         plan = self.sched.schedule()
         if plan.preempted:
             self.metrics.preemptions.inc(len(plan.preempted))
@@ -323,6 +346,10 @@ class EngineCore:
             return 0
         self.publish(self._execute(plan))
         self._observe(plan, time.perf_counter() - t0)
+        cpu = time.thread_time() - cpu0
+        self.metrics.step_cpu.inc(cpu)
+        if self._step_log is not None:
+            self._step_log.write(json.dumps({**asdict(StepShape.of(plan)), "step_time_s": cpu}) + "\n")
         return len(plan.chunks)
 
     def _execute(self, plan: StepPlan) -> list[tuple[object, SeqEvent]]:

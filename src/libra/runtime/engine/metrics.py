@@ -7,6 +7,8 @@ Names follow Prometheus conventions and the `libra_engine_` prefix; docs/engine.
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
@@ -42,6 +44,17 @@ class EngineMetrics:
         self.step_seconds = Histogram(
             "libra_engine_step_seconds", "Wall time of one engine step.", buckets=STEP_BUCKETS, registry=r
         )
+        # CPU seconds of the engine thread inside its steps (thread time, not wall time): beside the
+        # process's CPU, what a step costs and what serving it over HTTP costs
+        # (`libra costmodel profile --model builtin-tiny --device cpu`).
+        self.step_cpu = Counter(
+            "libra_engine_step_cpu_seconds", "CPU seconds of the engine thread in steps.", registry=r
+        )
+        # The whole process's, read at each scrape (CLOCK_PROCESS_CPUTIME_ID: finer than /proc's ticks).
+        self.process_cpu = Gauge(
+            "libra_engine_process_cpu_seconds", "CPU seconds of the engine process so far.", registry=r
+        )
+        self.process_cpu.set_function(time.process_time)
         self.step_batch = Histogram(
             "libra_engine_step_batch_size",
             "Sequences computed in one step.",

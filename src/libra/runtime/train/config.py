@@ -71,6 +71,7 @@ class EngineSettings(_Strict):
     max_num_seqs: int = Field(64, ge=1, le=4096)
     kv_cache_mb: int = Field(32, ge=17, le=65536)
     threads: int = Field(1, ge=1, le=256)
+    step_log: bool = Field(False, description="Each engine appends its steps (composition, CPU seconds) to RUN/logs/ENGINE-steps.jsonl.")  # fmt: skip
 
     @field_validator("model")
     @classmethod

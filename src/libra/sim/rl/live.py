@@ -39,7 +39,7 @@ from libra.core.config import read_text_file
 from libra.core.errors import ConfigError
 from libra.core.trace import build_line, json_lines
 from libra.costmodel.catalog import Catalog, load_catalog
-from libra.costmodel.efficiency import Profile, load_profile
+from libra.costmodel.efficiency import EngineOverhead, Profile, RolloutEfficiency, load_profile
 from libra.costmodel.rollout import RolloutCostModel
 from libra.costmodel.training import TrainCostModel, TrainParallel, sequences_per_micro_batch
 from libra.planner.staleness import GroupQueue, StalenessGate
@@ -87,6 +87,7 @@ class Host:
     cores: float | None = None
     background: float = 0.0
     shares: tuple[float, ...] = ()
+    probe_cpu_s: float | None = None  # the host's speed during the run (live_cpu.py), if measured
 
     def share(self, busy: float) -> float:
         """One busy process's share of a core when `busy` of the run's processes are busy."""
@@ -265,9 +266,13 @@ def _host_json(folder: str | Path, read: Callable[[dict], T]) -> T | None:
 
 
 def _host(d: dict) -> Host:
-    host = Host(float(d["cores"]), float(d["background"]), tuple(float(x) for x in d.get("shares", ())))
+    probe = d.get("probe_cpu_s")
+    host = Host(float(d["cores"]), float(d["background"]), tuple(float(x) for x in d.get("shares", ())),
+                None if probe is None else float(probe))  # fmt: skip
     if not (1 <= host.cores < 1e5 and 0 <= host.background < 1e5 and all(0 < x <= 1 for x in host.shares)):
         raise ValueError("cores >= 1, background >= 0 and shares in (0, 1]")
+    if host.probe_cpu_s is not None and not 0 < host.probe_cpu_s < 1e3:
+        raise ValueError("probe_cpu_s in (0, 1000) seconds")
     return host
 
 
@@ -305,21 +310,87 @@ def measured_makespan(trajs: list[LiveTraj]) -> float:
 class SharedCpuCost(RolloutCostModel):
     """The built-in engine's cost model with each step stretched by the engine's current share of
     the host's cores (a subclass, so the compiled simulated engine takes it as its cost model).
-    `cpu_s` adds up the CPU seconds it priced: the engine steps one at a time (max_segment_steps=1),
-    so a decode step is A + B * ctx_sum of the engine's context now (`ctx_now`)."""
+    `cpu_s` adds up the CPU seconds of the steps it priced: the engine steps one at a time
+    (max_segment_steps=1), so a decode step is A + B * ctx_sum of the engine's context now
+    (`ctx_now`). The engine process's CPU outside its steps (the preset's `request_cpu_s` and
+    `token_cpu_s`) runs between steps on the same Python interpreter, so it lengthens the next
+    step: a turn's request and first token when it arrives (`request`), each decoding sequence's
+    token in its step; `serving_cpu_s` adds it up. Both cost more CPU seconds on a time-shared
+    core (`EngineOverhead.cpu_factor` of the share; `factor_now`, 1 in the profile's replay)."""
 
-    __slots__ = ("share_now", "ctx_now", "cpu_s")
+    __slots__ = ("share_now", "factor_now", "ctx_now", "cpu_s", "serving_cpu_s", "pending")
 
     def step_time(self, prefill_tokens, prefill_attn, decode_seqs, decode_ctx):  # type: ignore[override]
         t = super().step_time(prefill_tokens, prefill_attn, decode_seqs, decode_ctx)
-        self.cpu_s += t
-        return t / self.share_now()
+        s, f = self.share_now(), self.factor_now()
+        self.cpu_s += t * f
+        return (t + self._serving(decode_seqs)) * f / s
 
     def decode_coeffs(self, n: int) -> tuple[float, float]:
         a, b = super().decode_coeffs(n)
-        self.cpu_s += a + b * self.ctx_now()
-        s = self.share_now()
-        return a / s, b / s
+        s, f = self.share_now(), self.factor_now()
+        self.cpu_s += (a + b * self.ctx_now()) * f
+        return (a + self._serving(n)) * f / s, b * f / s
+
+    def request(self) -> None:
+        """A turn arrived: its request's CPU and its first token's (its prefill samples it)."""
+        o = self.overhead
+        self.pending += o.request_cpu_s + o.token_cpu_s
+
+    def _serving(self, tokens: int) -> float:
+        extra, self.pending = self.pending + tokens * self.overhead.token_cpu_s, 0.0
+        self.serving_cpu_s += extra * self.factor_now()
+        return extra
+
+
+def cpu_engine(k: Kernel, iid: str, eff: RolloutEfficiency, max_num_seqs: int, kv_cache_mb: int,
+               share_now: Callable[[], float], catalog: Catalog, model: str, speed: float | None = 1.0) -> Engine:  # fmt: skip
+    """One simulated built-in engine on the CPU host, its steps priced by `SharedCpuCost` at the
+    CPU factor of its share of a core times `speed` (CPU seconds on this host per the profile's;
+    None: neither, as the profile's own replay)."""
+    hw, m = catalog.hardware(HARDWARE), catalog.model(model)
+    cost = SharedCpuCost(hw, m, 1, eff, 1.0, BUILTIN_MAX_BATCHED_TOKENS, ENGINE, max_num_seqs)
+    # One step at a time, so each step is priced at the share of its own moment.
+    eng = Engine(k, iid, cost, max_num_seqs, BUILTIN_MAX_BATCHED_TOKENS, KVPolicy.DROP, max_segment_steps=1)
+    eng.kv_cap = int(kv_cache_mb * 2**20 // m.kv_bytes_per_token)  # the engine's --kv-cache-mb
+    cost.share_now, cost.ctx_now, cost.cpu_s, cost.serving_cpu_s, cost.pending = (
+        share_now, lambda: eng.ctx_sum, 0.0, 0.0, 0.0)  # fmt: skip
+    factor = cost.overhead.cpu_factor
+    cost.factor_now = (lambda: speed * factor(share_now())) if speed is not None else (lambda: 1.0)
+    return eng
+
+
+def host_speed(host: Host, engine: EngineOverhead) -> float:
+    """CPU seconds on the run's host per CPU second on the profile's: the ratio of the speed probe
+    timed during the run (live_cpu.py) to the one timed during the profile; 1 without both."""
+    if host.probe_cpu_s and engine.probe_cpu_s:
+        return host.probe_cpu_s / engine.probe_cpu_s
+    return 1.0
+
+
+def submit_turn(eng: Engine, key: object, prompt: int, sampled: int, on_done: Callable[[Seq], None]) -> None:
+    eng.cost.request()  # type: ignore[attr-defined]
+    eng.submit(Seq(key, max(1, prompt), max(1, sampled), on_done=on_done))
+
+
+def profile_step_cpu_s(trajs: Sequence[Sequence[tuple[int, int]]], eff: RolloutEfficiency, max_num_seqs: int,
+                       kv_cache_mb: int, model: str, catalog: Catalog | None = None) -> float:  # fmt: skip
+    """The step CPU seconds one simulated engine prices for a workload of the serving profile
+    (`libra.runtime.serving_profile`): `trajs`, each a trajectory's turns as (prompt, sampled)
+    tokens, all started at once, each turn submitted when the one before it ends."""
+    k = Kernel(0)
+    eng = cpu_engine(
+        k, "profile", eff, max_num_seqs, kv_cache_mb, lambda: 1.0, catalog or load_catalog(), model
+    )
+
+    def turn(t: int, i: int) -> None:
+        if i < len(trajs[t]):
+            submit_turn(eng, (t, i), *trajs[t][i], on_done=lambda _seq: turn(t, i + 1))
+
+    for t in range(len(trajs)):
+        turn(t, 0)
+    k.run()
+    return eng.cost.cpu_s  # type: ignore[attr-defined]
 
 
 @dataclass(slots=True)
@@ -341,29 +412,24 @@ class LivePipeline:
         self.queue: GroupQueue[list[LiveTraj]] = GroupQueue(self.gate)
         self.batches = run.batches()
         self.publish_s = statistics.fmean(s.publish_s for s in run.steps)
-        model, hw = catalog.model(lay.model), catalog.hardware(HARDWARE)
-        self.train_cost = TrainCostModel(hw, model, profile.train)
-        self.engines = {inst: self._engine(inst, hw, model, profile) for inst in sorted(
-            {x.instance for t in run.trajs for x in t.turns})}  # fmt: skip
+        self.train_cost = TrainCostModel(catalog.hardware(HARDWARE), catalog.model(lay.model), profile.train)
+        # Reported beside the prediction, not applied: one run so far (docs/fidelity.md), where it
+        # over-corrected the trainers and the step.
+        self.speed = host_speed(host, profile.rollout.engine(ENGINE))
+        self.engines = {inst: cpu_engine(self.k, inst, profile.rollout, lay.max_num_seqs, lay.kv_cache_mb,
+                                         self._engine_share, catalog, lay.model)
+                        for inst in sorted({x.instance for t in run.trajs for x in t.turns})}  # fmt: skip
         self.trained = self.next_batch = 0
         self.training = False
         self.left: dict[tuple[int, str], int] = {}
         self.out = Timeline()
 
-    def _engine(self, inst: str, hw, model, profile: Profile) -> Engine:
-        lay = self.run.layout
-        cost = SharedCpuCost(
-            hw, model, 1, profile.rollout, 1.0, BUILTIN_MAX_BATCHED_TOKENS, ENGINE, lay.max_num_seqs
-        )
-        # One step at a time, so each step is priced at the share of its own moment.
-        eng = Engine(self.k, inst, cost, lay.max_num_seqs, BUILTIN_MAX_BATCHED_TOKENS, KVPolicy.DROP,
-                     max_segment_steps=1)  # fmt: skip
-        eng.kv_cap = int(lay.kv_cache_mb * 2**20 // model.kv_bytes_per_token)  # the engine's --kv-cache-mb
-        cost.share_now, cost.ctx_now, cost.cpu_s = self._engine_share, lambda: eng.ctx_sum, 0.0
-        return eng
-
     def engine_cpu_s(self) -> float:
-        return sum(e.cost.cpu_s for e in self.engines.values())  # type: ignore[attr-defined]
+        """The engines' CPU seconds: their steps, what serving the turns adds, and one weight
+        update each per step (its wall time is in the run's measured publication time)."""
+        costs = [e.cost for e in self.engines.values()]
+        loads = len(self.run.steps) * sum(c.overhead.weight_load_cpu_s for c in costs)
+        return sum(c.cpu_s + c.serving_cpu_s for c in costs) + loads  # type: ignore[attr-defined]
 
     def _busy(self) -> float:
         engines = sum(1 for e in self.engines.values() if e.outstanding)
@@ -396,8 +462,7 @@ class LivePipeline:
             else:
                 self._traj_done(traj)
 
-        seq = Seq((traj.id, i), max(1, turn.prompt), max(1, turn.sampled), on_done=done)
-        self.engines[turn.instance].submit(seq)
+        submit_turn(self.engines[turn.instance], (traj.id, i), turn.prompt, turn.sampled, done)
 
     def _traj_done(self, traj: LiveTraj) -> None:
         span = self.out.batch_span[traj.batch]
@@ -447,6 +512,7 @@ class LivePrediction:
     steps: int
     host: Host
     cpu: tuple[RunCpu | None, RunCpu]  # (measured by live_cpu.py if it was, predicted) over the RL steps
+    speed: float = 1.0  # the run's host's CPU seconds per the profile's (`host_speed`; reported)
 
     def errors(self) -> dict:
         err = lambda p: (p[1] - p[0]) / p[0]  # noqa: E731
@@ -455,7 +521,7 @@ class LivePrediction:
                 "measured": {"step_s": self.step[0], "rollout_s": self.rollout[0], "train_s": self.train[0]},
                 "predicted": {"step_s": self.step[1], "rollout_s": self.rollout[1], "train_s": self.train[1]},
                 "cpu_s": {"measured": measured and asdict(measured), "predicted": asdict(pred)},
-                "steps": self.steps, "host": asdict(self.host)}  # fmt: skip
+                "steps": self.steps, "host": asdict(self.host), "host_speed": self.speed}  # fmt: skip
 
 
 def predict_live(
@@ -481,4 +547,5 @@ def predict_live(
             load_run_cpu(folder),
             RunCpu(sim.engine_cpu_s(), tl.train_cpu_s, SERVING_PER_ENGINE * sim.engine_cpu_s()),
         ),
+        sim.speed,
     )
