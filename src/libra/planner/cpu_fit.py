@@ -46,7 +46,10 @@ class DenseDims:
 
     def params(self) -> int:
         per_layer = 2 * self.d_model + 4 * self.d_model**2 + 3 * self.d_model * self.d_ff
-        return self.n_layers * per_layer + 2 * self.vocab_size * self.d_model + self.d_model
+        # Three vocabulary tables: the embedding, the output head, and the previous-token
+        # embedding (one row more, for a sequence's first position); then the final norm.
+        tables = (3 * self.vocab_size + 1) * self.d_model
+        return self.n_layers * per_layer + tables + self.d_model
 
 
 def train_bytes(dims: DenseDims, packed_tokens: int, longest: int) -> int:
