@@ -34,7 +34,7 @@ from libra.runtime.train.gateway_admin import GatewayAdmin
 from libra.runtime.train.metrics import DriverMetrics
 from libra.runtime.train.planning import StageLayout, decide, decision_log, make_controller, step_report
 from libra.runtime.train.pool import make_pool
-from libra.runtime.train.report import RunFolder
+from libra.runtime.train.report import RunFolder, WarmStartRecord
 from libra.runtime.train.rollout import RolloutFailed, Rollouts, RolloutShape
 from libra.runtime.train.samples import to_samples
 from libra.runtime.train.steps import StepClock, step_record, trace_step
@@ -159,10 +159,10 @@ async def _prepare(cfg: TrainConfig, trainers: Trainers, folder: RunFolder, resu
         return Start(found.step, found.version, str(found.path))
     out = await trainers.warmstart()
     probes = out[0]["probes"]
-    folder.warmstart = {"steps": len(out[0]["losses"]), "probe_success": probes[-1][1] if probes else None}
+    ws = folder.warmstart = WarmStartRecord(len(out[0]["losses"]), probes[-1][1] if probes else None)
     if progress is not None:
-        ok = folder.warmstart["probe_success"]
-        progress.note(f"warm-start: {folder.warmstart['steps']} supervised steps" + (f", probe success {ok:.2f}" if ok is not None else ""))  # fmt: skip
+        ok = f", probe success {ws.probe_success:.2f}" if ws.probe_success is not None else ""
+        progress.note(f"warm-start: {ws.steps} supervised steps{ok}")
     return Start(0, 0, next(r["checkpoint"] for r in out if r.get("checkpoint")))
 
 

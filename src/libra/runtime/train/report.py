@@ -130,13 +130,21 @@ def pool_changes(records: list[dict]) -> dict[str, list[int]]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class WarmStartRecord:
+    """What the warm-start did, for summary.json (none on a resumed run)."""
+
+    steps: int
+    probe_success: float | None
+
+
 class RunFolder:
     def __init__(self, path: Path, t0: float):
         self.path = path
         self.timeline = Timeline(t0)
         self.records: list[dict] = []
         self.unfinished = 0  # trajectories still generating when the run ended
-        self.warmstart: dict | None = None  # steps run and the probe's last success (None on resume)
+        self.warmstart: WarmStartRecord | None = None
 
     def save_trajectories(self, step: int, groups) -> None:
         """Every trained trajectory of the step, turn by turn, as the engines reported it."""
@@ -164,7 +172,8 @@ class RunFolder:
         tmp.replace(self.path / name)
 
     def finish(self, metrics_text: bytes | None) -> dict:
-        summary = {**summarize(self.records), "unfinished": self.unfinished, "warmstart": self.warmstart}
+        ws = asdict(self.warmstart) if self.warmstart is not None else None
+        summary = {**summarize(self.records), "unfinished": self.unfinished, "warmstart": ws}
         self._write("summary.json", summary)
         self._write("trace.json", self.timeline.chrome())
         if metrics_text is not None:
