@@ -16,7 +16,6 @@ stays the slower stage even here, the run does not borrow and the test says so.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import subprocess
@@ -28,6 +27,7 @@ import torch
 
 from libra.runtime.engine.config import PRESETS
 from libra.runtime.engine.model import TinyTransformer
+from libra.runtime.train.learner import weights_digest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -50,10 +50,7 @@ def fingerprint(model_pt: Path) -> str:
     """The trainer's weight digest (`Learner.fingerprint`) of a checkpoint."""
     m = TinyTransformer(PRESETS["tiny"], 0)
     m.load_state_dict(torch.load(model_pt, weights_only=True))
-    h = hashlib.sha256()
-    for p in m.parameters():
-        h.update(p.detach().numpy().tobytes())
-    return h.hexdigest()[:16]
+    return weights_digest(m)
 
 
 def test_borrow_join_release_and_the_engine_comes_back(tmp_path):

@@ -144,7 +144,12 @@ class Learner:
 
     def fingerprint(self) -> str:
         """A digest of every parameter's bytes: replicas that agree bit for bit print the same."""
-        h = hashlib.sha256()
-        for p in self.model.parameters():
-            h.update(p.detach().numpy().tobytes())
-        return h.hexdigest()[:16]
+        return weights_digest(self.model)
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """sha256 of every parameter's bytes, in order (16 hex digits)."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+    return h.hexdigest()[:16]
