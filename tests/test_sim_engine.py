@@ -1,7 +1,7 @@
 """The simulated engine: closed-form segments, KV capacity, preemption, prefix reuse, KV policies."""
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from libra.costmodel.rollout import RolloutCostModel
@@ -185,21 +185,25 @@ def _tpot_and_peak(cost, reqs, cap, exact=False):
         k.run(max_events=1)
         peak = max(peak, eng.ctx_sum + eng.kv_pref)
     tpot = [(s.t_done - s.t_first) / (s.out_total - 1) for s in seqs if s.out_total > 1]
-    return sum(tpot) / len(tpot), peak
+    return sum(tpot) / len(tpot), peak, eng.preemptions
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(
     st.lists(st.tuples(st.floats(0, 3), st.integers(50, 3000), st.integers(2, 1500)), min_size=5, max_size=60)
 )
+@example([(0.0, 50, 2), (0.0, 50, 2), (0.0, 50, 89), (1.0, 50, 2), (1.0, 810, 2)])
 def test_no_preemption_cascade_when_the_cache_shrinks_by_15_percent(small_cost, reqs):
     """The working set (the KV in use at the busiest moment of an unconstrained run) fits in the
     cache either way; shrinking the cache by 15% to exactly that may cost a preemption, never a
     cascade of them: mean TPOT grows by at most 2x. (The engine before the vLLM admission rule,
     admitting before the running requests' growth and again in the step that preempted, reached
-    2.3x here.)"""
-    _, peak = _tpot_and_peak(small_cost, reqs, 10**9, exact=True)
+    2.3x here.) One preemption alone may pass 2x on a handful of two-token requests, where a
+    request's TPOT is a single interval (the example: the 810-token prompt recomputed once makes
+    its one interval 6x, the five-request mean 2.0008x); that is the cost of a preemption, not a
+    cascade, so past 2x exactly one preemption is allowed."""
+    _, peak, _ = _tpot_and_peak(small_cost, reqs, 10**9, exact=True)
     cap = int(peak / 0.85) + 1
-    full, _ = _tpot_and_peak(small_cost, reqs, cap)
-    shrunk, _ = _tpot_and_peak(small_cost, reqs, int(0.85 * cap))
-    assert shrunk <= 2 * full
+    full, _, _ = _tpot_and_peak(small_cost, reqs, cap)
+    shrunk, _, preempted = _tpot_and_peak(small_cost, reqs, int(0.85 * cap))
+    assert shrunk <= 2 * full or preempted == 1, (shrunk / full, preempted)
