@@ -18,7 +18,10 @@ Linux shares the cores fairly between sessions (autogroup) and the run is one se
 process's share of a core depends on how many of the run's processes are busy (the busy engines,
 the serving path that streams their tokens: SERVING_PER_ENGINE each, the trainer replicas while
 they train) and on the other sessions' runnable threads, which `benchmarks/live_cpu.py` measures
-during the run (`Host.shares`; `fair_share` water-fills the cores between sessions).
+during the run (`Host.shares`; `fair_share` water-fills the cores between sessions). A training
+step advances a slice at a time at the share of that moment, since the engines finish a batch or
+start the next while it trains. The engines' CPU is scaled by the host's speed during the run
+(`host_speed`: the profile's speed probe timed during the run over the profile's own).
 
 Of the run's own timings only its tool waits and its weight-publication time enter the prediction.
 """
@@ -51,8 +54,9 @@ HARDWARE = "cpu-host"
 BUILTIN_MAX_BATCHED_TOKENS = 512  # the built-in engine's default max_num_batched_tokens
 # CPU the serving path spends per CPU second of a busy engine: the driver's agent loop, the
 # gateway's routing and the actions service's HTTP, all streaming every token. Measured by CPU
-# accounting of a 5-step default run (benchmarks/live_cpu.py: driver 8.6 s, gateway 3.2 s,
-# actions 3.3 s against the engines' 32 s; the 10-step run of docs/fidelity.md measured 0.34).
+# accounting over the RL steps of seven 10-step default runs (benchmarks/live_cpu.py's
+# cpu_s_in_rl_phase: driver + gateway + actions over engine, 0.333-0.361; docs/fidelity.md). The
+# 0.47 used before came from a whole 5-step run, whose driver CPU includes the warm-start's.
 SERVING_PER_ENGINE = 0.34
 # Simulated seconds between two readings of a training step's share of a core (`LivePipeline._train`):
 # short beside a step (seconds), so an engine going idle during it is seen within one slice.
@@ -534,7 +538,7 @@ class LivePrediction:
     steps: int
     host: Host
     cpu: tuple[RunCpu | None, RunCpu]  # (measured by live_cpu.py if it was, predicted) over the RL steps
-    speed: float = 1.0  # the run's host's CPU seconds per the profile's (`host_speed`; reported)
+    speed: float = 1.0  # the run's host's CPU seconds per the profile's (`host_speed`; scales the engines')
 
     def errors(self) -> dict:
         err = lambda p: (p[1] - p[0]) / p[0]  # noqa: E731
