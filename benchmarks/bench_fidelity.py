@@ -11,7 +11,8 @@
 - The live run (`--live DIR`, a `libra train` output folder): `libra simulate` replays its
   trajectories on the built-in engine's CPU profile (its steps, its HTTP serving and its steps on a
   shared core) and predicts its step, rollout and train time, with the CPU seconds measured and
-  predicted by role (`live.cpu_s`; the measured side from live_cpu.py's RUN/host.json).
+  predicted by role (`live.cpu_s`; the measured side from live_cpu.py's RUN/host.json), and the
+  errors with those measured CPU seconds replayed (`live.oracle_cpu`: the sharing model alone).
 
 Goals (issue 29): public mean absolute error <= 12%; shipped traces mean latency error <= 12%;
 live step, rollout and train time each within 15%.
@@ -92,7 +93,11 @@ def live(folder: str | None, profile: str | None) -> dict:
         return {"step_err": None, "rollout_err": None, "train_err": None, "note": "give --live DIR"}
     from libra.sim.rl.live import predict_live
 
-    return predict_live(folder, profile).errors()
+    out = predict_live(folder, profile).errors()
+    if out["cpu_s"]["measured"]:  # the sharing model alone: the measured CPU seconds replayed
+        errs = predict_live(folder, profile, oracle=True).errors()
+        out["oracle_cpu"] = {k: errs[k] for k in ("step_err", "rollout_err", "train_err")}
+    return out
 
 
 def main() -> None:

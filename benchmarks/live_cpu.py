@@ -18,7 +18,8 @@ CPU figures are compared with. Every 2 s it also times the host's speed probe
 (`libra.runtime.profiler.cpu_probe`, a fixed forward pass of the built-in model in CPU seconds):
 its median over the RL steps, `probe_cpu_s`, against the profile's says how much slower or faster
 the run's host was than the profile's (the live prediction's `host_speed`).
-Writes RUN/host.json and prints one JSON line. Linux only (/proc).
+Writes RUN/host.json (and every sample in RUN/host-series.json) and prints one JSON line.
+Linux only (/proc).
 """
 
 from __future__ import annotations
@@ -64,11 +65,14 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def runnable_by_session(skip: set[int]) -> list[int]:
+def runnable_by_session(
+    skip: set[int], tools: set[int] | frozenset[int] = frozenset()
+) -> tuple[list[int], int]:
     """Runnable threads (state R) of each session not in `skip`; kernel threads (session 0) are
-    scheduled one by one, so each counts as its own."""
+    scheduled one by one, so each counts as its own. Also the runnable threads of the sessions in
+    `tools` (the run's tool sandboxes, each in a session of its own)."""
     by_sid: dict[int, int] = {}
-    kernel = 0
+    kernel = in_tools = 0
     me = str(os.getpid())  # this sampler, runnable while it looks
     for pid in filter(str.isdigit, os.listdir("/proc")):
         if pid == me:
@@ -83,13 +87,14 @@ def runnable_by_session(skip: set[int]) -> list[int]:
             except (OSError, IndexError):
                 continue
             sid = int(f[3])
+            in_tools += f[0] == "R" and sid in tools
             if f[0] != "R" or sid in skip:
                 continue
             if sid == 0:
                 kernel += 1
             else:
                 by_sid[sid] = by_sid.get(sid, 0) + 1
-    return list(by_sid.values()) + [1] * kernel
+    return list(by_sid.values()) + [1] * kernel, in_tools
 
 
 def sessions(pids: list[int]) -> set[int]:
@@ -102,36 +107,46 @@ def sessions(pids: list[int]) -> set[int]:
     return out
 
 
-def cpu_and_role(pid: int) -> tuple[float, str] | None:
+def cpu_and_role(pid: int) -> list[tuple[float, str]]:
+    """The process's CPU seconds by role; for the actions service also its reaped children's
+    (`tools_reaped`): the tool sandboxes' processes mostly exit between two samples, so `tools`
+    (those alive when sampled) misses most of their CPU, which comes back to the service as its
+    children's (cutime, cstime) once it has waited for them."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
-        return None
+        return []
     role = next((r for key, r in ROLES if key in cmd), "tools")
-    return (int(stat[11]) + int(stat[12])) / HZ, role
+    own = [((int(stat[11]) + int(stat[12])) / HZ, role)]
+    return own + [((int(stat[13]) + int(stat[14])) / HZ, "tools_reaped")] if role == "actions" else own
 
 
 class Accounting:
     """CPU seconds by role over time: [(wall-clock time, {role: cumulative CPU})]."""
 
     def __init__(self) -> None:
-        self.last: dict[int, tuple[float, str]] = {}
+        self.last: dict[tuple[int, str], float] = {}
+        self.roles: dict[tuple[int, bool], str] = {}
         self.total: dict[str, float] = {}
         self.series: list[tuple[float, dict[str, float]]] = []
         # (wall-clock time, runnable threads of each other session)
         self.others: list[tuple[float, list[int]]] = []
+        self.tools: list[tuple[float, int]] = []  # (wall-clock time, the tool sandboxes' runnable threads)
 
     def sample(self, root: int, t: float) -> None:
         pids = descendants(root)
-        self.others.append((t, runnable_by_session(sessions(pids))))
+        sids = sessions(pids)
+        others, tools = runnable_by_session(sids, sids - {root})  # the run started its own session: sid = pid
+        self.others.append((t, others))
+        self.tools.append((t, tools))
         for pid in pids:
-            got = cpu_and_role(pid)
-            if got is None:
-                continue
-            before = self.last.get(pid, (0.0, got[1]))[0]
-            self.total[got[1]] = self.total.get(got[1], 0.0) + got[0] - before
-            self.last[pid] = got
+            for cpu, role in cpu_and_role(pid):
+                # A process keeps the role it was first seen with (an exiting one's cmdline is empty).
+                role = self.roles.setdefault((pid, role == "tools_reaped"), role)
+                before = self.last.get((pid, role), 0.0)
+                self.total[role] = self.total.get(role, 0.0) + cpu - before
+                self.last[(pid, role)] = cpu
         self.series.append((t, dict(self.total)))
 
     def between(self, t0: float, t1: float) -> dict[str, float]:
@@ -158,6 +173,17 @@ def rl_phase(run: Path, first_write: float) -> tuple[float, float]:
     return origin + min(e["ts"] for e in phases) / 1e6, origin + max(e["ts"] + e["dur"] for e in phases) / 1e6
 
 
+def write_series(path: Path, acc: Accounting, probes: list[tuple[float, float]], p0: float) -> None:
+    """Every sample as it was taken, in seconds from the RL steps' start (`rl_start`, the epoch):
+    the run's cumulative CPU by role, the other sessions' runnable threads, the tool sandboxes'
+    (sessions of the run's processes but its own), and the speed probes;
+    what happens when, where host.json has the means."""
+    at = lambda t: round(t - p0, 3)  # noqa: E731
+    series = {"rl_start": p0, "cpu": [[at(t), c] for t, c in acc.series],
+              "others": [[at(t), o] for t, o in acc.others], "tools": [[at(t), n] for t, n in acc.tools], "probes": [[at(t), c] for t, c in probes]}  # fmt: skip
+    path.write_text(json.dumps(series) + "\n")
+
+
 def mtime(path: Path) -> float | None:
     try:
         return path.stat().st_mtime
@@ -176,7 +202,7 @@ def main() -> None:
     run = Path(cmd[cmd.index("--out") + 1])
     runnable = []
     for _ in range(max(1, int(a.before * 2))):
-        runnable.append(sum(runnable_by_session(set())))
+        runnable.append(sum(runnable_by_session(set())[0]))
         time.sleep(0.5)
     net, probes = probe_model(), []  # (wall-clock time, the probe's CPU seconds)
     acc, t0, busy0, first_write = Accounting(), time.time(), host_sample()[0], None
@@ -198,6 +224,7 @@ def main() -> None:
            "cpu_s_whole_run": {r: round(v, 2) for r, v in sorted(acc.total.items())},
            "host_busy_cores": round(busy / wall, 3), "run_cores": round(sum(acc.total.values()) / wall, 3)}  # fmt: skip
     (run / "host.json").write_text(json.dumps(out, indent=1) + "\n")
+    write_series(run / "host-series.json", acc, probes, p0)
     print(json.dumps({"bench": "live_cpu", **out}))
 
 

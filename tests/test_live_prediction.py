@@ -124,6 +124,20 @@ def test_the_measured_share_table_is_read_between_its_points():
     assert h.share(1.5) == pytest.approx(0.225) and h.share(6) == pytest.approx(0.05)  # past it: 0.3 cores
 
 
+def test_a_training_step_gets_the_share_of_each_moment(cpu_profile):
+    """Processor sharing: a training step advances at the share of a core of each moment, so an
+    engine that goes idle during it speeds up the rest of it. One core, no other work: 4 busy
+    processes for the first second (a quarter of a core each), then the 2 replicas alone (half a
+    core each); 1 CPU second takes 1 s for 0.25 of it and 1.5 s for the rest."""
+    sim = LivePipeline(load_run(LIVE), Host(1, 0), load_profile(cpu_profile), load_catalog())
+    sim.next_batch = sim.trained = len(sim.run.steps)  # no batches, no further steps
+    sim._busy = lambda: 4.0 if sim.k.now < 1.0 else 2.0
+    sim.training = True
+    sim._train(1.0)
+    sim.k.run()
+    assert sim.out.train_s == [pytest.approx(2.5, abs=1e-6)]  # at the share of its start: 4 s
+
+
 def test_a_slice_without_every_steps_groups_is_refused(tmp_path):
     """A run whose last batch is missing cannot be predicted: one clear error, no partial figures."""
     for name in ("config.json", "steps.json", "trace.json"):
@@ -230,9 +244,10 @@ def test_the_engines_cpu_outside_steps_and_on_a_shared_core_only_add(cpu_profile
         assert base["predicted"][k] <= more["predicted"][k] + 1e-9 <= most["predicted"][k] + 2e-9
 
 
-def test_the_hosts_speed_is_reported_beside_the_prediction(cpu_profile, tmp_path):
+def test_the_hosts_speed_prices_the_engines_not_the_trainers(cpu_profile, tmp_path):
     """The speed probe timed during the run (host.json's probe_cpu_s) over the profile's is the
-    prediction's `host_speed`; it is reported, not applied (docs/fidelity.md); a bad one exits 2."""
+    prediction's `host_speed`: the engines' steps cost that many times their price (the probe is
+    a forward pass like theirs), the trainers' steps do not (docs/fidelity.md); a bad one exits 2."""
     prof = load_profile(cpu_profile)
     eng = prof.rollout.engine("libra-builtin").model_copy(update={"probe_cpu_s": 0.02})
     engines = {**prof.rollout.engines, "libra-builtin": eng}
@@ -243,7 +258,10 @@ def test_the_hosts_speed_is_reported_beside_the_prediction(cpu_profile, tmp_path
     host = load_host(LIVE)
     same, slow = (predict_live(LIVE, probed, replace(host, probe_cpu_s=p)) for p in (0.02, 0.04))
     assert same.speed == 1.0 and slow.errors()["host_speed"] == pytest.approx(2.0)
-    assert slow.errors()["predicted"] == same.errors()["predicted"]
+    fast, twice = same.errors(), slow.errors()
+    assert twice["cpu_s"]["predicted"]["engine"] > 1.5 * fast["cpu_s"]["predicted"]["engine"]
+    assert twice["cpu_s"]["predicted"]["trainer"] == pytest.approx(fast["cpu_s"]["predicted"]["trainer"])
+    assert twice["predicted"]["rollout_s"] > fast["predicted"]["rollout_s"]
     (tmp_path / "run").mkdir()
     for f in LIVE.iterdir():
         shutil.copy(f, tmp_path / "run" / f.name)
@@ -251,3 +269,22 @@ def test_the_hosts_speed_is_reported_beside_the_prediction(cpu_profile, tmp_path
     (tmp_path / "run" / "host.json").write_text(json.dumps({**host_json, "probe_cpu_s": -1}))
     r = run_cli("simulate", "--live", str(tmp_path / "run"), "--profile", str(probed))
     assert r.returncode == 2 and "probe_cpu_s" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_the_oracle_replays_the_measured_cpu(cpu_profile, tmp_path):
+    """`oracle=True` scales the engines' and trainers' CPU seconds to those live_cpu.py measured,
+    leaving the sharing model alone; the prediction's own CPU is far from it, and a run without
+    host.json has nothing to replay (exit 2 on the CLI)."""
+    measured = json.loads((LIVE / "host.json").read_text())["cpu_s_in_rl_phase"]
+    own, oracle = (
+        predict_live(LIVE, cpu_profile, oracle=o).errors()["cpu_s"]["predicted"] for o in (False, True)
+    )
+    assert oracle["engine"] == pytest.approx(measured["engine"], rel=0.03)
+    assert oracle["trainer"] == pytest.approx(measured["trainer"], rel=0.03)
+    assert abs(own["engine"] / measured["engine"] - 1) > 0.05  # so the test can tell the two apart
+    (tmp_path / "run").mkdir()
+    for f in LIVE.iterdir():
+        if f.name != "host.json":
+            shutil.copy(f, tmp_path / "run" / f.name)
+    r = run_cli("simulate", "--live", str(tmp_path / "run"), "--profile", str(cpu_profile), "--oracle-cpu")
+    assert r.returncode == 2 and "host.json" in r.stderr and "Traceback" not in r.stderr, r.stderr

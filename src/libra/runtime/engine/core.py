@@ -349,7 +349,12 @@ class EngineCore:
         cpu = time.thread_time() - cpu0
         self.metrics.step_cpu.inc(cpu)
         if self._step_log is not None:
-            self._step_log.write(json.dumps({**asdict(StepShape.of(plan)), "step_time_s": cpu}) + "\n")
+            # Its wall time and when it ended (the epoch) beside its CPU: what share of a core the
+            # engine got, step by step (docs/fidelity.md, "The live run").
+            wall = {"wall_s": round(time.perf_counter() - t0, 6), "at": round(time.time(), 4)}
+            self._step_log.write(
+                json.dumps({**asdict(StepShape.of(plan)), "step_time_s": cpu, **wall}) + "\n"
+            )
         return len(plan.chunks)
 
     def _execute(self, plan: StepPlan) -> list[tuple[object, SeqEvent]]:

@@ -18,7 +18,10 @@ Linux shares the cores fairly between sessions (autogroup) and the run is one se
 process's share of a core depends on how many of the run's processes are busy (the busy engines,
 the serving path that streams their tokens: SERVING_PER_ENGINE each, the trainer replicas while
 they train) and on the other sessions' runnable threads, which `benchmarks/live_cpu.py` measures
-during the run (`Host.shares`; `fair_share` water-fills the cores between sessions).
+during the run (`Host.shares`; `fair_share` water-fills the cores between sessions). A training
+step advances a slice at a time at the share of that moment, since the engines finish a batch or
+start the next while it trains. The engines' CPU is scaled by the host's speed during the run
+(`host_speed`: the profile's speed probe timed during the run over the profile's own).
 
 Of the run's own timings only its tool waits and its weight-publication time enter the prediction.
 """
@@ -51,9 +54,14 @@ HARDWARE = "cpu-host"
 BUILTIN_MAX_BATCHED_TOKENS = 512  # the built-in engine's default max_num_batched_tokens
 # CPU the serving path spends per CPU second of a busy engine: the driver's agent loop, the
 # gateway's routing and the actions service's HTTP, all streaming every token. Measured by CPU
-# accounting of a 5-step default run (benchmarks/live_cpu.py: driver 8.6 s, gateway 3.2 s,
-# actions 3.3 s against the engines' 32 s; the 10-step run of docs/fidelity.md measured 0.34).
-SERVING_PER_ENGINE = 0.47
+# accounting over the RL steps of seven 10-step default runs (benchmarks/live_cpu.py's
+# cpu_s_in_rl_phase: driver + gateway + actions over engine, 0.333-0.361; docs/fidelity.md). The
+# 0.47 used before came from a whole 5-step run, whose driver CPU includes the warm-start's.
+SERVING_PER_ENGINE = 0.34
+# Simulated seconds between two readings of a training step's share of a core (`LivePipeline._train`):
+# short beside a step (seconds), so an engine going idle during it is seen within one slice.
+TRAIN_SLICE_S = 0.05
+ORACLE_ROUNDS = 3  # `predict_live(oracle=True)`: rounds of rescaling the CPU to the measured
 T = TypeVar("T")
 _TRAJ_ID = re.compile(r"^b(\d+)-g(\d+)-")
 
@@ -406,21 +414,27 @@ class Timeline:
 class LivePipeline:
     """The run's pipeline on the simulated clock (module docstring)."""
 
-    def __init__(self, run: LiveRun, host: Host, profile: Profile, catalog: Catalog):
+    def __init__(self, run: LiveRun, host: Host, profile: Profile, catalog: Catalog,
+                 scale: tuple[float, float] = (1.0, 1.0)):  # fmt: skip
+        """`scale`: the engines' and the trainers' CPU seconds times these (1: as priced; the
+        oracle of `predict_live` sets them to the measured over the priced)."""
         self.run, self.host, self.k, lay = run, host, Kernel(0), run.layout
+        self.train_scale = scale[1]
         self.gate = StalenessGate(lay.staleness, lay.consume)  # type: ignore[arg-type]
         self.queue: GroupQueue[list[LiveTraj]] = GroupQueue(self.gate)
         self.batches = run.batches()
         self.publish_s = statistics.fmean(s.publish_s for s in run.steps)
         self.train_cost = TrainCostModel(catalog.hardware(HARDWARE), catalog.model(lay.model), profile.train)
-        # Reported beside the prediction, not applied: one run so far (docs/fidelity.md), where it
-        # over-corrected the trainers and the step.
+        # Applied to the engines, not the trainers: the probe is a small forward pass like an
+        # engine's steps, and on the runs of docs/fidelity.md it put the engines' CPU within 8%
+        # while the trainers' (large batched forward and backward passes) needed no scaling.
         self.speed = host_speed(host, profile.rollout.engine(ENGINE))
         self.engines = {inst: cpu_engine(self.k, inst, profile.rollout, lay.max_num_seqs, lay.kv_cache_mb,
-                                         self._engine_share, catalog, lay.model)
+                                         self._engine_share, catalog, lay.model, self.speed * scale[0])
                         for inst in sorted({x.instance for t in run.trajs for x in t.turns})}  # fmt: skip
         self.trained = self.next_batch = 0
         self.training = False
+        self.train_start = 0.0
         self.left: dict[tuple[int, str], int] = {}
         self.out = Timeline()
 
@@ -482,19 +496,31 @@ class LivePipeline:
         if groups is None:
             return
         lens = [t.tokens for g in groups for t in g.group]
-        self.training = True
+        self.training, self.train_start = True, self.k.now
         cpu = self.train_cpu_s(lens)
         self.out.train_cpu_s += cpu * self.run.layout.replicas
-        wall = cpu / self.host.share(self._busy())
-        self.out.train_s.append(wall)
-        self.k.after(wall + self.publish_s, self._published)
+        self._train(cpu)
+
+    def _train(self, left: float) -> None:
+        """Advance the training step by the CPU seconds its replicas get at the share of this
+        moment, a slice at a time: the engines finish their batches and start the next one while
+        it trains, so its share changes during it (processor sharing)."""
+        share = self.host.share(self._busy())
+        if left <= TRAIN_SLICE_S * share:
+            self.k.after(left / share, self._trained)
+        else:
+            self.k.after(TRAIN_SLICE_S, self._train, left - TRAIN_SLICE_S * share)
+
+    def _trained(self) -> None:
+        self.out.train_s.append(self.k.now - self.train_start)
+        self.k.after(self.publish_s, self._published)
 
     def train_cpu_s(self, lens: list[int]) -> float:
         """CPU seconds of one step: the slowest replica's share, as the driver splits by tokens."""
         lay = self.run.layout
         par = TrainParallel(dp=lay.replicas, micro_batch=sequences_per_micro_batch(lens, lay.micro_batch_tokens),
                             recompute=False)  # fmt: skip
-        return self.train_cost.step(par, lens).compute_s
+        return self.train_cost.step(par, lens).compute_s * self.train_scale
 
     def _published(self) -> None:
         self.trained += 1
@@ -512,7 +538,7 @@ class LivePrediction:
     steps: int
     host: Host
     cpu: tuple[RunCpu | None, RunCpu]  # (measured by live_cpu.py if it was, predicted) over the RL steps
-    speed: float = 1.0  # the run's host's CPU seconds per the profile's (`host_speed`; reported)
+    speed: float = 1.0  # the run's host's CPU seconds per the profile's (`host_speed`; scales the engines')
 
     def errors(self) -> dict:
         err = lambda p: (p[1] - p[0]) / p[0]  # noqa: E731
@@ -525,16 +551,25 @@ class LivePrediction:
 
 
 def predict_live(
-    folder: str | Path, profile_path: str | Path | None = None, host: Host | None = None
+    folder: str | Path, profile_path: str | Path | None = None, host: Host | None = None, oracle: bool = False
 ) -> LivePrediction:
     """Simulate the run in `folder` (module docstring); `host` defaults to what RUN/host.json
-    says, else no sharing."""
+    says, else no sharing. `oracle`: the engines' and trainers' CPU seconds scaled to what
+    live_cpu.py measured (RUN/host.json), which leaves only the sharing model's error."""
     run, catalog = load_run(folder), load_catalog()
     host = host or load_host(folder) or Host()
-    sim = LivePipeline(run, host, load_profile(profile_path), catalog)
-    tl = sim.run_all()
-    if len(tl.step_end) < len(run.steps):
-        raise ConfigError("--live", str(folder), "a run whose saved trajectories fill every step's groups")
+    profile, measured, scale = load_profile(profile_path), load_run_cpu(folder), (1.0, 1.0)
+    if oracle and measured is None:
+        raise ConfigError("--live", str(folder), "a run measured by benchmarks/live_cpu.py (host.json)")
+    for _ in range(ORACLE_ROUNDS if oracle else 1):
+        sim = LivePipeline(run, host, profile, catalog, scale)
+        tl = sim.run_all()
+        if len(tl.step_end) < len(run.steps):
+            raise ConfigError(
+                "--live", str(folder), "a run whose saved trajectories fill every step's groups"
+            )
+        if oracle:  # the contention factors move with the timeline: a few rounds settle it
+            scale = (scale[0] * measured.engine / sim.engine_cpu_s(), scale[1] * measured.trainer / tl.train_cpu_s)  # type: ignore[union-attr]  # fmt: skip
     batches = {b: ts for b, ts in run.batches().items() if b < len(run.steps)}
     pred_roll = [tl.batch_span[b][1] - tl.batch_span[b][0] for b in batches]
     return LivePrediction(
@@ -543,9 +578,6 @@ def predict_live(
         (statistics.fmean(s.step_s for s in run.steps), tl.step_end[-1] / len(run.steps)),
         len(run.steps),
         host,
-        (
-            load_run_cpu(folder),
-            RunCpu(sim.engine_cpu_s(), tl.train_cpu_s, SERVING_PER_ENGINE * sim.engine_cpu_s()),
-        ),
+        (measured, RunCpu(sim.engine_cpu_s(), tl.train_cpu_s, SERVING_PER_ENGINE * sim.engine_cpu_s())),
         sim.speed,
     )
