@@ -24,9 +24,9 @@ torch.set_num_threads(1)
 
 # `libra train`'s default task and RL settings (sums and differences of two-digit numbers; GRPO at
 # lr 3e-4 with below-mean advantages weighted 0.25), seeded. 50 GRPO steps fit CI's budget: about
-# 2.5 minutes of warm-start and 5.5 of GRPO on an idle 2-core machine. Seed 0 measured 0.15 -> 0.63
-# (benchmarks/bench_learning.py --seed 0, whose first 50 steps are this run); after 40 steps the
-# rise was only 0.34, too near the bar for a test.
+# 2.5 minutes of warm-start and 5 of GRPO on an idle 2-core machine. Seed 0 measured 0.26 -> 0.68
+# over these 50 steps (benchmarks/bench_learning.py --seed 0); after 40 the rise was only 0.35, too
+# near the bar for a test.
 RL_STEPS = 50
 WINDOW = 5
 

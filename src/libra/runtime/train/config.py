@@ -119,7 +119,7 @@ class WarmStartConfig(_Strict):
     steps: int = Field(600, ge=0, le=100_000, description="At most this many supervised steps on demonstrations before RL.")  # fmt: skip
     lr: float = Field(3e-3, gt=0, le=1)
     batch: int = Field(32, ge=1, le=4096)
-    target_success: float = Field(0.05, ge=0, le=1, description="Stop once the probe's success reaches this (0: run every step).")  # fmt: skip
+    target_success: float = Field(0.1, ge=0, le=1, description="Stop once the probe's success reaches this (0: run every step).")  # fmt: skip
     probe_every: int = Field(2, ge=1, le=100_000, description="Steps between two probes.")
 
 
