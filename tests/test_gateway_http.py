@@ -413,6 +413,38 @@ def test_admin_add_drain_resume_remove(instant_factory, gateway_factory):  # noq
     assert chat(gw, "adm", conversation("SSS"))[2]["X-Libra-Instance"] == "a"
 
 
+def test_admin_buckets_move_the_boundaries_and_refuse_what_an_engine_cannot_hold(instant_factory, gateway_factory):  # noqa: F811  # fmt: skip
+    """A planner's boundary refit (`libra train`'s re-plan): the thresholds move, the engines stay;
+    a bad body is a 400 naming the field; a boundary past an engine's max_model_len is a 409."""
+    a, b = instant_factory(ports=2).urls
+    gw = gateway_factory(
+        *backend_arg(a, "short", 1, SHORT, name="a"), *backend_arg(b, "long", 2, LONG, name="b")
+    )
+
+    def retune(body) -> tuple[int, dict]:
+        return gw.post("/admin/buckets", body)[:2]
+
+    bad = [({}, "buckets"), ({"buckets": [{"name": "short", "max_context": 4096}]}, "buckets"),
+           ({"buckets": [{"name": "long", "max_context": 1}, {"name": "short", "max_context": 2}]}, "buckets[0].name"),
+           ({"buckets": [{"name": "short", "max_context": 4096}, {"name": "long", "max_context": 4096}]}, "buckets[1].max_context"),
+           ({"buckets": [{"name": "short", "max_context": True}, {"name": "long", "max_context": LONG}]}, "buckets[0].max_context"),
+           ({"buckets": ["short", "long"]}, "buckets[0].name")]  # fmt: skip
+    for body, field in bad:
+        status, err = retune(body)
+        assert status == 400 and err["error"]["param"] == field, (body, err)
+    # the instant backends report max_model_len 32768: a long bucket past it is refused
+    status, err = retune({"buckets": [{"name": "short", "max_context": 4096}, {"name": "long", "max_context": 65536}]})  # fmt: skip
+    assert status == 409 and err["error"]["code"] == "instance_too_short"
+    assert [x["max_context"] for x in gw.get("/admin/instances")[1]["buckets"]] == [SHORT, LONG]
+    status, out = retune({"buckets": [{"name": "short", "max_context": 4096}, {"name": "long", "max_context": LONG}]})  # fmt: skip
+    assert status == 200 and [x["max_context"] for x in out["buckets"]] == [4096, LONG]
+    listing = gw.get("/admin/instances")[1]
+    assert [x["max_context"] for x in listing["buckets"]] == [4096, LONG]
+    assert {i["id"]: i["max_context"] for i in listing["instances"]} == {"a": 4096, "b": LONG}
+    # an engine added to the bucket now takes its new max_context, and sessions still route
+    assert chat(gw, "retuned", conversation(""))[0] == 200
+
+
 # ---- failures ---------------------------------------------------------------------------------------
 
 

@@ -84,9 +84,18 @@ def check_smoke(out: Path, r: subprocess.CompletedProcess, steps: int) -> None:
 def check_decisions(recs: list[dict]) -> None:
     """The planner's controller decided after every step, on that step's measured report, and
     said why; EARL's selector chose a packing that holds the step's longest sample."""
+    decided = [[256, 8192]]  # the configured boundaries, then every re-plan's
     for x in recs:
         p, rep, sel = x["planner"], x["planner"]["report"], x["selector"]
-        assert p["step"] == x["step"] and p["reason"] and p["trigger"] == "none" and p["replan"] is None
+        assert p["step"] == x["step"] and p["reason"] and p["trigger"] in ("none", "interval", "imbalance")
+        if p["replan"] is not None:  # one engine per bucket: only the boundary moves, for free
+            assert p["replan"]["instances"] == [1, 1] and p["replan"]["reconfig_s"] == 0.0
+            decided.append(p["replan"]["boundaries"])
+        # the fleet serves a decided layout (a re-plan is carried out in the background)
+        fleet = x["fleet"]
+        assert [b["name"] for b in fleet["buckets"]] == ["short", "long"] and fleet["moved"] == 0
+        assert [b["engines"] for b in fleet["buckets"]] == [["engine-short-0"], ["engine-long-0"]]
+        assert [b["max_context"] for b in fleet["buckets"]] in decided
         assert rep["t_train_s"] == pytest.approx(x["train_s"]) and rep["t_rollout_s"] > 0
         assert rep["ratio"] == pytest.approx(rep["t_train_s"] / rep["t_rollout_s"])
         assert rep["trajectories"] == x["trained"] and 0 <= rep["rollout_pressure"]

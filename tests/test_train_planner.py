@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from libra.core.errors import InfeasibleError
-from libra.planner import ElasticConfig, HybridReplica, JoinState, PoolView
+from libra.planner import HybridReplica, JoinState, PoolView
 from libra.planner.staleness import Finished
 from libra.runtime.train.batch import TrainSample
 from libra.runtime.train.config import load_train_config
@@ -15,6 +15,7 @@ from libra.runtime.train.planning import (
     StageLayout,
     decide,
     decision_log,
+    initial_plan,
     make_controller,
     plan_trajectory,
     rollout_makespan,
@@ -68,28 +69,36 @@ def _pool(state: JoinState = JoinState.ROLLOUT) -> PoolView:
     return PoolView([r], core_dp=2, rollout_gpus=4, prompts_per_step=6)
 
 
+ELASTIC = load_train_config(None, ["elastic.enabled=true", "planner.replan=false"])
+
+
 def test_the_controller_borrows_when_training_is_slower_and_releases_when_rollout_is():
-    ctrl = make_controller(ElasticConfig())
+    ctrl, current = make_controller(ELASTIC), initial_plan(ELASTIC)
     groups = _groups()
     slow_train = step_report(0, groups, t_train_s=4 * rollout_makespan(groups), pressure=0.0)
-    dec = decide(ctrl, slow_train, _pool())
+    dec = decide(ctrl, slow_train, current, _pool())
     assert [j.replica for j in dec.elastic.joins] == ["hybrid-0"]
     log = decision_log(dec, slow_train)
     assert log["elastic"]["joins"] == ["hybrid-0"] and "borrow" in log["elastic"]["reason"]
     assert log["report"]["ratio"] == pytest.approx(4.0) and log["reason"]
     slow_roll = step_report(1, groups, t_train_s=0.2 * rollout_makespan(groups), pressure=0.0)
-    dec = decide(ctrl, slow_roll, _pool(JoinState.ACTIVE))
+    dec = decide(ctrl, slow_roll, current, _pool(JoinState.ACTIVE))
     assert [r.replica for r in dec.elastic.releases] == ["hybrid-0"]
     # Under rollout pressure it never borrows, and says why.
     busy = step_report(2, groups, t_train_s=4 * rollout_makespan(groups), pressure=0.95)
-    dec = decide(ctrl, busy, _pool())
+    dec = decide(ctrl, busy, current, _pool())
     assert dec.elastic.hold and "pressure" in dec.elastic.reason
 
 
 def test_without_the_pool_the_decision_still_says_why():
-    dec = decide(make_controller(None), step_report(0, _groups(), 1.0, 0.0), None)
-    log = decision_log(dec, step_report(0, _groups(), 1.0, 0.0))
-    assert log["elastic"] is None and log["reason"] == "this system does not re-plan"
+    cfg = load_train_config(None, [])
+    assert not cfg.elastic.enabled and cfg.planner.replan
+    report = step_report(0, _groups(), 1.0, 0.0)
+    dec = decide(make_controller(cfg), report, initial_plan(cfg), None)
+    log = decision_log(dec, report)
+    assert log["elastic"] is None and log["trigger"] == "interval" and log["reason"]
+    # two engines in two buckets: only the boundary can move, which costs no restart
+    assert log["replan"] is None or log["replan"]["reconfig_s"] == 0.0
 
 
 def test_the_driver_mirrors_the_cores_join_state_forward_only():

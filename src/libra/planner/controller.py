@@ -86,6 +86,8 @@ class ControlDecision:
                 "trigger": rp.trigger.name.lower(),
                 "reconfig_s": rp.reconfig_s,
                 "reason": rp.reason,
+                "instances": [b.instances for b in rp.plan.buckets],
+                "boundaries": list(rp.plan.boundaries),
             },  # fmt: skip
             "elastic": None
             if el is None

@@ -173,6 +173,8 @@ class Router(Protocol):
 
     def on_step_end(self, step: int) -> None: ...
 
+    def retune(self, buckets: Sequence[Bucket]) -> None: ...
+
 
 class NoInstanceError(LibraError):
     """`route` was given no healthy instance at all, so there is nowhere to send the request.

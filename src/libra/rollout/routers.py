@@ -87,6 +87,14 @@ class BaseRouter:
         self._spill = getattr(self.params, "spill", "saturated")
         self._pricer = cost if self._spill == "cost" and isinstance(cost, TurnPricer) else None
 
+    def retune(self, buckets: Sequence[Bucket]) -> None:
+        """New bucket boundaries, the same buckets and engines: only the length thresholds move
+        (a planner's boundary refit; the simulator and the gateway both call this)."""
+        new = check_buckets(buckets)
+        if [(b.name, b.tp) for b in new] != [(b.name, b.tp) for b in self.buckets]:
+            raise ConfigError("buckets", [b.name for b in new], f"the router's buckets {[b.name for b in self.buckets]}, in order")  # fmt: skip
+        self.buckets = new
+
     def route(self, req: RouteRequest, instances: Sequence[InstanceView]) -> RouteDecision:
         floor = bucket_for_length(self.buckets, req.context_tokens)
         inst, predicted, target = self.pick(req, instances, floor)

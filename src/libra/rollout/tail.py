@@ -103,9 +103,8 @@ class TailLane:
     def buckets(self):
         return self.inner.buckets
 
-    @buckets.setter
-    def buckets(self, value) -> None:
-        self.inner.buckets = value
+    def retune(self, buckets) -> None:
+        self.inner.retune(buckets)
 
     # ---- who is a straggler ---------------------------------------------------------------------
 

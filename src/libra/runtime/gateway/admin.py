@@ -10,7 +10,11 @@ The elastic pool (and an operator) changes the backend pool through these, witho
                                           turn; what it is serving finishes;
 - `POST /admin/instances/{id}/resume`     a draining instance takes turns again;
 - `DELETE /admin/instances/{id}`          remove it (refused while requests are outstanding,
-                                          unless `?force=true`: those still finish).
+                                          unless `?force=true`: those still finish);
+- `POST /admin/buckets`                   new bucket boundaries (JSON: `{"buckets": [{"name",
+                                          "max_context"}, ...]}`, every bucket, in order): the
+                                          router's length thresholds move, the engines stay (a
+                                          planner's boundary refit, `libra train`'s re-plan).
 
 Sessions and learning:
 
@@ -32,6 +36,7 @@ from aiohttp import web
 
 from libra.core.config import build
 from libra.core.trace import MAX_TOKENS
+from libra.rollout.base import Bucket
 from libra.rollout.tree import state_key
 from libra.runtime.gateway.config import BackendConfig
 from libra.runtime.gateway.control import require_admin
@@ -48,11 +53,32 @@ def register(app: web.Application, gw) -> None:
     app.router.add_post("/admin/instances/{iid}/drain", guard(h.drain))
     app.router.add_post("/admin/instances/{iid}/resume", guard(h.resume))
     app.router.add_delete("/admin/instances/{iid}", guard(h.remove))
+    app.router.add_post("/admin/buckets", guard(h.retune))
     app.router.add_get("/sessions/{sid}", h.session)
     app.router.add_post("/sessions/{sid}/finish", h.finish)
     app.router.add_post("/steps/end", h.end_step)
     app.router.add_get("/admin/tree", guard(h.tree))
     app.router.add_post("/admin/tree/save", guard(h.save_tree))
+
+
+def retuned(buckets: list[Bucket], body: object) -> list[Bucket]:
+    """The gateway's buckets with the boundaries `body` gives: every bucket, by name, in order,
+    with max_context strictly increasing; anything else is a 400 naming the field."""
+    names = [b.name for b in buckets]
+    if not isinstance(body, list) or len(body) != len(buckets):
+        raise ApiError(400, f"buckets must list all {len(buckets)} buckets {names} as {{name, max_context}}", "buckets", "invalid_value")  # fmt: skip
+    out = []
+    for i, (b, item) in enumerate(zip(buckets, body, strict=True)):
+        name = item.get("name") if isinstance(item, dict) else None
+        ctx = item.get("max_context") if isinstance(item, dict) else None
+        if name != b.name:
+            raise ApiError(400, f"buckets[{i}].name must be {b.name!r} (buckets in order: {names})", f"buckets[{i}].name", "invalid_value")  # fmt: skip
+        if isinstance(ctx, bool) or not isinstance(ctx, int) or not 0 < ctx <= MAX_TOKENS:
+            raise ApiError(400, f"buckets[{i}].max_context must be an integer from 1 to {MAX_TOKENS}", f"buckets[{i}].max_context", "invalid_value")  # fmt: skip
+        if out and ctx <= out[-1].max_context:
+            raise ApiError(400, f"buckets[{i}].max_context must exceed the previous bucket's ({out[-1].max_context})", f"buckets[{i}].max_context", "invalid_value")  # fmt: skip
+        out.append(Bucket(b.name, b.tp, ctx))
+    return out
 
 
 def _guarded(gw):
@@ -125,6 +151,22 @@ class _Handlers:
         self.gw.pool.remove(inst)
         self.gw.refresh_models()
         return web.json_response(inst.describe())
+
+    async def retune(self, request: web.Request) -> web.Response:
+        gw = self.gw
+        new = retuned(gw.buckets, (await _json_body(request, required=True)).get("buckets"))
+        for inst in gw.pool.live():
+            b = new[inst.view.bucket]
+            short = inst.holds_at_most()
+            if short is not None and b.max_context > short:
+                msg = f"bucket {b.name!r} max_context {b.max_context} exceeds instance {inst.id!r}'s max_model_len {short}"  # fmt: skip
+                raise ApiError(409, msg, "max_context", "instance_too_short")
+        gw.router.retune(new)
+        gw.buckets[:] = new  # the pool shares this list
+        for inst in gw.pool.live():
+            inst.cfg = inst.cfg.model_copy(update={"max_context": new[inst.view.bucket].max_context})
+        buckets = [{"index": i, "name": b.name, "tp": b.tp, "max_context": b.max_context} for i, b in enumerate(new)]  # fmt: skip
+        return web.json_response({"buckets": buckets})
 
     # ---- sessions and steps -------------------------------------------------------------------
 

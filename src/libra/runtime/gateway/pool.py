@@ -138,11 +138,16 @@ class Instance:
         the bucket's max_context (vLLM and the built-in engine report `max_model_len`)."""
         self.cards = cards
         self.models = tuple(c["id"] for c in cards)
-        lens = [c["max_model_len"] for c in cards if isinstance(c.get("max_model_len"), int)]
-        if lens and self.cfg.max_context > max(lens):
-            self.misfit = f"max_context {self.cfg.max_context} exceeds the backend's max_model_len {max(lens)} (its /v1/models)"  # fmt: skip
+        holds = self.holds_at_most()
+        if holds is not None and self.cfg.max_context > holds:
+            self.misfit = f"max_context {self.cfg.max_context} exceeds the backend's max_model_len {holds} (its /v1/models)"  # fmt: skip
             self.last_error = self.misfit
             self._sync()
+
+    def holds_at_most(self) -> int | None:
+        """The longest context the backend says it holds (its /v1/models max_model_len), if known."""
+        lens = [c["max_model_len"] for c in self.cards if isinstance(c.get("max_model_len"), int)]
+        return max(lens) if lens else None
 
     def describe(self) -> dict:
         return {

@@ -85,6 +85,12 @@ def _py(*args: str) -> tuple[str, ...]:
     return tuple(args)
 
 
+def batched_tokens(cfg: TrainConfig) -> int:
+    """Each engine's --max-num-batched-tokens: the built-in engine's default 512, or more so
+    that a step can hold one token of every running sequence."""
+    return max(512, cfg.engine.max_num_seqs)
+
+
 def engine_specs(cfg: TrainConfig, logs: Path) -> list[tuple[ProcessSpec, str]]:
     e, out = cfg.engine, []
     for b in cfg.buckets:
@@ -92,7 +98,7 @@ def engine_specs(cfg: TrainConfig, logs: Path) -> list[tuple[ProcessSpec, str]]:
             name = f"engine-{b.name}-{i}"
             args = _py("-m", "libra", "serve", "engine", "--port", "0", "--model", e.model, "--name", MODEL_NAME,
                        "--tp-label", f"tp{b.tp}", "--seed", str(cfg.seed), "--max-num-seqs", str(e.max_num_seqs),
-                       "--max-num-batched-tokens", str(max(512, e.max_num_seqs)), "--kv-cache-mb", str(e.kv_cache_mb),
+                       "--max-num-batched-tokens", str(batched_tokens(cfg)), "--kv-cache-mb", str(e.kv_cache_mb),
                        "--threads", str(e.threads), "--tool-rounds", "1")  # fmt: skip
             if e.step_log:
                 args += ("--step-log", str(logs / f"{name}-steps.jsonl"))

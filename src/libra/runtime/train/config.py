@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from libra.core.config import apply_overrides, build, load_yaml
 from libra.core.errors import ConfigError
-from libra.planner.config import ElasticConfig
+from libra.planner.config import ElasticConfig, PlannerConfig
 from libra.runtime.elastic.config import ElasticRuntimeConfig
 from libra.runtime.engine.config import PRESETS
 
@@ -138,6 +138,14 @@ class ElasticSettings(_Strict):
     drain_timeout_s: float = Field(120.0, gt=0, le=3600, description="A drained engine's requests must end within this.")  # fmt: skip
 
 
+class PlannerSettings(_Strict):
+    """The planner, live: the fleet planner re-plans how many engines serve each bucket and where
+    the boundaries lie, under the simulator's triggers and apply rule (`policy`)."""
+
+    replan: bool = Field(True, description="Let the planner move engines between buckets and move the boundaries.")  # fmt: skip
+    policy: PlannerConfig = Field(default_factory=PlannerConfig, description="Triggers, apply rule, bucket shape.")  # fmt: skip
+
+
 class TrainConfig(_Strict):
     seed: int = Field(0, ge=0, le=2**31 - 1)
     steps: int = Field(100, ge=1, le=100_000)
@@ -158,6 +166,7 @@ class TrainConfig(_Strict):
     warmstart: WarmStartConfig = WarmStartConfig()
     publish: PublishConfig = PublishConfig()
     elastic: ElasticSettings = ElasticSettings()
+    planner: PlannerSettings = PlannerSettings()
     metrics_port: int = Field(0, ge=-1, le=65535, description="The driver's Prometheus port (0: any free one, -1: none).")  # fmt: skip
     save_trajectories: bool = Field(False, description="Write every trained trajectory's tokens to RUN/trajectories.jsonl.")  # fmt: skip
     ray_address: str | None = Field(None, description="With --launcher ray: a cluster address (default: start a local one).")  # fmt: skip

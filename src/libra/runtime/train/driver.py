@@ -8,7 +8,7 @@ for each step:
     samples <- advantages, one token sequence and loss mask per trajectory
     train the replicas on them (gradients summed over the gloo group), checkpoint
     publish the new weights through the gateway (pause, update, continue)
-    decision <- the planner's controller on the step's report; carry it out (elastic pool)
+    decision <- the planner's controller on the step's report; carry it out (elastic pool, fleet)
     record the step and the decision (steps.json, timeline, metrics)
 """
 
@@ -30,6 +30,7 @@ from libra.runtime.train.agent import AgentEnv, make_agent_loop
 from libra.runtime.train.chat import GatewayChat, Sampling
 from libra.runtime.train.config import TrainConfig
 from libra.runtime.train.control import Publisher, PublishFailed, TrainerLost, Trainers, TrainResult
+from libra.runtime.train.fleet import LiveFleet
 from libra.runtime.train.gateway_admin import GatewayAdmin
 from libra.runtime.train.metrics import DriverMetrics
 from libra.runtime.train.planning import StageLayout, decide, decision_log, make_controller, step_report
@@ -90,8 +91,9 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
     await publisher.publish(str(Path(start.checkpoint) / ckpt.MODEL), start.version)
     rollouts = _rollouts(cfg, cluster, http, start.step)
     admin = GatewayAdmin(cluster.gateway_url, http, cfg.publish.admin_token)
-    controller = make_controller(cfg.elastic.policy if cfg.elastic.enabled else None)
+    controller = make_controller(cfg)
     pool, layout = make_pool(cfg, cluster, admin, http), StageLayout(cfg)
+    fleet = LiveFleet(cfg, cluster, admin, pool.slot_engines())
     pool.prestart()  # hybrid trainers on standby, so a borrow does not wait for a process start
     rollouts.start()
     try:
@@ -113,10 +115,12 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
             clock.mark("publish")
             pressure = await admin.pressure(cfg.engine.max_num_seqs)
             report = step_report(step, groups, clock.seconds("train"), pressure)
-            decision = decide(controller, report, pool.view())
+            decision = decide(controller, report, fleet.plan, pool.view())
             pool.carry_out(decision.elastic)  # borrow / release in the background
+            fleet.carry_out(decision.replan)  # engines change bucket, boundaries move, in the background
             rec = step_record(step, groups, samples, result, pub, clock, rollouts.drops.take())
             rec.planner, rec.elastic, rec.selector = decision_log(decision, report), pool.record(), selected
+            rec.fleet = fleet.record()
             folder.record(rec)
             if cfg.save_trajectories:
                 folder.save_trajectories(step, groups)
@@ -128,6 +132,7 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
     finally:
         await rollouts.stop()
         await pool.stop()
+        await fleet.stop()
 
 
 def _select(layout: StageLayout, samples) -> tuple[int, dict]:

@@ -1,4 +1,5 @@
-"""The gateway's admin API as the driver uses it: read the pool, drain, remove and add engines.
+"""The gateway's admin API as the driver uses it: read the pool, drain, remove and add engines,
+move the bucket boundaries.
 
 The elastic pool moves an engine out of rollout only through these calls (drain: no new turns;
 wait until its outstanding requests reach 0; remove), and back in by adding it again, so the
@@ -69,3 +70,7 @@ class GatewayAdmin:
 
     async def add(self, backend: dict) -> None:
         await self._call("POST", "/admin/instances", backend)
+
+    async def retune(self, max_context: dict[str, int]) -> None:
+        """New bucket boundaries (every bucket, in the gateway's order): router thresholds."""
+        await self._call("POST", "/admin/buckets", {"buckets": [{"name": n, "max_context": c} for n, c in max_context.items()]})  # fmt: skip

@@ -6,9 +6,12 @@ object decides in simulation and here. This module only turns what `libra train`
 rollout makespan, the rollout pressure) and the pool into a `PoolView`; the driver carries the
 decision out at the step boundary and logs `decision.log()` in steps.json.
 
-Re-planning (new buckets, a new split) is not done live: the built-in CPU model has no entry in the
-planner's catalog to search over, so the controller runs with `replan=False` and says so in every
-decision's reason; the elastic half of the decision is carried out (`pool.py`).
+Re-planning, live: the planner is the `FleetPlanner` (`libra.planner.fleet`), the global planner's
+search restricted to what a running fleet can change at a step boundary (how many engines serve
+each bucket, and the boundaries), priced by the same tables on the built-in model's catalog entry
+(`builtin-<model>` on `cpu-host`, the `libra-builtin` engine preset, each engine's KV cache as
+configured). Every engine is priced at TP 1: the built-in engine runs on one core whatever its TP
+label. `fleet.py` carries a re-plan out; the split moves only through the elastic pool (`pool.py`).
 """
 
 from __future__ import annotations
@@ -18,16 +21,28 @@ from collections.abc import Sequence
 from libra.core.trajectory import ToolStatus
 from libra.core.trajectory import Trajectory as PlanTrajectory
 from libra.core.trajectory import Turn as PlanTurn
-from libra.planner import ElasticConfig, ElasticController, PlanController, PoolView, StepReport
+from libra.costmodel.catalog import load_catalog
+from libra.costmodel.efficiency import Profile
+from libra.costmodel.rollout import RolloutCostModel
+from libra.costmodel.training import TrainParallel
+from libra.planner import BucketPlan, ElasticController, Plan, PlanController, PoolView, StepReport
 from libra.planner.config import SelectorConfig
 from libra.planner.controller import ControlDecision
 from libra.planner.cpu_fit import MIB, CpuFitSelector, DenseDims
+from libra.planner.fleet import FleetPlanner
+from libra.planner.problem import PlanningProblem
 from libra.planner.staleness import Finished
 from libra.runtime.engine.config import PRESETS
+from libra.runtime.train import cluster as procs
 from libra.runtime.train.batch import TrainSample
 from libra.runtime.train.config import TrainConfig
 from libra.runtime.train.rollout import Group
 from libra.runtime.train.trajectory import Trajectory, TrajState
+
+BUILTIN_HARDWARE, BUILTIN_ENGINE = (
+    "cpu-host",
+    "libra-builtin",
+)  # the catalog's entries for the built-in engine
 
 
 def plan_trajectory(t: Trajectory, step: int) -> PlanTrajectory:
@@ -60,13 +75,46 @@ def step_report(
     return StepReport(step, trajs, t_train_s, rollout_makespan(groups), pressure)
 
 
-def make_controller(elastic: ElasticConfig | None) -> PlanController:
-    """The run's controller. `planner=None`: it is only read when re-planning, which is off live."""
-    return PlanController(None, replan=False, elastic=ElasticController(elastic) if elastic else None)  # type: ignore[arg-type]
+def live_problem(cfg: TrainConfig) -> PlanningProblem:
+    """The planning problem of a live run: its model and engines as the cost model knows them."""
+    cat, e = load_catalog(), cfg.engine
+    model = cat.model(f"builtin-{e.model}", "engine.model")
+    hw, batched = cat.hardware(BUILTIN_HARDWARE), procs.batched_tokens(cfg)
+    # The cost model derives an engine's KV cache from its memory; give the host exactly the
+    # memory that leaves the engine's configured --kv-cache-mb for KV.
+    probe = RolloutCostModel(hw, model, 1, Profile().rollout, 1.0, batched, BUILTIN_ENGINE, e.max_num_seqs)
+    memory = hw.memory_bytes - probe.kv_budget_bytes() + e.kv_cache_mb * MIB
+    hw = hw.model_copy(update={"memory_gib": memory / 2**30})
+    r, p = cfg.rollout, cfg.pipeline
+    return PlanningProblem(hw, 1, model, r.groups_per_step, r.group_size, max(b.max_context for b in cfg.buckets),
+                           e.max_num_seqs, batched, 1.0, staleness=p.staleness, consume=p.consume,
+                           engine=BUILTIN_ENGINE)  # fmt: skip
 
 
-def decide(ctrl: PlanController, report: StepReport, pool: PoolView | None) -> ControlDecision:
-    return ctrl.observe(report, None, pool)
+def fleet_plan(cfg: TrainConfig, instances: Sequence[int], tops: Sequence[int]) -> Plan:
+    """A layout of the live fleet as the planner reads it: bucket k of the config with
+    `instances[k]` engines up to `tops[k]` tokens; every engine priced at TP 1 (one core)."""
+    lows = [0, *tops[:-1]]
+    buckets = tuple(BucketPlan(1, n, top, low) for n, top, low in zip(instances, tops, lows, strict=True))
+    engines, dp = sum(instances), cfg.trainer.replicas
+    return Plan(engines + dp, dp, engines, TrainParallel(dp=dp), buckets, 0.0, 0.0, tops[-1], planner=FleetPlanner.name,
+                staleness=cfg.pipeline.staleness)  # fmt: skip
+
+
+def initial_plan(cfg: TrainConfig) -> Plan:
+    return fleet_plan(cfg, [b.instances for b in cfg.buckets], [b.max_context for b in cfg.buckets])
+
+
+def make_controller(cfg: TrainConfig) -> PlanController:
+    """The run's controller: the fleet planner (`planner.replan`), the elastic policy (`elastic`)."""
+    el = cfg.elastic
+    planner = FleetPlanner(live_problem(cfg), cfg.planner.policy, el.policy)
+    return PlanController(planner, replan=cfg.planner.replan,
+                          elastic=ElasticController(el.policy) if el.enabled else None)  # fmt: skip
+
+
+def decide(ctrl: PlanController, report: StepReport, current: Plan, pool: PoolView | None) -> ControlDecision:
+    return ctrl.observe(report, current, pool)
 
 
 def decision_log(dec: ControlDecision, report: StepReport) -> dict:

@@ -74,6 +74,10 @@ class HybridPool:
         self.releasing: list[int] = []
         self.core_status: dict = {}
 
+    def slot_engines(self) -> list[str]:
+        """The engines that are hybrid slots (the fleet never moves them between buckets)."""
+        return [s.engine.name for s in self.slots]
+
     def prestart(self) -> None:
         """Start each slot's hybrid trainer on standby in the background (it waits for /join)."""
         for slot in self.slots:
@@ -344,6 +348,9 @@ class StaticPool:
 
     def prestart(self) -> None:
         return None
+
+    def slot_engines(self) -> list[str]:
+        return []
 
     async def feed(self, step: int, samples: list[TrainSample], total: int) -> None:
         return None

@@ -42,6 +42,7 @@ class StepRecord:
     planner: dict | None = None
     selector: dict | None = None  # EARL: this step's packing, and what was refused and why
     elastic: dict | None = None  # the hybrid pool: joins, releases, rollbacks, hybrid_active, states
+    fleet: dict | None = None  # the re-planned layout: buckets' boundaries and engines, what moved
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -93,8 +93,8 @@ class RolloutDriver:
 
     def retune(self, buckets: list[Bucket]) -> None:
         """New bucket boundaries, same engines: only the router's thresholds move."""
+        self.router.retune(buckets)
         self.buckets = list(buckets)
-        self.router.buckets = list(buckets)
 
     def set_caps(self, cap: int) -> None:
         for v in self.view_list:
