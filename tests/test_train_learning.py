@@ -1,4 +1,4 @@
-"""The model learns: a seeded warm-start and GRPO run in process raises success by at least 0.3.
+"""The model learns: after a seeded warm-start, GRPO in process raises success by at least 0.3.
 
 The task, agent loop, engine core (scheduler, grammar, sampler), learner and GRPO loss are the
 live ones (`runtime/train/inprocess.py`); only HTTP and the separate processes are left out, which
@@ -22,26 +22,28 @@ from libra.runtime.train.warmstart import probe_success, warm_start
 
 torch.set_num_threads(1)
 
-# Sums and differences only (answers of one to three digits): the warm-start reaches the probe's
-# target in about 130 steps from seed 0, where products (four-digit answers) need about 320, so the
-# test fits CI's budget (about 4 minutes on 2 cores). The default task is measured by bench_train.
-TASK = {"ops": "+-"}
-RL_STEPS = 20
+# `libra train`'s default task and RL settings (sums and differences of two-digit numbers; GRPO at
+# lr 3e-4 with below-mean advantages weighted 0.25), seeded. 50 GRPO steps fit CI's budget: about
+# 2.5 minutes of warm-start and 5 of GRPO on an idle 2-core machine. Seed 0 measured 0.26 -> 0.68
+# over these 50 steps (benchmarks/bench_learning.py --seed 0); after 40 the rise was only 0.35, too
+# near the bar for a test.
+RL_STEPS = 50
+WINDOW = 5
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # about 4 minutes on an idle 2-core machine, 15 under heavy load
-def test_the_warm_start_and_grpo_raise_success():
-    """From a random model (success 0) the run ends above 0.3, and GRPO itself adds to what the
-    warm-start gave: its last ten steps beat its first ten (seed 0 measured +0.08 at lr 1e-4,
-    about 2 standard errors of a step's sampling; the issue's +0.3 from RL alone is not reached
-    in a CI-sized run, see docs/train.md)."""
-    cfg = build(TrainConfig, {"seed": 0, "steps": RL_STEPS, "task": TASK})
+@pytest.mark.timeout(2400)  # about 8 minutes on an idle 2-core machine, 25 under heavy load
+def test_grpo_raises_success_by_at_least_0_3():
+    """The warm-start stops at its probe's target (sampled success about 0.1), then GRPO itself
+    raises success: the mean of its last five steps beats the mean of its first five by 0.3 or
+    more (the issue's CI criterion; benchmarks/bench_learning.py measures the 150-step curve)."""
+    cfg = build(TrainConfig, {"seed": 0, "steps": RL_STEPS})
     run = asyncio.run(quick_grpo(cfg))
     assert run.warmstart.success is not None and run.warmstart.success >= cfg.warmstart.target_success
     success = [r["success"] for r in run.steps]
-    first, last = sum(success[:10]) / 10, sum(success[-10:]) / 10
-    assert sum(success[-5:]) / 5 >= 0.3 and last > first, f"success {first:.2f} -> {last:.2f}: {success}"
+    first, last = sum(success[:WINDOW]) / WINDOW, sum(success[-WINDOW:]) / WINDOW
+    assert first < 0.4, f"the warm-start left little for GRPO to add: {success}"
+    assert last - first >= 0.3, f"success {first:.2f} -> {last:.2f}: {success}"
 
 
 def test_the_warm_start_stops_at_the_probe_or_at_its_cap():

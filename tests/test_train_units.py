@@ -3,6 +3,7 @@ checkpoints, the configuration, and the training forward against the engine's ow
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -107,6 +108,15 @@ def test_group_advantages():
     a = group_advantages([1, 0, 0, 0])
     assert abs(sum(a)) < 1e-9 and a[0] > 0 > a[1]
     assert group_advantages([1, 0], normalize_std=False) == [0.5, -0.5]
+    assert group_advantages([1, 0], normalize_std=False, negative_weight=0.25) == [0.5, -0.125]
+    assert group_advantages([1, 0, 0, 0], negative_weight=0.0)[1:] == [0, 0, 0]
+
+
+@given(st.lists(st.sampled_from([0.0, 1.0]), min_size=2, max_size=16), st.floats(0, 1))
+def test_negative_weight_scales_only_below_mean_advantages(rewards, w):
+    plain, weighted = group_advantages(rewards), group_advantages(rewards, negative_weight=w)
+    for p, q in zip(plain, weighted, strict=True):
+        assert q == (p if p >= 0 else p * w)
 
 
 samples_st = st.lists(st.integers(2, 60), min_size=1, max_size=40).map(
@@ -159,3 +169,25 @@ def test_cli_bad_config_is_one_line_and_exit_2(tmp_path):
     assert r.returncode == 2, r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: pipeline.consume"), r.stderr
+
+
+def test_an_in_process_rollout_is_seeded_whatever_the_interleaving():
+    """LocalChat seeds each turn (its sampling and its tool-call id) from the run's seed, the
+    trajectory and the turn, so concurrent trajectories sample the same tokens however their
+    turns reach the engine: here the same group run twice, in opposite orders."""
+    from libra.runtime.train.agent import AgentEnv, CalcLoop
+    from libra.runtime.train.chat import Sampling
+    from libra.runtime.train.inprocess import LocalChat
+    from libra.runtime.train.tools import InProcessTools
+    from libra.runtime.train.trajectory import Trajectory
+
+    async def group(order: list[int]) -> dict[str, list[list[int]]]:
+        problem = ProblemStream(3).next()
+        async with LocalChat(EngineConfig(model="tiny", kv_cache_mb=32, seed=0), seed=7) as chat:
+            env = AgentEnv(chat, InProcessTools(), Sampling(max_tokens=24))
+            trajs = [Trajectory(f"b0-g0-{i}", problem.id, 0, 0) for i in order]
+            await asyncio.gather(*(CalcLoop().run(problem, t, env) for t in trajs))
+        return {t.id: [t.turns[0].token_ids, t.turns[-1].prompt_ids, t.turns[-1].token_ids] for t in trajs}
+
+    a, b = asyncio.run(group([0, 1, 2, 3])), asyncio.run(group([3, 2, 1, 0]))
+    assert a == b and len({json.dumps(v) for v in a.values()}) == 4

@@ -29,7 +29,7 @@ class _Strict(BaseModel):
 class TaskConfig(_Strict):
     lo: int = Field(10, ge=0, le=9999, description="Smallest operand.")
     hi: int = Field(99, ge=0, le=9999, description="Largest operand.")
-    ops: str = Field("+-*", pattern=r"^[-+*]{1,3}$", description="Operators to draw from.")
+    ops: str = Field("+-", pattern=r"^[-+*]{1,3}$", description="Operators to draw from.")
     tool: Literal["sandbox", "in_process"] = Field("sandbox", description="Where calc runs.")
     slow_tool_s: float = Field(0.0, ge=0, le=600, description="A workload shift: each tool call waits this long ...")  # fmt: skip
     slow_tool_from: int = Field(0, ge=0, description="... once this many steps have trained.")
@@ -97,12 +97,7 @@ class ActionsSettings(_Strict):
 
 class TrainerConfig(_Strict):
     replicas: int = Field(2, ge=1, le=64, description="Core data-parallel trainer replicas (one gloo group).")
-    lr: float = Field(
-        1e-4,
-        gt=0,
-        le=1,
-        description="RL learning rate (AdamW); at 3e-4 and above GRPO undid the warm-start here.",
-    )
+    lr: float = Field(3e-4, gt=0, le=1, description="RL learning rate (AdamW); 1e-3 undid the warm-start here.")  # fmt: skip
     betas: tuple[float, float] = (0.9, 0.99)
     weight_decay: float = Field(0.0, ge=0, le=1)
     grad_clip: float = Field(1.0, gt=0)
@@ -111,6 +106,7 @@ class TrainerConfig(_Strict):
     normalize_std: bool = Field(
         True, description="Divide advantages by the group's std (GRPO); false: Dr. GRPO."
     )
+    negative_weight: float = Field(0.25, ge=0, le=1, description="Scales below-mean samples' advantages (1: plain GRPO, 0: positive samples only); at 1 the tiny model collapsed here.")  # fmt: skip
     micro_batch_tokens: int = Field(8192, ge=256)
     memory_budget_mb: int = Field(512, ge=1, le=1 << 24, description="A replica's training memory; EARL's selector packs micro-batches within it.")  # fmt: skip
     context_edges: list[int] = Field([256, 512, 1024, 2048, 4096, 8192], min_length=1, description="The selector's context ranges.")  # fmt: skip
@@ -124,7 +120,7 @@ class WarmStartConfig(_Strict):
     lr: float = Field(3e-3, gt=0, le=1)
     batch: int = Field(32, ge=1, le=4096)
     target_success: float = Field(0.1, ge=0, le=1, description="Stop once the probe's success reaches this (0: run every step).")  # fmt: skip
-    probe_every: int = Field(10, ge=1, le=100_000, description="Steps between two probes.")
+    probe_every: int = Field(2, ge=1, le=100_000, description="Steps between two probes.")
 
 
 class PublishConfig(_Strict):

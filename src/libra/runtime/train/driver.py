@@ -101,7 +101,7 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
             clock = StepClock(time.time())
             groups = await _guard(cluster, rollouts.take(step))  # rollouts and rewards
             clock.mark("rollout")
-            samples = to_samples(groups, cfg.trainer.normalize_std)  # advantages
+            samples = to_samples(groups, cfg.trainer.normalize_std, cfg.trainer.negative_weight)  # advantages
             packing, selected = _select(layout, samples)  # EARL: the layout for this context range
             result = await _guard(
                 cluster, _train(cfg, trainers, pool, step, samples, packing)

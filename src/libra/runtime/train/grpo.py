@@ -16,15 +16,19 @@ import torch
 from torch import Tensor
 
 
-def group_advantages(rewards: list[float], normalize_std: bool = True, eps: float = 1e-6) -> list[float]:
+def group_advantages(
+    rewards: list[float], normalize_std: bool = True, negative_weight: float = 1.0, eps: float = 1e-6
+) -> list[float]:
     """GRPO's advantage of each sample of one group: reward minus the group mean, over the
-    group's standard deviation when `normalize_std` (Dr. GRPO leaves that division out)."""
+    group's standard deviation when `normalize_std` (Dr. GRPO leaves that division out), and a
+    below-mean sample's advantage scaled by `negative_weight` (1: plain GRPO; 0: only the samples
+    that beat their group's mean are reinforced, as in positive-sample reinforcement)."""
     mean = sum(rewards) / len(rewards)
     centred = [r - mean for r in rewards]
-    if not normalize_std:
-        return centred
-    std = math.sqrt(sum(c * c for c in centred) / len(rewards))
-    return [c / (std + eps) for c in centred]
+    if normalize_std:
+        std = math.sqrt(sum(c * c for c in centred) / len(rewards))
+        centred = [c / (std + eps) for c in centred]
+    return [c if c >= 0 else c * negative_weight for c in centred]
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 import time
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +33,7 @@ from libra.runtime.train.learner import Learner
 from libra.runtime.train.reducer import LocalReducer
 from libra.runtime.train.rollout import Rollouts, RolloutShape
 from libra.runtime.train.samples import figures, to_samples
-from libra.runtime.train.task import ProblemStream
+from libra.runtime.train.task import ProblemStream, call_id
 from libra.runtime.train.tools import InProcessTools
 from libra.runtime.train.trajectory import Turn
 from libra.runtime.train.warmstart import WarmStartResult, warm_start
@@ -64,6 +66,12 @@ class LocalChat:
                 dst.copy_(src)
         self.version = version
 
+    def _turn_seed(self, s: SessionInfo, messages: list[dict]) -> int:
+        """The turn's sampling seed (and its call id's), from the run's seed, the trajectory and
+        the turn, never from the order in which concurrent turns reach the engine: a seeded run
+        samples the same tokens however the asyncio tasks interleave."""
+        return self._seed * 1_000_003 + zlib.crc32(f"{s.session_id}/{len(messages)}".encode())
+
     def _publish(self, events: list[tuple[object, SeqEvent]]) -> None:
         self._loop.call_soon_threadsafe(_deliver, events)
 
@@ -71,9 +79,10 @@ class LocalChat:
         req = build(p.ChatRequest, chat_body(self.cfg.served_name, messages, tools, sampling))
         mode = p.tool_mode(req, self.cfg.tool_rounds)
         prompt = render_chat([m.to_template() for m in req.messages], [t.model_dump(exclude_none=True) for t in req.tools or ()])  # fmt: skip
+        seed = self._turn_seed(s, messages)
         params = SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-                                seed=self._seed * 1_000_003 + next(self._ids), logprobs=True)  # fmt: skip
-        out = ToolOutput(mode) if mode else TextOutput()
+                                seed=seed, logprobs=True)  # fmt: skip
+        out = ToolOutput(mode, call_id(random.Random(seed))) if mode else TextOutput()
         sink: asyncio.Queue = asyncio.Queue()
         seq = Sequence(f"r{next(self._ids)}", 0, prompt, params, out, sink, self.cfg.preset.max_model_len)
         t0 = time.time()
@@ -127,7 +136,7 @@ async def quick_grpo(cfg: TrainConfig, on_step=None, on_sft=None) -> QuickRun:
         try:
             for step in range(cfg.steps):
                 taken = await ro.take(step)
-                samples = to_samples(taken, cfg.trainer.normalize_std)
+                samples = to_samples(taken, cfg.trainer.normalize_std, cfg.trainer.negative_weight)
                 fig = figures(taken, step, samples)
                 stats = learner.rl_step(samples, fig.model_tokens, clip_of(cfg))
                 chat.load(learner.model, learner.version)

@@ -35,10 +35,12 @@ class RolloutFigures:
     buckets: dict[str, int]  # turns served per bucket
 
 
-def to_samples(taken: list[Finished[Group]], normalize_std: bool = True) -> list[TrainSample]:
+def to_samples(
+    taken: list[Finished[Group]], normalize_std: bool = True, negative_weight: float = 1.0
+) -> list[TrainSample]:
     out = []
     for f in taken:
-        advs = group_advantages([t.reward for t in f.group.trajs], normalize_std)
+        advs = group_advantages([t.reward for t in f.group.trajs], normalize_std, negative_weight)
         for t, a in zip(f.group.trajs, advs, strict=True):
             seq = assemble(t.turns)
             out.append(TrainSample(ids=seq.ids, mask=seq.mask, logprobs=seq.logprobs, advantage=a))

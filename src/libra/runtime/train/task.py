@@ -7,11 +7,11 @@ of 64 trajectories takes seconds on a laptop.
 
 An episode, rendered by the engine's chat template:
 
-    <|user|>What is 37*58?<|end|>
-    <|assistant|><tool_call>{"name": "calc", "arguments": {"expr": "37*58"}}</tool_call><|end|>
+    <|user|>What is 37+58?<|end|>
+    <|assistant|><tool_call>{"name": "calc", "arguments": {"expr": "37+58"}}</tool_call><|end|>
     <|tool|>call_...
-    2146<|end|>
-    <|assistant|>2146<|end|>
+    95<|end|>
+    <|assistant|>95<|end|>
 
 The engine decides by rule that the first assistant turn is a tool call and the second is text
 (`tool_choice: auto` with one tool round), and its grammar writes the envelope and the tool name.
