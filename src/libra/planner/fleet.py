@@ -78,18 +78,20 @@ class FleetPlanner(GlobalPlanner):
         return self._search(stats)
 
     def _deal(self, fleet: Plan, instances: Sequence[int], stats: WorkloadStats) -> Plan | None:
-        """`fleet` with `instances` engines per bucket and the boundaries that suit them best."""
-        dealt = tuple(replace(b, instances=n) for b, n in zip(fleet.buckets, instances, strict=True))
-        return self.evaluate(self.retune(replace(fleet, buckets=dealt), stats), stats, strict=True)
-
-    def evaluate(self, plan: Plan, stats: WorkloadStats, strict: bool = False) -> Plan | None:  # type: ignore[override]
-        """`plan` priced on `stats`: rollout by the evaluator, training as measured. `strict`:
+        """`fleet` with `instances` engines per bucket and the boundaries that suit them best;
         None if a bucket's KV cannot hold `min_concurrent` sequences of its max context."""
+        dealt = tuple(replace(b, instances=n) for b, n in zip(fleet.buckets, instances, strict=True))
+        plan = self.retune(replace(fleet, buckets=dealt), stats)
+        return self.evaluate(plan, stats) if self._fits(plan) else None
+
+    def _fits(self, plan: Plan) -> bool:
+        cap = self.tables.kvcap[[int((self.tables.tps == b.tp).argmax()) for b in plan.buckets]]
+        return all(c >= self.config.min_concurrent * b.max_context for c, b in zip(cap, plan.buckets, strict=True))  # fmt: skip
+
+    def evaluate(self, plan: Plan, stats: WorkloadStats) -> Plan:
+        """`plan` priced on `stats`: rollout by the evaluator, training as measured."""
         if stats.is_empty:
             return plan
-        cap = self.tables.kvcap[[int((self.tables.tps == b.tp).argmax()) for b in plan.buckets]]
-        if strict and any(c < self.config.min_concurrent * b.max_context for c, b in zip(cap, plan.buckets, strict=True)):  # fmt: skip
-            return None
         ev = RolloutEvaluator(self.tables, self.problem, stats)
         buckets = ev.with_times(plan.buckets)
         t_train = stats.train_time_s if stats.train_time_s is not None else plan.t_train_s

@@ -85,6 +85,11 @@ def _py(*args: str) -> tuple[str, ...]:
     return tuple(args)
 
 
+def engine_name(bucket: str, index: int) -> str:
+    """An engine's process name, which is also its instance id in the gateway."""
+    return f"engine-{bucket}-{index}"
+
+
 def batched_tokens(cfg: TrainConfig) -> int:
     """Each engine's --max-num-batched-tokens: the built-in engine's default 512, or more so
     that a step can hold one token of every running sequence."""
@@ -95,7 +100,7 @@ def engine_specs(cfg: TrainConfig, logs: Path) -> list[tuple[ProcessSpec, str]]:
     e, out = cfg.engine, []
     for b in cfg.buckets:
         for i in range(b.instances):
-            name = f"engine-{b.name}-{i}"
+            name = engine_name(b.name, i)
             args = _py("-m", "libra", "serve", "engine", "--port", "0", "--model", e.model, "--name", MODEL_NAME,
                        "--tp-label", f"tp{b.tp}", "--seed", str(cfg.seed), "--max-num-seqs", str(e.max_num_seqs),
                        "--max-num-batched-tokens", str(batched_tokens(cfg)), "--kv-cache-mb", str(e.kv_cache_mb),

@@ -74,7 +74,7 @@ class LiveFleet:
         self.names = [b.name for b in cfg.buckets]
         # Engine -> the bucket it serves (or returns to, for a lent hybrid slot). Only this module
         # moves engines between buckets, so this is the fleet's layout.
-        self.where = {f"engine-{b.name}-{i}": b.name for b in cfg.buckets for i in range(b.instances)}
+        self.where = {procs.engine_name(b.name, i): b.name for b in cfg.buckets for i in range(b.instances)}
         self.counts = FleetCounts()
         self.task: asyncio.Task | None = None
 
