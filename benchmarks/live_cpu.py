@@ -17,19 +17,30 @@ the time steps.json was first written, right after step 0's publication) is what
 CPU figures are compared with. Every 2 s it also times the host's speed probe
 (`libra.runtime.profiler.cpu_probe`, a fixed forward pass of the built-in model in CPU seconds):
 its median over the RL steps, `probe_cpu_s`, against the profile's says how much slower or faster
-the run's host was than the profile's (the live prediction's `host_speed`).
-Writes RUN/host.json (and every sample in RUN/host-series.json) and prints one JSON line.
-Linux only (/proc).
+the run's host was than the profile's (the live prediction's `host_speed`, applied only when asked);
+`probe_before_s` and `probe_after_s` time it once a second for `--before` and `--after` seconds
+with the run not yet started and gone.
+
+The tool sandboxes' processes are reaped inside their PID namespaces, so most of their CPU reaches
+no parent's `cutime`: where /sys/fs/cgroup/cpuacct is writable (root), the run is started in a
+cpuacct group of its own, whose usage (`all`) counts every process the run started, and the live
+prediction takes the sandboxes' CPU as `all` less the run's other roles. `others` is the other
+sessions' runnable threads as sampled over the RL steps ([threads of each session, fraction of the
+samples]), which the prediction water-fills the cores with beside the run and its sandboxes.
+Writes RUN/host.json (and every sample in RUN/host-series.json, the host's /proc/stat included)
+and prints one JSON line. Linux only (/proc).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from libra.runtime.profiler import cpu_probe, probe_model
@@ -49,6 +60,16 @@ def host_sample() -> tuple[float, int]:
         busy = sum(int(x) for x in cpu[1:8]) - int(cpu[4]) - int(cpu[5])
         running = next(int(x.split()[1]) for x in f if x.startswith("procs_running"))
     return busy / HZ, running - 1
+
+
+STAT_KINDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def proc_stat() -> list[float]:
+    """The host's CPU seconds since boot by kind (STAT_KINDS): where a core went when the run's
+    processes and the other sessions' do not account for it (kernel threads, a hypervisor)."""
+    with open("/proc/stat") as f:
+        return [int(x) / HZ for x in f.readline().split()[1 : 1 + len(STAT_KINDS)]]
 
 
 def descendants(pid: int) -> list[int]:
@@ -122,6 +143,38 @@ def cpu_and_role(pid: int) -> list[tuple[float, str]]:
     return own + [((int(stat[13]) + int(stat[14])) / HZ, "tools_reaped")] if role == "actions" else own
 
 
+class RunGroup:
+    """A cgroup-v1 cpuacct group holding the run's processes: the CPU they and every process they
+    started used, the tool sandboxes that exited between two samples included (a sandbox's
+    processes are reaped inside its PID namespace, so their CPU never reaches the actions
+    service's `cutime`). Needs a writable /sys/fs/cgroup/cpuacct (root on this project's hosts)."""
+
+    ROOT = Path("/sys/fs/cgroup/cpuacct")
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    @classmethod
+    def make(cls) -> RunGroup | None:
+        path = cls.ROOT / f"libra-live-{os.getpid()}"
+        try:
+            path.mkdir()
+        except OSError:
+            return None
+        return cls(path)
+
+    def join(self) -> None:
+        """In the child before it runs the command (preexec_fn): nothing runs outside the group."""
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def usage_s(self) -> float:
+        return int((self.path / "cpuacct.usage").read_text()) / 1e9
+
+    def remove(self) -> None:
+        with contextlib.suppress(OSError):
+            self.path.rmdir()
+
+
 class Accounting:
     """CPU seconds by role over time: [(wall-clock time, {role: cumulative CPU})]."""
 
@@ -133,6 +186,8 @@ class Accounting:
         # (wall-clock time, runnable threads of each other session)
         self.others: list[tuple[float, list[int]]] = []
         self.tools: list[tuple[float, int]] = []  # (wall-clock time, the tool sandboxes' runnable threads)
+        self.group: RunGroup | None = None
+        self.stat: list[tuple[float, list[float]]] = []  # (wall-clock time, the host's CPU seconds by kind)
 
     def sample(self, root: int, t: float) -> None:
         pids = descendants(root)
@@ -147,7 +202,10 @@ class Accounting:
                 before = self.last.get((pid, role), 0.0)
                 self.total[role] = self.total.get(role, 0.0) + cpu - before
                 self.last[(pid, role)] = cpu
+        if self.group is not None:  # everything the run's processes ran, the exited ones' too
+            self.total["all"] = self.group.usage_s()
         self.series.append((t, dict(self.total)))
+        self.stat.append((t, proc_stat()))
 
     def between(self, t0: float, t1: float) -> dict[str, float]:
         at = lambda t: next((c for s, c in self.series if s >= t), self.series[-1][1])  # noqa: E731
@@ -161,6 +219,13 @@ class Accounting:
         cores = float(os.cpu_count() or 1)
         shares = [sum(fair_share(cores, n, o) for o in seen) / len(seen) for n in range(1, MAX_BUSY + 1)]
         return sum(sum(o) for o in seen) / len(seen), shares
+
+    def others_seen(self, t0: float, t1: float) -> list[list]:
+        """The other sessions' runnable threads over [t0, t1] as [sample, fraction of the samples]."""
+        seen = [tuple(sorted(o)) for t, o in self.others if t0 <= t <= t1] or [
+            tuple(sorted(o)) for _, o in self.others
+        ]
+        return [[list(o), round(n / len(seen), 4)] for o, n in sorted(Counter(seen).items())]
 
 
 def rl_phase(run: Path, first_write: float) -> tuple[float, float]:
@@ -180,7 +245,8 @@ def write_series(path: Path, acc: Accounting, probes: list[tuple[float, float]],
     what happens when, where host.json has the means."""
     at = lambda t: round(t - p0, 3)  # noqa: E731
     series = {"rl_start": p0, "cpu": [[at(t), c] for t, c in acc.series],
-              "others": [[at(t), o] for t, o in acc.others], "tools": [[at(t), n] for t, n in acc.tools], "probes": [[at(t), c] for t, c in probes]}  # fmt: skip
+              "others": [[at(t), o] for t, o in acc.others], "tools": [[at(t), n] for t, n in acc.tools], "probes": [[at(t), c] for t, c in probes],
+              "stat_kinds": STAT_KINDS, "stat": [[at(t), c] for t, c in acc.stat]}  # fmt: skip
     path.write_text(json.dumps(series) + "\n")
 
 
@@ -191,22 +257,43 @@ def mtime(path: Path) -> float | None:
         return None
 
 
+def median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def quiet_probes(net, seconds: float) -> list[float]:
+    """The speed probe once a second for `seconds` with the run gone: the host as the profile
+    sees it (its probes run with nothing of its own busy), unlike the probes under the run's load."""
+    out = []
+    for _ in range(int(seconds)):
+        out.append(cpu_probe(net))
+        time.sleep(1.0)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", type=float, default=15.0, help="seconds of background sampling first")
+    ap.add_argument("--after", type=float, default=15.0, help="seconds of speed probes after the run")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- libra train --out RUN ...")
     a = ap.parse_args()
     cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
     if "--out" not in cmd:
         sys.exit("error: the command must name its run folder with --out")
     run = Path(cmd[cmd.index("--out") + 1])
-    runnable = []
-    for _ in range(max(1, int(a.before * 2))):
+    net, runnable, before = probe_model(), [], []
+    for i in range(max(1, int(a.before * 2))):
         runnable.append(sum(runnable_by_session(set())[0]))
+        if i % 2 == 0:
+            before.append(cpu_probe(net))
         time.sleep(0.5)
-    net, probes = probe_model(), []  # (wall-clock time, the probe's CPU seconds)
+    probes = []  # (wall-clock time, the probe's CPU seconds)
     acc, t0, busy0, first_write = Accounting(), time.time(), host_sample()[0], None
-    proc = subprocess.Popen(cmd, start_new_session=True)  # the run's own session: one autogroup
+    group = RunGroup.make()
+    # The run's own session (one autogroup), and a cpuacct group of its own where the host allows.
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=group.join if group else None)
+    acc.group = group
     while proc.poll() is None:
         acc.sample(proc.pid, time.time())
         first_write = first_write or mtime(run / "steps.json")
@@ -214,15 +301,20 @@ def main() -> None:
             probes.append((time.time(), cpu_probe(net)))
         time.sleep(0.5)
     wall, busy = time.time() - t0, host_sample()[0] - busy0
+    if group is not None:
+        time.sleep(1.0)  # the run's last processes leave the group as they are reaped
+        group.remove()
+    after = quiet_probes(net, a.after)
     if proc.returncode != 0 or first_write is None:
         sys.exit(proc.returncode or "error: the run wrote no steps.json")
     p0, p1 = rl_phase(run, first_write)
     background, shares = acc.others_between(p0, p1)
     in_rl = sorted(c for t, c in probes if p0 <= t <= p1) or sorted(c for _, c in probes)
-    out = {"cores": os.cpu_count(), "background": round(background, 2), "shares": [round(x, 4) for x in shares],
-           "background_before": round(sum(runnable) / len(runnable), 2), "probe_cpu_s": round(in_rl[len(in_rl) // 2], 6), "rl_phase_s": round(p1 - p0, 2), "cpu_s_in_rl_phase": acc.between(p0, p1),
+    out = {"cores": os.cpu_count(), "background": round(background, 2), "shares": [round(x, 4) for x in shares], "others": acc.others_seen(p0, p1),
+           "background_before": round(sum(runnable) / len(runnable), 2), "probe_cpu_s": round(median(in_rl), 6),
+           "probe_before_s": round(median(before), 6), "probe_after_s": round(median(after), 6) if after else None, "rl_phase_s": round(p1 - p0, 2), "cpu_s_in_rl_phase": acc.between(p0, p1),
            "cpu_s_whole_run": {r: round(v, 2) for r, v in sorted(acc.total.items())},
-           "host_busy_cores": round(busy / wall, 3), "run_cores": round(sum(acc.total.values()) / wall, 3)}  # fmt: skip
+           "host_busy_cores": round(busy / wall, 3), "run_cores": round(acc.total.get("all", sum(acc.total.values())) / wall, 3)}  # fmt: skip
     (run / "host.json").write_text(json.dumps(out, indent=1) + "\n")
     write_series(run / "host-series.json", acc, probes, p0)
     print(json.dumps({"bench": "live_cpu", **out}))

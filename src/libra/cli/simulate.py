@@ -185,13 +185,15 @@ def print_list() -> None:
               help="With --live: the host's cores (default: RUN/host.json's, else no sharing).")  # fmt: skip
 @click.option("--background", type=click.FloatRange(min=0, max=1e5), default=None,
               help="With --live: runnable processes of other work on the host (default: RUN/host.json's, else 0).")  # fmt: skip
+@click.option("--host-speed", is_flag=True,
+              help="With --live: the engines' CPU times the host's speed probe during the run over the profile's (docs/fidelity.md).")  # fmt: skip
 @click.option("--oracle-cpu", is_flag=True,
               help="With --live: the engines' and trainers' CPU seconds scaled to those measured (RUN/host.json).")  # fmt: skip
 @set_option
 @profile_option
 @json_option
 def simulate(scenario, trace_file, systems, steps, seed, out_dir, list_only, live_run, cores, background,
-             oracle_cpu, overrides, profile, as_json):  # fmt: skip
+             host_speed, oracle_cpu, overrides, profile, as_json):  # fmt: skip
     """Simulate agentic RL post-training systems on a scenario and compare them.
 
     Writes summary.json, steps.json, PNG plots and a Perfetto trace.json to --out. With --live RUN,
@@ -201,7 +203,7 @@ def simulate(scenario, trace_file, systems, steps, seed, out_dir, list_only, liv
         print_list()
         return
     if live_run is not None:
-        predict_live_run(live_run, cores, background, profile, as_json, oracle_cpu)
+        predict_live_run(live_run, cores, background, profile, as_json, oracle_cpu, host_speed)
         return
     sc = load_scenario(scenario, overrides)
     names = [s.strip() for s in systems.split(",") if s.strip()] if systems else None
@@ -240,7 +242,9 @@ def simulate(scenario, trace_file, systems, steps, seed, out_dir, list_only, liv
     )
 
 
-def predict_live_run(run: str, cores, background, profile, as_json: bool, oracle: bool = False) -> None:
+def predict_live_run(
+    run: str, cores, background, profile, as_json: bool, oracle: bool = False, speed: bool = False
+) -> None:
     """`--live RUN`: the run replayed on the simulated clock, measured against predicted."""
     from libra.sim.rl.live import Host, load_host, predict_live
 
@@ -248,7 +252,7 @@ def predict_live_run(run: str, cores, background, profile, as_json: bool, oracle
     # Either figure given replaces what live_cpu.py measured (its share table included).
     host = known if cores is None and background is None else Host(
         cores if cores is not None else known.cores, background if background is not None else known.background)  # fmt: skip
-    errs = predict_live(run, profile, host, oracle).errors()
+    errs = predict_live(run, profile, host, oracle, speed).errors()
     if as_json:
         emit_json(errs)
         return

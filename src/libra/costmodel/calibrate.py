@@ -328,12 +328,15 @@ class ServingFit:
 
 
 def fit_serving(recs: Sequence[ServingMeasurement], priced_steps: Sequence[float]) -> ServingFit:
-    """Fit the CPU outside the steps (the process's less the engine thread's in steps, both
-    measured) as request_cpu_s * requests + token_cpu_s * tokens over the chat workloads (least
-    squares on the error relative to the process's CPU, both terms >= 0); `weight_load_cpu_s`
-    is the weights records' CPU per update. `priced_steps[i]` is the step CPU the simulated
-    engine prices for chat workload i (`libra.sim.rl.live.profile_step_cpu_s`): with the terms,
-    the whole process's CPU as the live prediction prices it."""
+    """Fit the process's CPU beyond its priced steps as request_cpu_s * requests + token_cpu_s *
+    tokens over the chat workloads (least squares on the error relative to the process's CPU,
+    both terms >= 0); `weight_load_cpu_s` is the weights records' CPU per update.
+    `priced_steps[i]` is the step CPU the simulated engine prices for chat workload i
+    (`libra.sim.rl.live.profile_step_cpu_s`, the step terms fitted in process): with the terms,
+    the whole process's CPU as the live prediction prices it. Beyond the priced steps, not
+    outside the measured ones: a served decode step costs 1.3-1.9x what the same step costs in
+    process (each token's logprob, token id and tool-call grammar; docs/fidelity.md), and that
+    is per token as well."""
     chats = [r for r in recs if r.kind == "chat"]
     if len(priced_steps) != len(chats):
         raise ValueError("one priced step CPU per chat workload")
@@ -341,7 +344,7 @@ def fit_serving(recs: Sequence[ServingMeasurement], priced_steps: Sequence[float
     steps = np.array([r.step_cpu_s for r in chats])
     p = np.array(priced_steps, dtype=float)
     x = np.array([[r.requests, r.tokens] for r in chats], dtype=float)
-    a, b = _nonneg_lsq(x / y[:, None], (y - steps) / y)
+    a, b = _nonneg_lsq(x / y[:, None], (y - p) / y)
     pred = p + x @ np.array([a, b])
     loads = [r for r in recs if r.kind == "weights"]
     return ServingFit(

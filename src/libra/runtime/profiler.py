@@ -342,7 +342,7 @@ def train_forever(model: str) -> None:
     from libra.runtime.engine.model import build_model
 
     torch.set_num_threads(1)
-    net = build_model(PRESETS[model], 0)
+    net = build_model(PRESETS[model], 0).train().requires_grad_(True)  # built frozen, for inference
     tokens = torch.randint(0, 256, (8, 256))
     while True:
         net.forward_train(tokens).float().mean().backward()

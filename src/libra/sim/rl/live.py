@@ -18,16 +18,19 @@ Linux shares the cores fairly between sessions (autogroup) and the run is one se
 process's share of a core depends on how many of the run's processes are busy (the busy engines,
 the serving path that streams their tokens: SERVING_PER_ENGINE each, the trainer replicas while
 they train) and on the other sessions' runnable threads, which `benchmarks/live_cpu.py` measures
-during the run (`Host.shares`; `fair_share` water-fills the cores between sessions). A training
-step advances a slice at a time at the share of that moment, since the engines finish a batch or
-start the next while it trains. The engines' CPU is scaled by the host's speed during the run
-(`host_speed`: the profile's speed probe timed during the run over the profile's own).
+during the run (`Host.others`; `fair_share` water-fills the cores between sessions). Each tool
+call's sandbox is a session of its own, so while one runs the run's session gets that much less
+(`Sandboxes`: their CPU as the run's cpuacct group measured it). A training step advances a slice
+at a time at the share of that moment, since the engines finish a batch or start the next while
+it trains. Asked for, the engines' CPU is scaled by the host's speed during the run (`host_speed`:
+the profile's speed probe timed during the run over the profile's own; off by default).
 
 Of the run's own timings only its tool waits and its weight-publication time enter the prediction.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import statistics
@@ -61,6 +64,9 @@ SERVING_PER_ENGINE = 0.34
 # Simulated seconds between two readings of a training step's share of a core (`LivePipeline._train`):
 # short beside a step (seconds), so an engine going idle during it is seen within one slice.
 TRAIN_SLICE_S = 0.05
+# The most cores the actions service grants one tool call, exclusively
+# (`libra.runtime.sandbox.service`: a tool call asks for 4 unless it says otherwise).
+TOOL_CORES = 4
 ORACLE_ROUNDS = 3  # `predict_live(oracle=True)`: rounds of rescaling the CPU to the measured
 T = TypeVar("T")
 _TRAJ_ID = re.compile(r"^b(\d+)-g(\d+)-")
@@ -96,18 +102,41 @@ class Host:
     background: float = 0.0
     shares: tuple[float, ...] = ()
     probe_cpu_s: float | None = None  # the host's speed during the run (live_cpu.py), if measured
+    # The other sessions as sampled during the run: (runnable threads of each, the fraction of the
+    # samples that saw them); where given it replaces `shares` and `background`.
+    others: tuple[tuple[tuple[int, ...], float], ...] = ()
 
-    def share(self, busy: float) -> float:
-        """One busy process's share of a core when `busy` of the run's processes are busy."""
+    def share(self, busy: float, sandboxes: int = 0) -> float:
+        """One busy process's share of a core when `busy` of the run's processes are busy and
+        `sandboxes` tool sandboxes run, each in a session of its own."""
         if self.cores is None:
             return 1.0
-        if not self.shares:
-            return fair_share(self.cores, busy, [1.0] * round(self.background))
+        if self.others:
+            return _mean_share(self.cores, busy, self.others, sandboxes)
+        if not self.shares or sandboxes:
+            return fair_share(self.cores, busy, [1.0] * (round(self.background) + sandboxes))
         n = min(max(busy, 1.0), len(self.shares))
         lo = int(n)
         s = self.shares[lo - 1] if lo == len(self.shares) else (
             self.shares[lo - 1] + (n - lo) * (self.shares[lo] - self.shares[lo - 1]))  # fmt: skip
         return min(1.0, s * n / max(busy, 1.0))  # past the table, the run's group keeps its cores
+
+    def sandbox_share(self, busy: float, sandboxes: int) -> float:
+        """A tool sandbox's share of a core: a session of one runnable thread beside the run's
+        (`busy` processes) and `sandboxes` - 1 other sandboxes."""
+        if self.cores is None:
+            return 1.0
+        others = self.others or (((1,) * round(self.background), 1.0),)
+        return _mean_share(self.cores, 1.0, others, sandboxes - 1, busy)
+
+
+@functools.lru_cache(maxsize=4096)
+def _mean_share(cores: float, own: float, others: tuple[tuple[tuple[int, ...], float], ...], sandboxes: int,
+                run: float = 0.0) -> float:  # fmt: skip
+    """`fair_share` averaged over the sampled other sessions, with `sandboxes` more sessions of
+    one thread (and the run's group of `run` busy processes, when `own` is a sandbox)."""
+    extra = [1.0] * sandboxes + ([run] if run > 0 else [])
+    return sum(w * fair_share(cores, own, [*o, *extra]) for o, w in others)
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,10 +304,15 @@ def _host_json(folder: str | Path, read: Callable[[dict], T]) -> T | None:
 
 def _host(d: dict) -> Host:
     probe = d.get("probe_cpu_s")
+    seen = [(tuple(int(n) for n in o), float(w)) for o, w in d.get("others", ())]
+    total = sum(w for _, w in seen) or 1.0
+    others = tuple((o, w / total) for o, w in seen)  # the weights were rounded
     host = Host(float(d["cores"]), float(d["background"]), tuple(float(x) for x in d.get("shares", ())),
-                None if probe is None else float(probe))  # fmt: skip
+                None if probe is None else float(probe), others)  # fmt: skip
     if not (1 <= host.cores < 1e5 and 0 <= host.background < 1e5 and all(0 < x <= 1 for x in host.shares)):
         raise ValueError("cores >= 1, background >= 0 and shares in (0, 1]")
+    if not all(w > 0 and all(n > 0 for n in o) for o, w in others):
+        raise ValueError("others: [runnable threads of each session (> 0), weight (> 0)]")
     if host.probe_cpu_s is not None and not 0 < host.probe_cpu_s < 1e3:
         raise ValueError("probe_cpu_s in (0, 1000) seconds")
     return host
@@ -297,16 +331,27 @@ class RunCpu:
     engine: float
     trainer: float
     serving: float | None = None
+    tools: float | None = None  # the tool sandboxes', each in a session of its own
 
 
 def load_run_cpu(folder: str | Path) -> RunCpu | None:
-    """The run's CPU seconds as live_cpu.py measured them, or None."""
+    """The run's CPU seconds as live_cpu.py measured them, or None. The tool sandboxes': what the
+    run's cpuacct group used beyond its other processes (`all`) where live_cpu.py had one, else
+    what it saw of them (most of their processes exit unseen: an undercount)."""
 
     def read(d: dict) -> RunCpu:
         c = d["cpu_s_in_rl_phase"]
-        return RunCpu(
-            float(c["engine"]), float(c["trainer"]), float(c["driver"] + c["gateway"] + c["actions"])
+        engine, trainer, serving = (
+            float(c["engine"]),
+            float(c["trainer"]),
+            float(c["driver"] + c["gateway"] + c["actions"]),
         )
+        tools = (
+            float(c["all"]) - engine - trainer - serving
+            if "all" in c
+            else c.get("tools", 0.0) + c.get("tools_reaped", 0.0)
+        )
+        return RunCpu(engine, trainer, serving, max(0.0, tools))
 
     return _host_json(folder, read)
 
@@ -323,8 +368,8 @@ class SharedCpuCost(RolloutCostModel):
     (`ctx_now`). The engine process's CPU outside its steps (the preset's `request_cpu_s` and
     `token_cpu_s`) runs between steps on the same Python interpreter, so it lengthens the next
     step: a turn's request and first token when it arrives (`request`), each decoding sequence's
-    token in its step; `serving_cpu_s` adds it up. Both cost more CPU seconds on a time-shared
-    core (`EngineOverhead.cpu_factor` of the share; `factor_now`, 1 in the profile's replay)."""
+    token in its step; `serving_cpu_s` adds it up. Both are times `factor_now` (the host's speed
+    where asked for, else 1)."""
 
     __slots__ = ("share_now", "factor_now", "ctx_now", "cpu_s", "serving_cpu_s", "pending")
 
@@ -353,9 +398,8 @@ class SharedCpuCost(RolloutCostModel):
 
 def cpu_engine(k: Kernel, iid: str, eff: RolloutEfficiency, max_num_seqs: int, kv_cache_mb: int,
                share_now: Callable[[], float], catalog: Catalog, model: str, speed: float | None = 1.0) -> Engine:  # fmt: skip
-    """One simulated built-in engine on the CPU host, its steps priced by `SharedCpuCost` at the
-    CPU factor of its share of a core times `speed` (CPU seconds on this host per the profile's;
-    None: neither, as the profile's own replay)."""
+    """One simulated built-in engine on the CPU host, its steps priced by `SharedCpuCost` times
+    `speed` (CPU seconds on this host per the profile's; None: 1, as the profile's own replay)."""
     hw, m = catalog.hardware(HARDWARE), catalog.model(model)
     cost = SharedCpuCost(hw, m, 1, eff, 1.0, BUILTIN_MAX_BATCHED_TOKENS, ENGINE, max_num_seqs)
     # One step at a time, so each step is priced at the share of its own moment.
@@ -363,8 +407,12 @@ def cpu_engine(k: Kernel, iid: str, eff: RolloutEfficiency, max_num_seqs: int, k
     eng.kv_cap = int(kv_cache_mb * 2**20 // m.kv_bytes_per_token)  # the engine's --kv-cache-mb
     cost.share_now, cost.ctx_now, cost.cpu_s, cost.serving_cpu_s, cost.pending = (
         share_now, lambda: eng.ctx_sum, 0.0, 0.0, 0.0)  # fmt: skip
-    factor = cost.overhead.cpu_factor
-    cost.factor_now = (lambda: speed * factor(share_now())) if speed is not None else (lambda: 1.0)
+    # The profile's contention factors (its steps timed beside busy trainer-like processes) are
+    # not applied: on the fresh runs of docs/fidelity.md an engine's decode steps cost no more
+    # CPU the smaller its share of a core, nor while the trainers train, and applying them priced
+    # the engines' CPU 13% high on average.
+    factor = 1.0 if speed is None else speed
+    cost.factor_now = lambda: factor
     return eng
 
 
@@ -401,6 +449,36 @@ def profile_step_cpu_s(trajs: Sequence[Sequence[tuple[int, int]]], eff: RolloutE
     return eng.cost.cpu_s  # type: ignore[attr-defined]
 
 
+class Sandboxes:
+    """The actions service's tool sandboxes as CPU load. Each tool call runs a sandbox (bwrap, its
+    helpers, a Python interpreter) in a session of its own, so the kernel gives it as much of the
+    cores as the run's whole session; the service grants a tool call up to TOOL_CORES cores,
+    exclusively, so `slots` run at once. The trajectories still wait as long as they did live;
+    what the sandboxes change is the share of a core left to the run's processes. Each call adds
+    `cpu_s` CPU seconds of work; while any is owed, `slots` sandboxes run at their fair share
+    (advanced whenever the share is read, which every engine step and training slice does)."""
+
+    def __init__(self, cpu_s: float, host: Host):
+        self.cpu_s, self.host = cpu_s, host
+        self.slots = max(1, int(host.cores // min(TOOL_CORES, host.cores))) if host.cores else 1
+        self.owed = self.rate = self.at = 0.0
+        self.cpu_total = 0.0
+
+    def call(self, now: float, busy: float) -> None:
+        self.running(now, busy)
+        self.owed += self.cpu_s
+        self.cpu_total += self.cpu_s
+        self.running(now, busy)
+
+    def running(self, now: float, busy: float) -> int:
+        """How many sandboxes run now, their work advanced to `now` at the rate last set."""
+        self.owed = max(0.0, self.owed - self.rate * (now - self.at))
+        self.at = now
+        n = self.slots if self.owed > 1e-12 else 0
+        self.rate = n * self.host.sandbox_share(busy, n) if n else 0.0
+        return n
+
+
 @dataclass(slots=True)
 class Timeline:
     """What the simulated run did: each batch's span, each step's end and training time."""
@@ -415,10 +493,13 @@ class LivePipeline:
     """The run's pipeline on the simulated clock (module docstring)."""
 
     def __init__(self, run: LiveRun, host: Host, profile: Profile, catalog: Catalog,
-                 scale: tuple[float, float] = (1.0, 1.0)):  # fmt: skip
+                 scale: tuple[float, float] = (1.0, 1.0), tool_cpu_s: float = 0.0, speed: bool = False):  # fmt: skip
         """`scale`: the engines' and the trainers' CPU seconds times these (1: as priced; the
-        oracle of `predict_live` sets them to the measured over the priced)."""
+        oracle of `predict_live` sets them to the measured over the priced). `tool_cpu_s`: the
+        CPU seconds of one tool call's sandbox (`Sandboxes`). `speed`: the engines' CPU scaled
+        by `host_speed` (off by default: on the runs of docs/fidelity.md it made them worse)."""
         self.run, self.host, self.k, lay = run, host, Kernel(0), run.layout
+        self.tools = Sandboxes(tool_cpu_s, host)
         self.train_scale = scale[1]
         self.gate = StalenessGate(lay.staleness, lay.consume)  # type: ignore[arg-type]
         self.queue: GroupQueue[list[LiveTraj]] = GroupQueue(self.gate)
@@ -426,9 +507,8 @@ class LivePipeline:
         self.publish_s = statistics.fmean(s.publish_s for s in run.steps)
         self.train_cost = TrainCostModel(catalog.hardware(HARDWARE), catalog.model(lay.model), profile.train)
         # Applied to the engines, not the trainers: the probe is a small forward pass like an
-        # engine's steps, and on the runs of docs/fidelity.md it put the engines' CPU within 8%
-        # while the trainers' (large batched forward and backward passes) needed no scaling.
-        self.speed = host_speed(host, profile.rollout.engine(ENGINE))
+        # engine's steps (the trainers' are large batched forward and backward passes).
+        self.speed = host_speed(host, profile.rollout.engine(ENGINE)) if speed else 1.0
         self.engines = {inst: cpu_engine(self.k, inst, profile.rollout, lay.max_num_seqs, lay.kv_cache_mb,
                                          self._engine_share, catalog, lay.model, self.speed * scale[0])
                         for inst in sorted({x.instance for t in run.trajs for x in t.turns})}  # fmt: skip
@@ -450,7 +530,8 @@ class LivePipeline:
         return engines * (1 + SERVING_PER_ENGINE) + (self.run.layout.replicas if self.training else 0)
 
     def _engine_share(self) -> float:
-        return self.host.share(self._busy())
+        busy = self._busy()
+        return self.host.share(busy, self.tools.running(self.k.now, busy))
 
     def run_all(self) -> Timeline:
         self._start_batches()
@@ -472,6 +553,7 @@ class LivePipeline:
 
         def done(seq: Seq) -> None:
             if i + 1 < len(traj.turns):
+                self.tools.call(self.k.now, self._busy())
                 self.k.after(max(0.0, traj.turns[i + 1].start - turn.end), self._submit, traj, i + 1)
             else:
                 self._traj_done(traj)
@@ -505,7 +587,7 @@ class LivePipeline:
         """Advance the training step by the CPU seconds its replicas get at the share of this
         moment, a slice at a time: the engines finish their batches and start the next one while
         it trains, so its share changes during it (processor sharing)."""
-        share = self.host.share(self._busy())
+        share = self._engine_share()
         if left <= TRAIN_SLICE_S * share:
             self.k.after(left / share, self._trained)
         else:
@@ -551,7 +633,11 @@ class LivePrediction:
 
 
 def predict_live(
-    folder: str | Path, profile_path: str | Path | None = None, host: Host | None = None, oracle: bool = False
+    folder: str | Path,
+    profile_path: str | Path | None = None,
+    host: Host | None = None,
+    oracle: bool = False,
+    speed: bool = False,
 ) -> LivePrediction:
     """Simulate the run in `folder` (module docstring); `host` defaults to what RUN/host.json
     says, else no sharing. `oracle`: the engines' and trainers' CPU seconds scaled to what
@@ -561,8 +647,10 @@ def predict_live(
     profile, measured, scale = load_profile(profile_path), load_run_cpu(folder), (1.0, 1.0)
     if oracle and measured is None:
         raise ConfigError("--live", str(folder), "a run measured by benchmarks/live_cpu.py (host.json)")
+    calls = sum(len(t.turns) - 1 for t in run.trajs)
+    tool_cpu_s = measured.tools / calls if measured and measured.tools and calls else 0.0
     for _ in range(ORACLE_ROUNDS if oracle else 1):
-        sim = LivePipeline(run, host, profile, catalog, scale)
+        sim = LivePipeline(run, host, profile, catalog, scale, tool_cpu_s, speed)
         tl = sim.run_all()
         if len(tl.step_end) < len(run.steps):
             raise ConfigError(
@@ -578,6 +666,14 @@ def predict_live(
         (statistics.fmean(s.step_s for s in run.steps), tl.step_end[-1] / len(run.steps)),
         len(run.steps),
         host,
-        (measured, RunCpu(sim.engine_cpu_s(), tl.train_cpu_s, SERVING_PER_ENGINE * sim.engine_cpu_s())),
+        (
+            measured,
+            RunCpu(
+                sim.engine_cpu_s(),
+                tl.train_cpu_s,
+                SERVING_PER_ENGINE * sim.engine_cpu_s(),
+                sim.tools.cpu_total,
+            ),
+        ),
         sim.speed,
     )
