@@ -50,6 +50,29 @@ def cpu_profile(tmp_path_factory) -> Path:
     return prof
 
 
+def test_calibrate_pools_several_profiles(cpu_profile, tmp_path):
+    """--data, --train-data and --serving-data repeat (several profiles of one host fitted
+    together): the same profile twice is twice the records and the same fit."""
+    out = tmp_path / "pooled.yaml"
+    files = [(f"--{opt}", str(LIVE / f"builtin-tiny-{name}.jsonl"))
+             for opt, name in (("data", "steps"), ("train-data", "train"), ("serving-data", "serving"))]  # fmt: skip
+    r = run_cli(
+        "costmodel", "calibrate", *[a for pair in files * 2 for a in pair], "--out", str(out), "--json"
+    )
+    assert r.returncode == 0, r.stderr
+    pooled, once = json.loads(r.stdout), json.loads(
+        run_cli("costmodel", "calibrate", *[a for pair in files for a in pair], "--out", str(tmp_path / "o.yaml"), "--json").stdout
+    )  # fmt: skip
+    assert (
+        pooled["records"] == 2 * once["records"]
+        and pooled["train"]["records"] == 2 * once["train"]["records"]
+    )
+    a, b = (load_profile(p).rollout.engine("libra-builtin") for p in (out, cpu_profile))
+    for term in ("base_overhead_s", "per_seq_overhead_s", "token_cpu_s", "weight_load_cpu_s"):
+        assert getattr(a, term) == pytest.approx(getattr(b, term), rel=1e-3, abs=1e-9), term
+    assert load_profile(out).train.mfu == pytest.approx(load_profile(cpu_profile).train.mfu, rel=1e-3)
+
+
 def test_the_run_folder_reads_turn_by_turn():
     run, cfg = load_run(LIVE), json.loads((LIVE / "config.json").read_text())
     per_step = cfg["rollout"]["groups_per_step"] * cfg["rollout"]["group_size"]

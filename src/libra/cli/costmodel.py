@@ -267,7 +267,8 @@ def report(hardware, model, max_num_seqs, engine, as_json, catalogs, profile):
 
 
 @costmodel.command()
-@click.option("--data", type=click.Path(dir_okay=False), default=None, help="JSONL of measured iterations.")
+@click.option("--data", type=click.Path(dir_okay=False), multiple=True,
+              help="JSONL of measured iterations (repeatable: several profiles of one host, pooled).")  # fmt: skip
 @click.option("--vllm-bench", type=click.Path(file_okay=False), multiple=True,
               help="A vLLM benchmark folder (repeatable): fit the engine preset's CPU terms so the simulated replays match its latencies.")  # fmt: skip
 @click.option("--vidur", type=click.Path(file_okay=False), default=None,
@@ -278,10 +279,10 @@ def report(hardware, model, max_num_seqs, engine, as_json, catalogs, profile):
     show_default=True,
     help="Engine preset whose CPU terms --vllm-bench fits.",
 )
-@click.option("--train-data", type=click.Path(dir_okay=False), default=None,
-              help="JSONL of measured training steps (with or without one of the above): fit the training terms.")  # fmt: skip
-@click.option("--serving-data", type=click.Path(dir_okay=False), default=None,
-              help="JSONL of the built-in engine served over HTTP (`profile`'s OUT/builtin-MODEL-serving.jsonl): fit its CPU outside the steps.")  # fmt: skip
+@click.option("--train-data", type=click.Path(dir_okay=False), multiple=True,
+              help="JSONL of measured training steps (with or without one of the above; repeatable): fit the training terms.")  # fmt: skip
+@click.option("--serving-data", type=click.Path(dir_okay=False), multiple=True,
+              help="JSONL of the built-in engine served over HTTP (`profile`'s OUT/builtin-MODEL-serving.jsonl; repeatable): fit its CPU beyond the priced steps.")  # fmt: skip
 @click.option(
     "--out", required=True, type=click.Path(dir_okay=False), help="Where to write the profile YAML."
 )
@@ -294,10 +295,12 @@ def calibrate(data, vllm_bench, vidur, engine, train_data, serving_data, out, as
     Give at most one of --data (measured iteration times), --vllm-bench (a real serving trace,
     fitted through the simulated engine) or --vidur (per-layer kernel and all-reduce times: the GPU
     terms of every GPU type measured there), and --train-data (measured training steps) or
-    --serving-data (the built-in engine's CPU outside its steps, priced with the step terms of
-    --data when given) beside it or alone.
+    --serving-data (the built-in engine's CPU beyond its steps priced with the step terms of
+    --data when given) beside it or alone. --data, --train-data and --serving-data repeat: the
+    files of several profiles of one host are fitted together (a shared host's speed drifts by
+    the minute; docs/fidelity.md).
     """
-    given = [x for x in (data, ", ".join(vllm_bench) or None, vidur) if x is not None]
+    given = [x for x in (", ".join(data) or None, ", ".join(vllm_bench) or None, vidur) if x is not None]
     if len(given) > 1 or not (given or train_data or serving_data):
         raise ConfigError("--data/--vllm-bench/--vidur", ", ".join(given) or "none",
                           "one of the three, or --train-data or --serving-data, or one of the three with them")  # fmt: skip
@@ -305,17 +308,17 @@ def calibrate(data, vllm_bench, vidur, engine, train_data, serving_data, out, as
     base.rollout.engine(engine, "--engine")
     writable_file(Path(out))  # before the fit, which takes a while
     eff, note, fit = base.rollout, "", {}
-    if data is not None:
+    if data:
         eff, note, fit = _fit_data(data, cat, base)
     elif vidur is not None:
         eff, note, fit = _fit_vidur(vidur, cat, base)
     elif vllm_bench:
         eff, note, fit = _fit_bench(vllm_bench, cat, base, engine)
-    if serving_data is not None:
+    if serving_data:
         eff, serving_note, fit["serving"] = _fit_serving_data(serving_data, cat, eff)
         note = f"{note}; {serving_note}" if note else serving_note
     train = base.train
-    if train_data is not None:
+    if train_data:
         train, train_note, fit["train"] = _fit_train_data(train_data, cat, base)
         note = f"{note}; {train_note}" if note else train_note
     save_profile(base.model_copy(update={"rollout": eff, "train": train, "note": note}), out)
@@ -325,13 +328,14 @@ def calibrate(data, vllm_bench, vidur, engine, train_data, serving_data, out, as
     console.print(table(f"Calibrated profile -> {out} ({note})", ["fit", "value"], _flat(fit)))
 
 
-def _fit_data(data, cat: Catalog, base: Profile):
+def _fit_data(data: tuple[str, ...], cat: Catalog, base: Profile):
     """The step terms from the uncontended steps; from the contended ones (the built-in engine's
     profile), the CPU factor by share of a core."""
     from libra.costmodel.calibrate import fit_contention
 
-    every = read_measurements(data)
+    every = [r for path in data for r in read_measurements(path)]
     recs = [r for r in every if not r["co_runners"]]
+    data = ", ".join(data)  # type: ignore[assignment]
     if not recs:
         raise ConfigError("data", str(data), "steps timed alone (co_runners 0) beside any contended ones")
     eff, mape = fit_rollout(recs, cat, base.rollout)
@@ -351,22 +355,24 @@ def _fit_data(data, cat: Catalog, base: Profile):
     return eff, f"fitted to {len(recs)} iterations from {data}; MAPE {mape:.3f}", fit
 
 
-def _fit_train_data(path, cat: Catalog, base: Profile):
+def _fit_train_data(paths: tuple[str, ...], cat: Catalog, base: Profile):
     from libra.costmodel.calibrate import fit_train, read_train_measurements
 
-    recs = read_train_measurements(path)
+    recs, path = [r for p in paths for r in read_train_measurements(p)], ", ".join(paths)
     eff, mape = fit_train(recs, cat, base.train)
     terms = eff.model_dump(include={"mfu", "per_microbatch_overhead_s"})
     return eff, f"training terms fitted to {len(recs)} steps from {path}; MAPE {mape:.3f}", {"records": len(recs), "mape": mape, **terms}  # fmt: skip
 
 
-def _fit_serving_data(path, cat: Catalog, eff: RolloutEfficiency):
+def _fit_serving_data(paths: tuple[str, ...], cat: Catalog, eff: RolloutEfficiency):
     from dataclasses import asdict
 
     from libra.costmodel.calibrate import SERVING_FIT, fit_serving, read_serving_measurements
     from libra.sim.rl.live import profile_step_cpu_s
 
-    recs = read_serving_measurements(path)
+    recs, path = [r for p in paths for r in read_serving_measurements(p)], ", ".join(paths)
+    if len({(r.hardware, r.model, r.engine) for r in recs}) > 1:
+        raise ConfigError("serving-data", path, "one hardware, model and engine in every file")
     r0 = recs[0]
     cat.hardware(r0.hardware)
     eff.engine(r0.engine, "serving-data: engine")
@@ -374,7 +380,7 @@ def _fit_serving_data(path, cat: Catalog, eff: RolloutEfficiency):
                                  r.kv_cache_mb, r.model, cat) for r in recs if r.kind == "chat"]  # fmt: skip
     fit = fit_serving(recs, priced)
     eff = eff.updated(r0.hardware, r0.engine, {f: getattr(fit, f) for f in SERVING_FIT})
-    note = (f"{r0.engine} CPU outside its steps fitted to {fit.workloads} workloads served over HTTP from {path}; "
+    note = (f"{r0.engine} CPU beyond its priced steps fitted to {fit.workloads} workloads served over HTTP from {path}; "
             f"MAPE {fit.steps_only_mape:.3f} -> {fit.mape:.3f}")  # fmt: skip
     return eff, note, asdict(fit)
 

@@ -309,6 +309,7 @@ def busy_processes(n: int, model: str = "tiny"):
 
 
 PROBE_TOKENS = (4, 128)  # the probe's batch: a forward pass of the built-in model, about 20 ms
+PROBE_PASSES = 5
 
 
 def probe_model(model: str = "tiny"):
@@ -320,17 +321,22 @@ def probe_model(model: str = "tiny"):
 
 
 def cpu_probe(net) -> float:
-    """CPU seconds of this thread for one fixed forward pass of `net` (`probe_model`): the host's
-    speed in CPU seconds per unit of the built-in model's work, which changes with what else runs
-    on it. The profile records it beside its steps and `benchmarks/live_cpu.py` during a run."""
+    """CPU seconds of this thread for one fixed forward pass of `net` (`probe_model`), the median
+    of PROBE_PASSES back to back (the first runs from cold caches, one may be preempted): the
+    host's speed in CPU seconds per unit of the built-in model's work, which changes with what
+    else runs on it. The profile records it beside its steps and `benchmarks/live_cpu.py` around
+    and during a run."""
     tokens = torch.arange(PROBE_TOKENS[0] * PROBE_TOKENS[1]).reshape(PROBE_TOKENS) % 256
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the engine runs: more would spin at their barriers on a busy host
+    passes = []
     try:
-        t0 = time.thread_time()
         with torch.no_grad():
-            net.forward_train(tokens)
-        return time.thread_time() - t0
+            for _ in range(PROBE_PASSES):
+                t0 = time.thread_time()
+                net.forward_train(tokens)
+                passes.append(time.thread_time() - t0)
+        return sorted(passes)[len(passes) // 2]
     finally:
         torch.set_num_threads(threads)
 
