@@ -9,8 +9,9 @@
   fitted to them), and the held-out data-parallel expert-parallel run in tests/data.
 - The KV cache vLLM allocated, where a run recorded it (tests/data/vllm-bench/kv-*).
 - The live run (`--live DIR`, a `libra train` output folder): `libra simulate` replays its
-  trajectories on the built-in engine's CPU profile (its steps, its HTTP serving and its steps on a
-  shared core) and predicts its step, rollout and train time, with the CPU seconds measured and
+  trajectories on the built-in engine's CPU profile (its steps and its HTTP serving, calibrated
+  on one profile or several pooled; the run's tool sandboxes as sessions of their own) and
+  predicts its step, rollout and train time, with the CPU seconds measured and
   predicted by role (`live.cpu_s`; the measured side from live_cpu.py's RUN/host.json), and the
   errors with those measured CPU seconds replayed (`live.oracle_cpu`: the sharing model alone).
 

@@ -410,7 +410,7 @@ def cpu_engine(k: Kernel, iid: str, eff: RolloutEfficiency, max_num_seqs: int, k
     # The profile's contention factors (its steps timed beside busy trainer-like processes) are
     # not applied: on the fresh runs of docs/fidelity.md an engine's decode steps cost no more
     # CPU the smaller its share of a core, nor while the trainers train, and applying them priced
-    # the engines' CPU 13% high on average.
+    # the engines' CPU 16% high on average.
     factor = 1.0 if speed is None else speed
     cost.factor_now = lambda: factor
     return eng
