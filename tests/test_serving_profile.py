@@ -89,7 +89,7 @@ def test_fit_serving_recovers_the_terms_it_was_made_with(req, tok, seed):
 
 def test_contention_is_fitted_by_share_and_never_cheaper_when_busier(catalog):
     """Steps timed beside more busy processes at a smaller share cost more CPU seconds; points that
-    say otherwise (the host's other work varies) are pooled, and the factor is interpolated."""
+    say otherwise (the host's other work varies) are pooled, and they must rise in share."""
     base = RolloutEfficiency()
     cm_recs = []
     for k, share, factor in ((0, 0.7, 1.0), (1, 0.34, 1.4), (2, 0.22, 1.2), (3, 0.16, 1.5)):
@@ -102,8 +102,6 @@ def test_contention_is_fitted_by_share_and_never_cheaper_when_busier(catalog):
     assert [s for s, _ in pts] == [0.16, 0.22, 0.34, 0.7]
     assert [f for _, f in pts] == pytest.approx([1.5, 1.3, 1.3, 1.0])  # 1.4 and 1.2 pooled
     eng = base.engine("libra-builtin").model_copy(update={"contention": pts})
-    assert eng.cpu_factor(1.0) == 1.0 and eng.cpu_factor(0.1) == 1.5
-    assert eng.cpu_factor(0.52) == pytest.approx(1.15)
     with pytest.raises(ValueError):
         eng.model_validate({**eng.model_dump(), "contention": [(0.5, 1.2), (0.3, 1.4)]})
 

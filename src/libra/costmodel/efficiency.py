@@ -109,27 +109,26 @@ class EngineOverhead(_Frozen):
     # custom all-reduce); NCCL above it, or when it is off.
     custom_allreduce: bool = True
     custom_allreduce_max_bytes: float = Field(8 * 2**20, ge=0)
-    # The engine process's CPU outside its steps, for an engine that shares a CPU host with its
-    # steps (the built-in engine; the live-run prediction, `libra.sim.rl.live`): per request
+    # The engine process's CPU beyond its priced steps, for an engine that shares a CPU host with
+    # its steps (the built-in engine; the live-run prediction, `libra.sim.rl.live`): per request
     # (parsing it, rendering the chat template, building the response), per generated token
-    # (its logprob and token id in the response, the event that carries it across threads) and
+    # (its logprob, token id and tool-call grammar, the event that carries it across threads) and
     # per weight update from disk (reading and copying the checkpoint). Fitted by `libra
     # costmodel calibrate --serving-data`; 0 for the GPU engines, whose serving CPU is off the
     # step's critical path.
     request_cpu_s: float = Field(0.0, ge=0)
     token_cpu_s: float = Field(0.0, ge=0)
     weight_load_cpu_s: float = Field(0.0, ge=0)
-    # CPU seconds per priced CPU second by the share of a core the engine gets, as (share, factor)
-    # points by share: a time-shared core runs the same step in more CPU seconds (caches refilled
-    # after every switch). Measured by the profile beside 0..3 busy processes and fitted by
-    # `libra costmodel calibrate --data`; interpolated between points, the end points beyond
-    # them; empty: 1 at any share.
+    # CPU seconds per priced CPU second by the share of a core the engine got, as (share, factor)
+    # points by share, measured by the profile beside 0..3 busy trainer-like processes and fitted
+    # by `libra costmodel calibrate --data`. Recorded, not applied: a live run's engine steps cost
+    # no more with a smaller share (docs/fidelity.md, "The live run").
     contention: tuple[tuple[float, float], ...] = ()
     # The host's speed when these terms were measured: CPU seconds of the profile's probe (a fixed
     # forward pass of the built-in model, `libra.runtime.profiler.cpu_probe`), median over the
     # uncontended steps' batches. Against RUN/host.json's `probe_cpu_s` (the same probe during a
-    # live run), how much slower or faster the run's host was (reported by the live prediction,
-    # not yet applied: docs/fidelity.md). 0: not measured.
+    # live run), how much slower or faster the run's host was (applied by the live prediction
+    # only when asked, `--host-speed`: docs/fidelity.md). 0: not measured.
     probe_cpu_s: float = Field(0.0, ge=0)
 
     @field_validator("contention")
@@ -140,18 +139,6 @@ class EngineOverhead(_Frozen):
         if any(b[0] <= a[0] for a, b in itertools.pairwise(pts)):
             raise ValueError("points in increasing share")
         return pts
-
-    def cpu_factor(self, share: float) -> float:
-        """CPU seconds per priced CPU second at this share of a core (`contention`)."""
-        pts = self.contention
-        if not pts:
-            return 1.0
-        if share <= pts[0][0]:
-            return pts[0][1]
-        for (s0, f0), (s1, f1) in itertools.pairwise(pts):
-            if share <= s1:
-                return f0 + (f1 - f0) * (share - s0) / (s1 - s0)
-        return pts[-1][1]
 
     source: str = ""
 
