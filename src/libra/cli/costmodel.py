@@ -335,9 +335,9 @@ def _fit_data(data: tuple[str, ...], cat: Catalog, base: Profile):
 
     every = [r for path in data for r in read_measurements(path)]
     recs = [r for r in every if not r["co_runners"]]
-    data = ", ".join(data)  # type: ignore[assignment]
+    source = ", ".join(data)
     if not recs:
-        raise ConfigError("data", str(data), "steps timed alone (co_runners 0) beside any contended ones")
+        raise ConfigError("data", source, "steps timed alone (co_runners 0) beside any contended ones")
     eff, mape = fit_rollout(recs, cat, base.rollout)
     hw = sorted({r["hardware"] for r in recs})
     terms = {h: eff.gpu(h).model_dump(include={"bw", "compute"}) for h in hw}
@@ -352,7 +352,7 @@ def _fit_data(data: tuple[str, ...], cat: Catalog, base: Profile):
     if upd:
         engine = recs[0]["engine"]
         eff = eff.model_copy(update={"engines": {**eff.engines, engine: eff.engine(engine).model_copy(update=upd)}})  # fmt: skip
-    return eff, f"fitted to {len(recs)} iterations from {data}; MAPE {mape:.3f}", fit
+    return eff, f"fitted to {len(recs)} iterations from {source}; MAPE {mape:.3f}", fit
 
 
 def _fit_train_data(paths: tuple[str, ...], cat: Catalog, base: Profile):

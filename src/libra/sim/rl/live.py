@@ -368,20 +368,20 @@ class SharedCpuCost(RolloutCostModel):
     (`ctx_now`). The engine process's CPU outside its steps (the preset's `request_cpu_s` and
     `token_cpu_s`) runs between steps on the same Python interpreter, so it lengthens the next
     step: a turn's request and first token when it arrives (`request`), each decoding sequence's
-    token in its step; `serving_cpu_s` adds it up. Both are times `factor_now` (the host's speed
+    token in its step; `serving_cpu_s` adds it up. Both are times `speed` (the host's speed
     where asked for, else 1)."""
 
-    __slots__ = ("share_now", "factor_now", "ctx_now", "cpu_s", "serving_cpu_s", "pending")
+    __slots__ = ("share_now", "speed", "ctx_now", "cpu_s", "serving_cpu_s", "pending")
 
     def step_time(self, prefill_tokens, prefill_attn, decode_seqs, decode_ctx):  # type: ignore[override]
         t = super().step_time(prefill_tokens, prefill_attn, decode_seqs, decode_ctx)
-        s, f = self.share_now(), self.factor_now()
+        s, f = self.share_now(), self.speed
         self.cpu_s += t * f
         return (t + self._serving(decode_seqs)) * f / s
 
     def decode_coeffs(self, n: int) -> tuple[float, float]:
         a, b = super().decode_coeffs(n)
-        s, f = self.share_now(), self.factor_now()
+        s, f = self.share_now(), self.speed
         self.cpu_s += (a + b * self.ctx_now()) * f
         return (a + self._serving(n)) * f / s, b * f / s
 
@@ -392,7 +392,7 @@ class SharedCpuCost(RolloutCostModel):
 
     def _serving(self, tokens: int) -> float:
         extra, self.pending = self.pending + tokens * self.overhead.token_cpu_s, 0.0
-        self.serving_cpu_s += extra * self.factor_now()
+        self.serving_cpu_s += extra * self.speed
         return extra
 
 
@@ -411,8 +411,7 @@ def cpu_engine(k: Kernel, iid: str, eff: RolloutEfficiency, max_num_seqs: int, k
     # not applied: on the fresh runs of docs/fidelity.md an engine's decode steps cost no more
     # CPU the smaller its share of a core, nor while the trainers train, and applying them priced
     # the engines' CPU 16% high on average.
-    factor = 1.0 if speed is None else speed
-    cost.factor_now = lambda: factor
+    cost.speed = 1.0 if speed is None else speed
     return eng
 
 
