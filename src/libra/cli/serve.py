@@ -29,6 +29,8 @@ def _needs_extra(fn):
         except ModuleNotFoundError as e:
             if e.name and e.name.split(".")[0] == "libra":
                 raise
+            if e.name and e.name.split(".")[0] in HF_MODULES:
+                raise ConfigError("model", kwargs.get("model"), f"the 'hf' extra installed (missing module {e.name!r}): pip install 'libra[hf]'") from None  # fmt: skip
             raise ConfigError(
                 "serve",
                 fn.__name__,
@@ -36,6 +38,10 @@ def _needs_extra(fn):
             ) from None
 
     return wrapper
+
+
+# What a checkpoint model needs beyond the engine itself (the `hf` extra).
+HF_MODULES = {"transformers", "safetensors", "gguf", "tokenizers", "accelerate", "peft"}
 
 
 @click.group()
@@ -122,10 +128,11 @@ def _presets() -> list[str]:
 
 
 @serve.command("engine")
-@click.option(
-    "--model", default="tiny", show_default=True, type=click.Choice(_presets()), help="Model preset."
-)
+@click.option("--model", default="tiny", show_default=True, metavar="PRESET|NAME|DIR|FILE.gguf", help=f"A preset ({', '.join(_presets())}), a packaged model (smollm2-135m, the 'models' extra), a local Hugging Face directory or a GGUF file (Llama, Mistral, Qwen2, Qwen3, SmolLM; the 'hf' extra). See docs/models.md.")  # fmt: skip
 @click.option("--checkpoint", type=click.Path(exists=True, dir_okay=False), default=None, help="Load weights from a local state_dict file.")  # fmt: skip
+@click.option("--max-model-len", type=click.IntRange(16), default=None, help="Cap the model's context (a checkpoint's is often more than a CPU KV cache holds).")  # fmt: skip
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N]: the model, the KV cache and each step's tensors.")  # fmt: skip
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True, help="Weights and KV cache; auto: float32 on CPU, bfloat16 on CUDA.")  # fmt: skip
 @click.option("--save-checkpoint", type=click.Path(dir_okay=False), default=None, help="Write the weights (random from --seed, or --checkpoint) to this file and exit.")  # fmt: skip
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8100, show_default=True, type=click.IntRange(0, 65535), help="0 picks a free port (printed at start).")  # fmt: skip
@@ -150,8 +157,9 @@ def _presets() -> list[str]:
 @click.option("--step-log", type=click.Path(dir_okay=False), default=None, help="Append each step's composition and CPU seconds to this JSONL file (for `libra costmodel profile`).")  # fmt: skip
 @_needs_extra
 def engine(save_checkpoint: str | None, host: str, port: int, access_log: bool, **options) -> None:
-    """Built-in CPU inference engine: a small torch transformer with continuous batching and a
-    paged KV cache, behind an OpenAI-compatible API. For CI and laptops; not a vLLM replacement."""
+    """Libra's inference engine: continuous batching and a paged KV cache behind an
+    OpenAI-compatible API, for the built-in model or a Llama-family checkpoint, on CPU or CUDA.
+    For CI, laptops and RL on small models; not a vLLM replacement."""
     from libra.runtime.engine.config import EngineConfig
 
     try:
@@ -162,7 +170,7 @@ def engine(save_checkpoint: str | None, host: str, port: int, access_log: bool, 
         from libra.runtime.engine.server import write_checkpoint
 
         out, n = write_checkpoint(cfg, save_checkpoint)
-        click.echo(f"wrote {cfg.model} weights ({n:,} parameters, seed {cfg.seed}) to {out}")
+        click.echo(f"wrote {cfg.served_name} weights ({n:,} parameters, seed {cfg.seed}) to {out}")
         return
     from libra.runtime.serving import bind
 

@@ -41,7 +41,6 @@ from torch import Tensor
 from libra.runtime.engine.config import EngineConfig
 from libra.runtime.engine.kv_cache import BlockAllocator, KVCache
 from libra.runtime.engine.metrics import EngineMetrics
-from libra.runtime.engine.model import TinyTransformer
 from libra.runtime.engine.runner import ModelRunner
 from libra.runtime.engine.scheduler import Scheduler, StepPlan
 from libra.runtime.engine.sequence import FinishReason, SeqEvent, SeqStatus, Sequence
@@ -82,10 +81,13 @@ class ControlError(Exception):
 
 
 class EngineCore:
-    def __init__(self, cfg: EngineConfig, model: TinyTransformer, publish: Publish, metrics: EngineMetrics | None = None):  # fmt: skip
+    def __init__(self, cfg: EngineConfig, model: torch.nn.Module, publish: Publish, metrics: EngineMetrics | None = None):  # fmt: skip
+        """`model` is the built-in `TinyTransformer` or a checkpoint's `LlamaFamily`: both step
+        through `forward(StepBatch, KVCache)` (`runner`), so nothing here depends on which."""
         self.cfg, self.publish, self.metrics = cfg, publish, metrics or EngineMetrics()
         self.alloc = BlockAllocator(cfg.num_blocks(), cfg.block_size)
-        self.cache = KVCache(cfg.preset, cfg.num_blocks(), cfg.block_size)
+        dtype = next(model.parameters()).dtype
+        self.cache = KVCache(cfg.preset, cfg.num_blocks(), cfg.block_size, dtype, cfg.device)
         self.sched = Scheduler(self.alloc, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefill_chunk)
         self.runner = ModelRunner(model, self.cache, cfg.max_num_seqs, cfg.blocks_per_seq())
         self.model = model
@@ -306,7 +308,7 @@ class EngineCore:
         params = self.model.state_dict()
         with torch.no_grad():
             for name, t in tensors.items():
-                params[name].copy_(t)
+                params[name].copy_(t)  # cast to the model's dtype and device
         if version is not None:
             self.weight_version = version
         return {"weight_version": self.weight_version, "updated": len(tensors), "aborted": aborted}

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from libra.core.errors import ConfigError
-from libra.runtime.engine.config import ModelPreset
 from libra.runtime.engine.kv_cache import KVCache
+from libra.runtime.engine.presets import ModelPreset
 
 NORM_EPS = 1e-5
 
@@ -112,22 +112,26 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, b: StepBatch, kc: Tensor, vc: Tensor) -> Tensor:
-    """q, k, v: [T, H, D] for this step's tokens; kc, vc: the layer's cache [slots, H, D]."""
+    """q: [T, H, D], k, v: [T, KVH, D] for this step's tokens; kc, vc: the layer's cache
+    [slots, KVH, D]. With fewer KV heads than query heads (grouped-query attention), each KV head
+    serves H / KVH consecutive query heads, as in transformers' `repeat_kv`."""
     out = torch.empty_like(q)
-    nd = b.n_decode
+    nd, gqa = b.n_decode, k.shape[1] != q.shape[1]
     if nd:
         keys, vals = _gather(kc, b.decode_blocks, b.block_size), _gather(vc, b.decode_blocks, b.block_size)
-        o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys, vals, attn_mask=b.decode_mask)
+        o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys.to(q.dtype), vals.to(q.dtype), attn_mask=b.decode_mask, enable_gqa=gqa)  # fmt: skip
         out[:nd] = o.squeeze(2)
     for c in b.prefills:
         rows = slice(c.row0, c.row0 + c.n)
         qs = q[rows].transpose(0, 1).unsqueeze(0)
         if c.blocks is None:  # a fresh prompt: its own keys are the whole context
             ks, vs = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
         else:
             ks, vs = _gather(kc, c.blocks, b.block_size), _gather(vc, c.blocks, b.block_size)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=c.mask)
+            o = F.scaled_dot_product_attention(
+                qs, ks.to(q.dtype), vs.to(q.dtype), attn_mask=c.mask, enable_gqa=gqa
+            )
         out[rows] = o[0].transpose(0, 1)
     return out
 

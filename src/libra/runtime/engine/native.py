@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from libra.core.errors import ConfigError
 from libra.runtime.engine.protocol import (
+    CODEC,
     ChoiceState,
     SamplingRequest,
     check_token_ids,
@@ -37,7 +38,6 @@ from libra.runtime.engine.protocol import (
     token_text,
 )
 from libra.runtime.engine.sequence import FinishReason, SamplingParams, TextOutput
-from libra.runtime.engine.tokenizer import render_prompt
 
 # SGLang's default when a request gives no max_new_tokens.
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -165,7 +165,7 @@ class GenerateRequest(BaseModel):
         if self.input_ids is not None:
             return [list(p) for p in self.input_ids] if self.batched else [list(self.input_ids)]
         texts = self.text if isinstance(self.text, list) else [self.text]
-        return [render_prompt(t) for t in texts]
+        return [CODEC.get().prompt(t) for t in texts]
 
     def params(self, seed: int) -> SamplingParams:
         sp = self.sampling_params

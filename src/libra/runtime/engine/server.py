@@ -30,13 +30,14 @@ from aiohttp import web
 from libra.core.errors import ConfigError, LibraError
 from libra.runtime.engine import control
 from libra.runtime.engine import protocol as p
+from libra.runtime.engine.codec import BYTES, Codec
 from libra.runtime.engine.config import EngineConfig
 from libra.runtime.engine.core import EngineCore
+from libra.runtime.engine.lm import load_lm
 from libra.runtime.engine.metrics import EngineMetrics
-from libra.runtime.engine.model import TinyTransformer, build_model, save_checkpoint
+from libra.runtime.engine.model import save_checkpoint
 from libra.runtime.engine.native import GenerateFormat, GenerateRequest
-from libra.runtime.engine.sequence import SamplingParams, SeqEvent, Sequence, ToolOutput
-from libra.runtime.engine.tokenizer import encode, render, render_chat, render_prompt
+from libra.runtime.engine.sequence import HermesOutput, SamplingParams, SeqEvent, Sequence, ToolOutput
 from libra.runtime.openai_errors import ApiError, json_error, read_json_object
 from libra.runtime.serving import serve_until_signalled
 
@@ -197,8 +198,10 @@ def sse(obj: dict | str) -> bytes:
 
 
 class EngineServer:
-    def __init__(self, cfg: EngineConfig, model: TinyTransformer):
-        self.cfg, self.metrics, self.model = cfg, EngineMetrics(), model
+    def __init__(self, cfg: EngineConfig, model, codec: Codec = BYTES):
+        """`model`: the built-in `TinyTransformer` or a checkpoint's `LlamaFamily`; `codec` its
+        tokenizer and chat template (`lm.load_lm` gives both)."""
+        self.cfg, self.metrics, self.model, self.codec = cfg, EngineMetrics(), model, codec
         self.core = EngineCore(cfg, model, self._publish, self.metrics)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._seeds = random.Random(cfg.seed)
@@ -253,22 +256,32 @@ class EngineServer:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = await self._parse(request, p.ChatRequest)
-        tools = p.tool_mode(req, self.cfg.tool_rounds)
         schemas = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        prompt = render_chat([m.to_template() for m in req.messages], schemas)
+        prompt = self.codec.chat([m.to_template() for m in req.messages], schemas)
         self._check_prompt(len(prompt), "messages")
+        make, tools = self._chat_output(req)
         max_tokens = self._max_tokens(req.token_limit(), tools)
         top = req.top_logprobs or 0
-        make = (lambda: ToolOutput(tools)) if tools else req.text_output
         specs = [(prompt, self._params(req, max_tokens, i, req.logprobs, top), make()) for i in range(req.n)]
         job = self._start("chatcmpl-", specs)
         opts = p.ReplyOptions(req.logprobs, req.return_token_ids, req.return_tokens_as_token_ids)
         fmt = ChatFormat(job.rid, req.model, opts, [prompt], self.version)
         return await self._respond(request, job, fmt, req.stream, _include_usage(req))
 
+    def _chat_output(self, req: p.ChatRequest) -> tuple[Callable, dict | None]:
+        """How a chat turn's tokens become a message: the built-in model's calls are written under
+        the grammar when the tool rule says so (`tool_mode`); a checkpoint's model writes its own
+        Hermes calls in its text whenever tools are offered (tool_choice "none": plain text)."""
+        if self.codec.tool_format == "hermes":
+            if req.tools and req.tool_choice != "none":
+                return (lambda: HermesOutput(req.text_output())), None
+            return req.text_output, None
+        tools = p.tool_mode(req, self.cfg.tool_rounds)
+        return ((lambda: ToolOutput(tools)) if tools else req.text_output), tools
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = await self._parse(request, p.CompletionRequest)
-        prompts = [render_prompt(x) if isinstance(x, str) else list(x) for x in req.prompts()]
+        prompts = [self.codec.prompt(x) if isinstance(x, str) else list(x) for x in req.prompts()]
         for ids in prompts:
             self._check_prompt(len(ids), "prompt")
         max_tokens = self._max_tokens(req.max_tokens, None)
@@ -307,7 +320,7 @@ class EngineServer:
             "object": "model",
             "created": self.started,
             "owned_by": "libra",
-            "root": self.cfg.model,
+            "root": self.cfg.model if self.cfg.source.builtin else self.cfg.preset.arch,
             "max_model_len": self.cfg.preset.max_model_len,
             "tp_label": self.cfg.tp_label,
         }
@@ -327,9 +340,9 @@ class EngineServer:
             self._check_model(req.model)
         if req.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            ids = render_chat([m.to_template() for m in req.messages], tools)
+            ids = self.codec.chat([m.to_template() for m in req.messages], tools)
         else:
-            ids = render_prompt(req.prompt) if req.add_special_tokens else encode(req.prompt)
+            ids = self.codec.prompt(req.prompt) if req.add_special_tokens else self.codec.encode(req.prompt)
         limit = self.cfg.preset.max_model_len
         return web.json_response(
             {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": None}
@@ -339,7 +352,7 @@ class EngineServer:
         req = p.parse(p.DetokenizeRequest, (await read_json_object(request))[0])
         if req.model is not None:
             self._check_model(req.model)
-        return web.json_response({"prompt": render(req.tokens)})
+        return web.json_response({"prompt": self.codec.render(req.tokens)})
 
     async def health(self, request: web.Request) -> web.Response:
         core = self.core
@@ -461,6 +474,7 @@ class EngineServer:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        p.CODEC.set(self.codec)  # this request's task parses and answers with this engine's tokenizer
         try:
             resp = await handler(request)
         except ApiError as e:
@@ -519,7 +533,7 @@ async def _drain(q: asyncio.Queue) -> list[SeqEvent]:
 def write_checkpoint(cfg: EngineConfig, path: str) -> tuple[Path, int]:
     """Write the weights the config would serve (random from its seed, or its checkpoint) to
     `path`: (the file, the parameter count)."""
-    model = build_model(cfg.preset, cfg.seed, cfg.checkpoint)
+    model, _ = load_lm(cfg)
     try:
         out = save_checkpoint(model, path)
     except OSError as e:
@@ -529,8 +543,8 @@ def write_checkpoint(cfg: EngineConfig, path: str) -> tuple[Path, int]:
 
 def serve(cfg: EngineConfig, sock: socket.socket, access_log: bool = False) -> None:
     """Build the model, start the engine thread and serve on `sock` until SIGINT or SIGTERM."""
-    model = build_model(cfg.preset, cfg.seed, cfg.checkpoint)
-    asyncio.run(_serve(EngineServer(cfg, model), sock, access_log))
+    model, codec = load_lm(cfg)
+    asyncio.run(_serve(EngineServer(cfg, model, codec), sock, access_log))
 
 
 async def _serve(server: EngineServer, sock: socket.socket, access_log: bool) -> None:
