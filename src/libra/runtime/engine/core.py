@@ -305,10 +305,13 @@ class EngineCore:
         """Copy new weights into the live model between two steps; optionally abort first."""
         tensors, version, abort_first = arg
         aborted = self._abort_all("aborted for a weight update") if abort_first else 0
-        params = self.model.state_dict()
-        with torch.no_grad():
-            for name, t in tensors.items():
-                params[name].copy_(t)  # cast to the model's dtype and device
+        if "lora.scale" in tensors:  # an adapter: merged onto the kept base weights
+            self.model.apply_adapter(tensors)
+        else:
+            params = self.model.state_dict()
+            with torch.no_grad():
+                for name, t in tensors.items():
+                    params[name].copy_(t)  # cast to the model's dtype and device
         if version is not None:
             self.weight_version = version
         return {"weight_version": self.weight_version, "updated": len(tensors), "aborted": aborted}

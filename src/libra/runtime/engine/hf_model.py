@@ -151,6 +151,44 @@ class LlamaFamily(nn.Module):
         x = x if b.sample_rows is None else x[b.sample_rows]
         return self.lm_head(self.model.norm(x))
 
+    @torch.no_grad()
+    def apply_adapter(self, tensors: dict[str, Tensor]) -> int:
+        """A LoRA adapter (`train/lora.py`: `<module>.lora_A.weight`, `.lora_B.weight`, `lora.scale`):
+        each adapted weight becomes its base weight plus scale * B @ A. The base weights are kept
+        from the first adapter on, so a new adapter replaces the previous one instead of adding
+        to it. Returns the number of weights updated."""
+        scale = float(tensors["lora.scale"])
+        if not hasattr(self, "_base"):
+            self._base: dict[str, Tensor] = {}
+        modules, n = dict(self.named_modules()), 0
+        for key, a in tensors.items():
+            if not key.endswith(".lora_A.weight"):
+                continue
+            name = key.removesuffix(".lora_A.weight")
+            w = modules[name].weight
+            base = self._base.setdefault(name, w.detach().clone())
+            b = tensors[f"{name}.lora_B.weight"]
+            w.copy_(base + scale * (b.float() @ a.float()).to(base))
+            n += 1
+        return n
+
+    def check_adapter(self, tensors: dict, where: str, field: str) -> None:
+        """An adapter's names and shapes against this model's linear layers."""
+        modules = dict(self.named_modules())
+        for key in tensors:
+            if key == "lora.scale":
+                continue
+            name, _, kind = key.rpartition(".lora_")
+            m = modules.get(name)
+            ok = isinstance(m, nn.Linear) and kind in ("A.weight", "B.weight") and f"{name}.lora_A.weight" in tensors and f"{name}.lora_B.weight" in tensors  # fmt: skip
+            if ok:
+                a, b = tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"]
+                ok = a.shape[1] == m.in_features and b.shape[0] == m.out_features and a.shape[0] == b.shape[1]
+            if not ok:
+                raise ConfigError(
+                    field, where, f"a LoRA adapter of this model's linear layers ({key!r} does not fit)"
+                )
+
     def forward_train(self, tokens: Tensor) -> Tensor:
         """Logits [B, T, vocab] of right-padded `tokens` [B, T], cache-free and differentiable."""
         x = self.model.embed_tokens(tokens)

@@ -254,6 +254,9 @@ def read_checkpoint(model: TinyTransformer, path: str | Path, field: str = "chec
         raise ConfigError(field, str(path), f"a torch state_dict file ({type(e).__name__})") from None
     if not isinstance(state, dict):
         raise ConfigError(field, str(path), "a torch state_dict (a mapping of tensors)")
+    if "lora.scale" in state and hasattr(model, "check_adapter"):  # a LoRA adapter (train/lora.py)
+        model.check_adapter(state, str(path), field)
+        return state
     _check_shapes(model, state, path, field)
     return state
 

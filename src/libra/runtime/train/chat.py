@@ -96,6 +96,7 @@ def parse_choice(data: dict) -> Turn:
         finish_reason=str(choice.get("finish_reason")),
         text=msg.get("content") or "",
         tool_call=call,
+        raw=msg.get("raw_content"),
     )
 
 

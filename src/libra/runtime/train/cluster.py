@@ -105,6 +105,8 @@ def engine_specs(cfg: TrainConfig, logs: Path) -> list[tuple[ProcessSpec, str]]:
                        "--tp-label", f"tp{b.tp}", "--seed", str(cfg.seed), "--max-num-seqs", str(e.max_num_seqs),
                        "--max-num-batched-tokens", str(batched_tokens(cfg)), "--kv-cache-mb", str(e.kv_cache_mb),
                        "--threads", str(e.threads), "--tool-rounds", "1")  # fmt: skip
+            if e.max_model_len is not None:
+                args += ("--max-model-len", str(e.max_model_len))
             if e.step_log:
                 args += ("--step-log", str(logs / f"{name}-steps.jsonl"))
             out.append((ProcessSpec(name, args, logs / f"{name}.log", cpus=1.0, gpus=0.0), b.name))

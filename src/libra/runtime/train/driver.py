@@ -179,7 +179,7 @@ def _rollouts(cfg: TrainConfig, cluster, http: aiohttp.ClientSession, step: int)
     env = AgentEnv(chat, tools, Sampling(r.temperature, r.top_p, r.max_tokens))
     gate = StalenessGate(cfg.pipeline.staleness, cfg.pipeline.consume)
     # Each resumed step draws fresh problems: the stream is seeded by the step it starts at.
-    problems = ProblemStream(cfg.seed * 1_000_003 + 2 + step, cfg.task.lo, cfg.task.hi, cfg.task.ops)
+    problems = ProblemStream.of(cfg.seed * 1_000_003 + 2 + step, cfg.task)
     shape = RolloutShape(r.groups_per_step, r.group_size, r.max_drop_fraction)
     rollouts = Rollouts(shape, gate, problems, make_agent_loop(r.agent_loop), env, step, cfg.steps - 1)
     tools.trained = lambda: rollouts.trained

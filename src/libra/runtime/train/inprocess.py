@@ -128,7 +128,7 @@ async def quick_grpo(cfg: TrainConfig, on_step=None, on_sft=None) -> QuickRun:
     async with LocalChat(ecfg, cfg.seed) as chat:
         chat.load(learner.model, 0)
         env = AgentEnv(chat, InProcessTools(), Sampling(r.temperature, r.top_p, r.max_tokens))
-        problems = ProblemStream(cfg.seed * 1_000_003 + 2, cfg.task.lo, cfg.task.hi, cfg.task.ops)
+        problems = ProblemStream.of(cfg.seed * 1_000_003 + 2, cfg.task)
         ro = Rollouts(
             RolloutShape(r.groups_per_step, r.group_size), StalenessGate(0), problems, CalcLoop(), env
         )
