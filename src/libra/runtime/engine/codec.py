@@ -257,7 +257,12 @@ def load_tokenizer(src) -> HFCodec:
     """The tokenizer of a Hugging Face directory or GGUF file (`sources.ModelSource`), local only."""
     from transformers import AutoTokenizer
 
-    if src.kind == "gguf":
+    from libra.runtime.engine.sources import converted
+
+    done = converted(src.path) if src.kind == "gguf" else None
+    if done is not None:  # the conversion's own copy (hf_model.load_gguf)
+        tok = AutoTokenizer.from_pretrained(str(done), local_files_only=True)
+    elif src.kind == "gguf":
         tok = AutoTokenizer.from_pretrained(str(src.path.parent), gguf_file=src.path.name)
     else:
         tok = AutoTokenizer.from_pretrained(str(src.path), local_files_only=True)

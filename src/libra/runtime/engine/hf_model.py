@@ -24,6 +24,7 @@ itself only needs torch, so a test can build one from a config.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -34,7 +35,7 @@ from libra.core.errors import ConfigError
 from libra.runtime.engine.kv_cache import KVCache
 from libra.runtime.engine.model import StepBatch, apply_rope, attention
 from libra.runtime.engine.presets import ModelPreset
-from libra.runtime.engine.sources import HF_EXTRA, ModelSource, hf_spec
+from libra.runtime.engine.sources import HF_EXTRA, ModelSource, converted, gguf_cache, hf_spec
 
 
 class RMSNorm(nn.Module):
@@ -261,8 +262,6 @@ def check_state(own: dict[str, Tensor], state: dict, where: str, field: str) -> 
 
 def load_hf_dir(path: Path, name: str) -> tuple[dict, dict[str, Tensor]]:
     """config.json and every *.safetensors shard of a local checkpoint (nothing is downloaded)."""
-    import json
-
     from safetensors.torch import load_file
 
     cfg = json.loads((path / "config.json").read_text())
@@ -276,15 +275,47 @@ def load_hf_dir(path: Path, name: str) -> tuple[dict, dict[str, Tensor]]:
 
 
 def load_gguf(path: Path) -> tuple[dict, dict[str, Tensor]]:
-    """A GGUF file's config and weights, dequantized to float32 by transformers' GGUF reader."""
-    from transformers import AutoModelForCausalLM
+    """A GGUF file's config and weights, dequantized to float32 by transformers' GGUF reader, and
+    kept as a Hugging Face directory (`sources.gguf_cache`) so the next load is a safetensors read."""
+    done = converted(path)
+    if done is not None:
+        return load_hf_dir(done, str(path))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except (ImportError, ModuleNotFoundError) as e:
         raise ConfigError("model", str(path), f"the 'hf' extra installed to read GGUF ({e}): {HF_EXTRA}") from None  # fmt: skip
+    _keep(hf, tok, gguf_cache(path))
     cfg = hf.config.to_dict()
+    cfg.pop("quantization_config", None)
     return cfg, {k: v for k, v in hf.state_dict().items()}
+
+
+def _keep(hf, tok, out: Path) -> None:
+    """Write the conversion to a temporary folder and rename it: concurrent loads never see half."""
+    import os
+    import shutil
+
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    from safetensors.torch import save_file
+
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        cfg = hf.config.to_dict()
+        cfg.pop("quantization_config", None)  # the weights written are float32
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=1, default=str))
+        state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+        if cfg.get("tie_word_embeddings"):
+            state.pop("lm_head.weight", None)  # the same tensor as the embedding
+        save_file(state, str(tmp / "model.safetensors"))
+        tok.save_pretrained(tmp)
+        (tmp / "done").write_text("")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, out) if not out.exists() else shutil.rmtree(tmp)
+    except OSError:  # a read-only or full disk: the next load converts again
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def random_hf_model(cfg: dict, seed: int, name: str = "random") -> LlamaFamily:

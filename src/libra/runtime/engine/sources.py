@@ -76,6 +76,23 @@ def resolve(model: str, max_model_len: int | None = None, field: str = "model") 
     raise ConfigError(field, model, f"{ALLOWED} ({why})")
 
 
+def gguf_cache(path: Path) -> Path:
+    """Where a GGUF file's float32 conversion is kept (config.json, safetensors, tokenizer): the
+    dequantisation runs once per file (about 20-100 s for 135M parameters on a shared CPU), then
+    every engine and trainer loads the safetensors in about a second. Keyed by name, size and mtime."""
+    import os
+
+    st = path.stat()
+    root = Path(os.environ.get("LIBRA_CACHE", Path.home() / ".cache" / "libra")) / "gguf"
+    return root / f"{path.stem}-{st.st_size}-{int(st.st_mtime)}"
+
+
+def converted(path: Path) -> Path | None:
+    """The finished conversion of a GGUF file, if there is one (`done` is written last)."""
+    d = gguf_cache(path)
+    return d if (d / "done").exists() else None
+
+
 def _capped(spec: ModelPreset, max_model_len: int | None) -> ModelPreset:
     if max_model_len is None or max_model_len >= spec.max_model_len:
         return spec

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
@@ -41,6 +41,9 @@ from libra.runtime.train.samples import to_samples
 from libra.runtime.train.steps import StepClock, step_record, trace_step
 from libra.runtime.train.task import ProblemStream
 from libra.runtime.train.tools import ActionsUnreachable, InProcessTools, SandboxTools, SlowFrom
+from libra.runtime.train.trajectory import Trajectory, TrajState
+
+BASE_STREAM = 2_000_003  # added to the seed: the base measurement's problems, drawn by nothing else
 
 
 class RunStopped(RuntimeError):
@@ -89,6 +92,10 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
     publisher = Publisher(cluster.gateway_url, http, cfg.publish.pause_mode, cfg.publish.admin_token)
     start = await _guard(cluster, _prepare(cfg, trainers, folder, resume, progress))
     await publisher.publish(str(Path(start.checkpoint) / ckpt.MODEL), start.version)
+    if cfg.task.base_eval and start.step == 0:
+        folder.base = await _guard(cluster, base_success(cfg, _env(cfg, cluster, http)))
+        if progress is not None:
+            progress.note(f"base model: success {folder.base['greedy']:.2f} greedy, {folder.base['sampled']:.2f} sampled ({cfg.task.base_eval} problems)")  # fmt: skip
     rollouts = _rollouts(cfg, cluster, http, start.step)
     admin = GatewayAdmin(cluster.gateway_url, http, cfg.publish.admin_token)
     controller = make_controller(cfg)
@@ -171,12 +178,34 @@ async def _prepare(cfg: TrainConfig, trainers: Trainers, folder: RunFolder, resu
     return Start(0, 0, next(r["checkpoint"] for r in out if r.get("checkpoint")))
 
 
-def _rollouts(cfg: TrainConfig, cluster, http: aiohttp.ClientSession, step: int) -> Rollouts:
+def _env(cfg: TrainConfig, cluster, http: aiohttp.ClientSession) -> AgentEnv:
     r = cfg.rollout
     chat = GatewayChat(cluster.gateway_url, procs.MODEL_NAME, http, r.turn_timeout_s)
     tools = SandboxTools(cluster.actions_url, http) if cfg.task.tool == "sandbox" else InProcessTools()
     tools = SlowFrom(tools, cfg.task.slow_tool_s, cfg.task.slow_tool_from)
-    env = AgentEnv(chat, tools, Sampling(r.temperature, r.top_p, r.max_tokens))
+    return AgentEnv(chat, tools, Sampling(r.temperature, r.top_p, r.max_tokens))
+
+
+async def base_success(cfg: TrainConfig, env: AgentEnv) -> dict:
+    """The model's success before training on `task.base_eval` held-out problems (a stream neither
+    training nor the warm-start draws), greedy (temperature 0) and sampled (the rollouts')."""
+    out = {"problems": cfg.task.base_eval}
+    for label, temp in (("greedy", 0.0), ("sampled", cfg.rollout.temperature)):
+        problems = ProblemStream.of(cfg.seed + BASE_STREAM, cfg.task)
+        run_env = replace(env, sampling=replace(env.sampling, temperature=temp))
+        loop = make_agent_loop(cfg.rollout.agent_loop)
+        trajs = [Trajectory(f"base-{label}-{i}", f"base{i}", i, -1) for i in range(cfg.task.base_eval)]
+        await asyncio.gather(*(loop.run(problems.next(), t, run_env) for t in trajs))
+        done = [t for t in trajs if t.state == TrajState.FINISHED]
+        out[label] = sum(t.success for t in done) / max(1, len(done))
+        out[f"{label}_dropped"] = len(trajs) - len(done)
+    return out
+
+
+def _rollouts(cfg: TrainConfig, cluster, http: aiohttp.ClientSession, step: int) -> Rollouts:
+    r = cfg.rollout
+    env = _env(cfg, cluster, http)
+    tools = env.tools
     gate = StalenessGate(cfg.pipeline.staleness, cfg.pipeline.consume)
     # Each resumed step draws fresh problems: the stream is seeded by the step it starts at.
     problems = ProblemStream.of(cfg.seed * 1_000_003 + 2 + step, cfg.task)

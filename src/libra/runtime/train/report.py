@@ -146,6 +146,7 @@ class RunFolder:
         self.records: list[dict] = []
         self.unfinished = 0  # trajectories still generating when the run ended
         self.warmstart: WarmStartRecord | None = None
+        self.base: dict | None = None  # the model's success before any training (task.base_eval)
 
     def save_trajectories(self, step: int, groups) -> None:
         """Every trained trajectory of the step, turn by turn, as the engines reported it."""
@@ -174,7 +175,12 @@ class RunFolder:
 
     def finish(self, metrics_text: bytes | None) -> dict:
         ws = asdict(self.warmstart) if self.warmstart is not None else None
-        summary = {**summarize(self.records), "unfinished": self.unfinished, "warmstart": ws}
+        summary = {
+            **summarize(self.records),
+            "unfinished": self.unfinished,
+            "warmstart": ws,
+            "base_success": self.base,
+        }
         self._write("summary.json", summary)
         self._write("trace.json", self.timeline.chrome())
         if metrics_text is not None:
