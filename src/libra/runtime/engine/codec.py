@@ -86,6 +86,42 @@ class ByteCodec:
 
 BYTES = ByteCodec()
 
+
+class IdsOnly:
+    """A vocabulary with no text: token ids in and out, no end token. For engines that serve
+    random weights of a real shape (throughput benchmarks, the device script), where there is no
+    tokenizer: every token is text of no bytes, and a sequence runs to its max_tokens."""
+
+    tool_format = "hermes"
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size, self.end_ids = vocab_size, frozenset()
+
+    def token_bytes(self, token: int) -> bytes:
+        return b""
+
+    def is_special(self, token: int) -> bool:
+        return False
+
+    def ends_text(self, token: int) -> bool:
+        return False
+
+    def label(self, token: int) -> str:
+        return f"<{token}>"
+
+    def encode(self, text: str) -> list[int]:
+        raise ValueError("this engine has no tokenizer: send token ids")
+
+    def render(self, ids: Sequence[int]) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+    def chat(self, messages: Sequence[ChatMessage], tools: list | None) -> list[int]:
+        raise ValueError("this engine has no tokenizer or chat template: send token ids")
+
+    def prompt(self, text: str) -> list[int]:
+        return self.encode(text)
+
+
 # ---- Hugging Face tokenizers ------------------------------------------------------------------------
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
