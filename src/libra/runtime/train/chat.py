@@ -106,7 +106,9 @@ class GatewayChat:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
 
     async def turn(self, s: SessionInfo, messages: list[dict], tools: list[dict], sampling: Sampling) -> Turn:  # fmt: skip
-        headers = {"X-Session-ID": s.session_id, "X-Prompt-ID": s.prompt_id, "X-Libra-Step": str(s.step)}
+        headers = {"X-Session-ID": s.session_id, "X-Prompt-ID": s.prompt_id}
+        if s.step >= 0:  # a measurement outside training (the base model's) belongs to no step
+            headers["X-Libra-Step"] = str(s.step)
         body = chat_body(self.model, messages, tools, sampling)
         t0 = time.time()
         try:

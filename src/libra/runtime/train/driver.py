@@ -95,7 +95,7 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
     if cfg.task.base_eval and start.step == 0:
         folder.base = await _guard(cluster, base_success(cfg, _env(cfg, cluster, http)))
         if progress is not None:
-            progress.note(f"base model: success {folder.base['greedy']:.2f} greedy, {folder.base['sampled']:.2f} sampled ({cfg.task.base_eval} problems)")  # fmt: skip
+            progress.note(f"base model: success {folder.base['greedy']} greedy, {folder.base['sampled']} sampled ({cfg.task.base_eval} problems)")  # fmt: skip
     rollouts = _rollouts(cfg, cluster, http, start.step)
     admin = GatewayAdmin(cluster.gateway_url, http, cfg.publish.admin_token)
     controller = make_controller(cfg)
@@ -197,7 +197,7 @@ async def base_success(cfg: TrainConfig, env: AgentEnv) -> dict:
         trajs = [Trajectory(f"base-{label}-{i}", f"base{i}", i, -1) for i in range(cfg.task.base_eval)]
         await asyncio.gather(*(loop.run(problems.next(), t, run_env) for t in trajs))
         done = [t for t in trajs if t.state == TrajState.FINISHED]
-        out[label] = sum(t.success for t in done) / max(1, len(done))
+        out[label] = sum(t.success for t in done) / len(done) if done else None
         out[f"{label}_dropped"] = len(trajs) - len(done)
     return out
 
