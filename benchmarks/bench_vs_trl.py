@@ -186,6 +186,7 @@ def trl_worker(a) -> None:
         output_dir=tempfile.mkdtemp(prefix="bench-vs-trl-trl-"), learning_rate=a.lr, max_steps=a.steps,
         per_device_train_batch_size=a.groups * a.group_size, gradient_accumulation_steps=1,
         num_generations=a.group_size, max_completion_length=a.max_tokens, temperature=1.0, beta=0.0,
+        epsilon=0.2, epsilon_high=0.28, loss_type="dapo",  # Libra's clip (0.2, 0.28) and token-level loss
         logging_steps=1, report_to=[], use_cpu=True, bf16=False, seed=a.seed, shuffle_dataset=False,
         save_strategy="no", disable_tqdm=True,
     )  # fmt: skip
