@@ -43,6 +43,7 @@ class StepRecord:
     selector: dict | None = None  # EARL: this step's packing, and what was refused and why
     elastic: dict | None = None  # the hybrid pool: joins, releases, rollbacks, hybrid_active, states
     fleet: dict | None = None  # the re-planned layout: buckets' boundaries and engines, what moved
+    memory: dict | None = None  # each trainer replica's peak resident memory (and CUDA peak), by rank
 
     def as_dict(self) -> dict:
         return asdict(self)
