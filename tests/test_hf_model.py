@@ -78,6 +78,13 @@ def test_bad_models_are_one_clear_error(tmp_path, ckpt):
     (other / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
     with pytest.raises(ConfigError, match="supported architecture.*'gpt2'"):
         resolve(str(other))
+    from libra.runtime.engine import sources
+
+    monkey = {**sources.PACKAGED, "smollm2-135m": ("libra_no_such_package", "*.gguf")}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sources, "PACKAGED", monkey)
+        with pytest.raises(ConfigError, match="the 'models' extra installed .*libra_no_such_package"):
+            resolve("smollm2-135m")
     with pytest.raises(ConfigError, match="^model: got '/nonexistent/m'; allowed: a preset"):
         EngineConfig(model="/nonexistent/m")
     with pytest.raises(ConfigError, match="engine.model"):
