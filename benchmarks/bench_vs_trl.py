@@ -8,9 +8,9 @@ question, one answer, reward 1 when its last integer is the true value): TRL's G
 prompt to one completion, not Libra's multi-turn tool loop, so both run what both can. Same
 prompts per step, group size, max tokens, learning rate, temperature, no KL term, seeded problems.
 They run one after the other (never together), each on every core of this machine: Libra as
-`libra train` (its engine, gateway, actions service and a trainer replica, one torch thread
-each, `pipeline.staleness` 1 so the next batch's rollout overlaps training), TRL as one process
-with as many torch threads as cores.
+`libra train` (its engine, gateway and a trainer replica; the trainer with as many torch threads
+as cores, the engine with one; `pipeline.staleness` 1 so the next batch's rollout overlaps
+training), TRL as one process with as many torch threads as cores.
 
 Prints one JSON object: `libra` and `trl`, each with `step_s` (mean wall seconds per GRPO step,
 the first step left out: it pays the start-up), `rollout_s` and `train_s` (the split, where the
@@ -92,7 +92,7 @@ def libra_side(a) -> dict:
     sets = [f"rollout.groups_per_step={a.groups}", f"rollout.group_size={a.group_size}", f"rollout.max_tokens={a.max_tokens}",
             f"trainer.lr={a.lr}", "rollout.agent_loop=answer", "task.tool=in_process", f"task.prompt={PROMPT}",
             f"task.base_eval={a.base_eval}", f"pipeline.staleness={a.staleness}", "pipeline.consume=completion",
-            f"seed={a.seed}", "trainer.negative_weight=1.0"]  # fmt: skip
+            f"seed={a.seed}", "trainer.negative_weight=1.0", f"trainer.threads={os.cpu_count()}"]  # fmt: skip
     cmd = [sys.executable, "-m", "libra", "train", "--config", "real-smollm2", "--steps", str(a.steps), "--out", str(out), "--json"]  # fmt: skip
     for s in sets:
         cmd += ["--set", s]
