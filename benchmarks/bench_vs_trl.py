@@ -14,7 +14,8 @@ training), TRL as one process with as many torch threads as cores.
 
 Prints one JSON object: `libra` and `trl`, each with `step_s` (mean wall seconds per GRPO step,
 the first step left out: it pays the start-up), `rollout_s` and `train_s` (the split, where the
-framework reports one), `tokens_per_s`, `base_success` (Libra: its held-out measurement before
+framework reports one), `tokens_per_s` (prompt and completion tokens trained; Libra's only:
+TRL logs completion lengths) and `completion_tokens_per_s` (sampled tokens), `base_success` (Libra: its held-out measurement before
 training, sampled and greedy; TRL: the first step's mean reward, sampled), `final_success` (mean
 success of the last min(3, steps) steps), `steps`, `peak_rss_mb` (the largest sum of the
 resident memory of the run's processes, sampled every 0.5 s), the curve, and `ratio_step_s`
@@ -114,6 +115,9 @@ def libra_side(a) -> dict:
         "tokens_per_s": round(
             sum(s["tokens"]["total"] for s in timed) / sum(s["step_time_s"] for s in timed), 1
         ),
+        "completion_tokens_per_s": round(
+            sum(s["tokens"]["model"] for s in timed) / sum(s["step_time_s"] for s in timed), 2
+        ),
         "base_success": base.get("sampled"),
         "base_success_greedy": base.get("greedy"),
         "first_step_success": steps[0]["success"],
@@ -199,7 +203,8 @@ def trl_worker(a) -> None:
     tokens = [float(h.get("completions/mean_length", 0)) for h in logs]
     step_s = sum(timed) / len(timed)
     print(json.dumps({"steps": len(curve), "step_s": round(step_s, 3), "rollout_s": None, "train_s": None,
-                      "tokens_per_s": round(sum(tokens[1:] or tokens) * a.groups * a.group_size / max(sum(timed), 1e-9), 1),
+                      "tokens_per_s": None,  # TRL logs completion lengths only
+                      "completion_tokens_per_s": round(sum(tokens[1:] or tokens) * a.groups * a.group_size / max(sum(timed), 1e-9), 2),
                       "base_success": curve[0] if curve else None, "first_step_success": curve[0] if curve else None,
                       "final_success": tail_mean(curve), "curve": curve, "trl": __import__("trl").__version__}))  # fmt: skip
 
