@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -46,9 +47,10 @@ class _Bar:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None, help="Run folder [default: runs/train].")  # fmt: skip
 @click.option("--launcher", type=click.Choice(["local", "ray"]), default="local", show_default=True, help="Start processes as subprocesses, or as Ray actors in a placement group.")  # fmt: skip
 @set_option_for("trainer.replicas=4")
-@click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in --out.")
+@click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in --out (verified; exit 2 if it cannot be used).")  # fmt: skip
+@click.option("--overwrite", is_flag=True, help="Start over in an --out that holds an earlier run (its steps and checkpoints are removed).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of a table.")
-def train(config_path, steps, out_dir, launcher, overrides, resume, as_json) -> None:
+def train(config_path, steps, out_dir, launcher, overrides, resume, overwrite, as_json) -> None:
     """Train the built-in model with agentic GRPO, live: engines in C-MLFQ buckets behind the
     gateway, tool calls in the sandboxed actions service, data-parallel trainer replicas.
 
@@ -60,6 +62,7 @@ def train(config_path, steps, out_dir, launcher, overrides, resume, as_json) -> 
 
     cfg = load_train_config(config_path, [*overrides, *([f"steps={steps}"] if steps else [])])
     out = writable_dir(Path(out_dir or "runs/train"))
+    point = _start_point(out, cfg.steps, resume, overwrite)
     from libra.runtime.launch import make_launcher
     from libra.runtime.train.driver import train as run_train
 
@@ -69,7 +72,7 @@ def train(config_path, steps, out_dir, launcher, overrides, resume, as_json) -> 
 
     t0 = time.perf_counter()
     try:
-        summary = asyncio.run(run_train(cfg, out, lau, resume, bar))
+        summary = asyncio.run(run_train(cfg, out, lau, point, bar))
     except RunStopped as e:
         if bar is not None:
             bar.stop()
@@ -83,6 +86,25 @@ def train(config_path, steps, out_dir, launcher, overrides, resume, as_json) -> 
         return
     console.print(summary_table(summary))
     err_console.print(f"trained in {time.perf_counter() - t0:.0f} s; run folder {out}/ (steps.json, reward.png, trace.json, checkpoints/, logs/)")  # fmt: skip
+
+
+def _start_point(out: Path, steps: int, resume: bool, overwrite: bool):
+    """The checkpoint to resume (verified), or None for a new run; a CheckpointError (exit 2)
+    when --resume has nothing usable, or when a new run would overwrite an earlier one."""
+    from libra.runtime.train import checkpoint as ckpt
+
+    if resume and overwrite:
+        raise ckpt.CheckpointError("--resume and --overwrite: give one (continue the run in --out, or start it over)")  # fmt: skip
+    if resume:
+        return ckpt.resume_point(out, steps)
+    earlier = ckpt.earlier_run(out)
+    if earlier is not None and not overwrite:
+        raise ckpt.CheckpointError(f"--out {out} holds an earlier run ({earlier}): pass --resume to continue it, --overwrite to start it over, or another --out")  # fmt: skip
+    if earlier is not None:
+        for name in ("steps.json", "summary.json", "trajectories.jsonl"):
+            (out / name).unlink(missing_ok=True)
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    return None
 
 
 def _cpus(cfg) -> float:

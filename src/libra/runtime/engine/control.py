@@ -43,6 +43,12 @@ from libra.runtime.openai_errors import ApiError, read_json_object
 DEFAULT_GROUP = "weight_update_group"
 # How long joining a group or receiving an update waits for the other ranks.
 GROUP_TIMEOUT_S = 300.0
+# How long reading a weights file may take (a local file takes well under a second; a hung
+# network mount would block the reading thread forever).
+READ_TIMEOUT_S = 120.0
+# How long a control command may wait for the engine thread (a pause in "wait" mode lasts until
+# the requests in flight finish).
+CONTROL_TIMEOUT_S = 900.0
 VLLM_MODES = {"abort": PauseMode.ABORT, "wait": PauseMode.WAIT, "keep": PauseMode.IN_PLACE}
 
 
@@ -138,6 +144,15 @@ def close_groups(server) -> None:
         group.close()
 
 
+async def _within(aw, seconds: float, what: str):
+    """`aw`, or a ControlError naming what did not finish within `seconds` (the thread it ran in
+    may stay blocked, but the call is answered and the engine keeps serving)."""
+    try:
+        return await asyncio.wait_for(aw, seconds)
+    except TimeoutError:
+        raise ControlError(f"{what} did not finish within {seconds:g} s") from None
+
+
 def _ok(message: str, **more) -> web.Response:
     return web.json_response({"success": True, "message": message, **more})
 
@@ -182,7 +197,21 @@ class Control:
         return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
 
     async def _run(self, kind: str, arg: object = None) -> dict:
-        return await asyncio.wrap_future(self.core.control(kind, arg))
+        """A command carried out by the engine thread between two steps; an error, not a wait
+        forever, when that thread has stopped or does not get to it (a pause that waits for
+        requests to finish takes as long as they do: CONTROL_TIMEOUT_S bounds it)."""
+        fut = asyncio.wrap_future(self.core.control(kind, arg))
+        deadline = asyncio.get_running_loop().time() + CONTROL_TIMEOUT_S
+        while True:
+            done, _ = await asyncio.wait({fut}, timeout=1.0)
+            if done:
+                return fut.result()
+            if not self.core.alive:
+                fut.cancel()
+                raise ApiError(503, f"the engine thread has stopped; {kind!r} was not carried out (see the engine log)")  # fmt: skip
+            if asyncio.get_running_loop().time() > deadline:
+                fut.cancel()
+                raise ControlError(f"the engine thread did not carry out {kind!r} within {CONTROL_TIMEOUT_S:g} s")  # fmt: skip
 
     # ---- pause, continue, abort, flush -----------------------------------------------------------
 
@@ -209,7 +238,8 @@ class Control:
     async def update_from_disk(self, request: web.Request) -> web.Response:
         req = parse(DiskUpdate, await _body(request))
         held = self.core.num_running + self.core.num_waiting if self.core.paused else 0
-        tensors = await asyncio.to_thread(read_checkpoint, self.server.model, req.model_path, "model_path")
+        read = asyncio.to_thread(read_checkpoint, self.server.model, req.model_path, "model_path")
+        tensors = await _within(read, READ_TIMEOUT_S, f"reading model_path {clip(req.model_path)!r}")
         out = await self._run("weights", (tensors, req.weight_version, req.abort_all_requests))
         return _ok(f"loaded {len(tensors)} tensors from {req.model_path}", num_paused_requests=held, **out)
 

@@ -23,6 +23,7 @@ from libra.core.errors import ConfigError
 from libra.costmodel.efficiency import DEFAULT_ENGINE, EngineName
 from libra.rollout.base import Bucket
 from libra.rollout.tool_state import SizeThresholds
+from libra.runtime.http_limits import HttpLimitFields, RequestCapFields
 
 BACKEND_SPEC = "URL,bucket=NAME,tp=T,max_context=N[,cap=C][,node=K][,name=ID][,api_key=KEY][,control=sglang|vllm][,admin_token=T]"  # fmt: skip
 BACKEND_KEYS = ("bucket", "tp", "max_context", "cap", "node", "name", "api_key", "control", "admin_token")
@@ -140,8 +141,9 @@ class CostModelConfig(_Strict):
     )
 
 
-class GatewayConfig(_Strict):
-    """Everything `libra serve gateway` can be told (YAML keys and `--set` paths)."""
+class GatewayConfig(_Strict, HttpLimitFields, RequestCapFields):
+    """Everything `libra serve gateway` can be told (YAML keys and `--set` paths); the connection
+    limits and request caps are `http_limits`' fields, shared with the engine."""
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import resource
 import socket
 import time
 
@@ -42,16 +41,18 @@ from libra.rollout.base import (
     bucket_for_length,
 )
 from libra.rollout.placement import choose_instance, healthy_exists
+from libra.runtime.admin_guard import admin_middleware
 from libra.runtime.gateway import admin, control, upstream
 from libra.runtime.gateway.config import MAX_HEADER_TEXT, GatewayConfig, header_safe
 from libra.runtime.gateway.conversation import prompt_key, prompt_size
 from libra.runtime.gateway.errors import ApiError, http_message, json_error
 from libra.runtime.gateway.metrics import GatewayMetrics
 from libra.runtime.gateway.pool import AdminState, Health, HealthChecker, Instance, Pool, StateError
-from libra.runtime.gateway.sessions import Session, SessionError, SessionTracker, TurnRecord
+from libra.runtime.gateway.sessions import Session, SessionError, SessionTracker, TurnRecord, tokens_of_chars
 from libra.runtime.gateway.tree_store import TreeStore
+from libra.runtime.http_limits import batch_size
 from libra.runtime.openai_errors import read_json_object
-from libra.runtime.serving import serve_until_signalled
+from libra.runtime.serving import limited_runner, serve_until_signalled
 
 log = logging.getLogger("libra.gateway")
 perf = time.perf_counter
@@ -92,8 +93,9 @@ class Gateway:
         self.session_fields = ((sc.key_field,) if sc.key_field else ()) + SESSION_FIELDS
 
     def app(self) -> web.Application:
+        guard = admin_middleware(lambda: self.cfg.admin_token, _unauthorized)
         app = web.Application(
-            client_max_size=int(self.cfg.max_body_mb * 2**20), middlewares=[self._middleware]
+            client_max_size=int(self.cfg.max_body_mb * 2**20), middlewares=[self._middleware, guard]
         )
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
@@ -182,6 +184,8 @@ class Gateway:
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "'messages' is required: a non-empty list of chat messages", "messages", "invalid_value")  # fmt: skip
         self._check_model(data)
+        asked = data.get("max_completion_tokens", data.get("max_tokens"))
+        self._check_queue(1, tokens_of_chars(len(body)), asked, data.get("n"), "messages")
         return await self._proxy(request, "chat", data, body, messages, 0)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -190,17 +194,19 @@ class Gateway:
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt)):
             raise ApiError(400, "'prompt' is required: a string, token ids, or a non-empty list of either", "prompt", "invalid_value")  # fmt: skip
         self._check_model(data)
+        self._check_batch(prompt, data.get("max_tokens"), data.get("n"), "prompt")
         chars, tokens = prompt_size(prompt)
         return await self._proxy(request, "completions", data, body, None, chars, tokens, prompt)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         """SGLang's native /generate: `input_ids` (counted exactly) or `text`."""
         data, body = await self._read(request)
-        prompt = data.get("input_ids")
-        if prompt is None:
-            prompt = data.get("text")
+        field = "input_ids" if data.get("input_ids") is not None else "text"
+        prompt = data.get(field)
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt)):
             raise ApiError(400, "'text' or 'input_ids' is required: a string, token ids, or a non-empty list of either", "input_ids", "invalid_value")  # fmt: skip
+        sp = data.get("sampling_params")
+        self._check_batch(prompt, sp.get("max_new_tokens") if isinstance(sp, dict) else None, 1, field)
         chars, tokens = prompt_size(prompt)
         return await self._proxy(request, "generate", data, body, None, chars, tokens, prompt)
 
@@ -258,6 +264,27 @@ class Gateway:
 
     async def _read(self, request: web.Request) -> tuple[dict, bytes]:
         return await read_json_object(request)
+
+    def _check_batch(self, prompt: object, asked: object, n: object, field: str) -> None:
+        """A batch's prompts within `max_prompts_per_request`, then its tokens (below)."""
+        count, cap = batch_size(prompt), self.cfg.max_prompts_per_request
+        if count > cap:
+            msg = f"{field!r} holds {count} prompts; this gateway takes at most {cap} per request (max_prompts_per_request)"  # fmt: skip
+            raise ApiError(400, msg, field, "too_many_prompts")
+        items = prompt if count > 1 or (isinstance(prompt, list) and prompt and isinstance(prompt[0], list)) else [prompt]  # fmt: skip
+        tokens = sum(len(x) if isinstance(x, list) else tokens_of_chars(len(x)) if isinstance(x, str) else 0 for x in items)  # fmt: skip
+        self._check_queue(len(items), tokens, asked, n, field)
+
+    def _check_queue(self, prompts: int, prompt_tokens: int, asked: object, n: object, field: str) -> None:
+        """What the request would queue on an engine, at most `max_request_tokens`: over its
+        sequences (prompts x n), prompt tokens (token ids exactly, text estimated from its length)
+        plus max_tokens (absent: 0 here, the backend applies its own default)."""
+        n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+        asked = asked if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0 else 0
+        total, cap = (prompt_tokens + prompts * asked) * n, self.cfg.max_request_tokens
+        if total > cap:
+            msg = f"this request would queue about {total} tokens ({prompts} prompts x n={n}, prompt plus max_tokens each); this gateway takes at most {cap} (max_request_tokens)"  # fmt: skip
+            raise ApiError(400, msg, field, "request_too_large")
 
     def _check_model(self, data: dict) -> None:
         model = data.get("model")
@@ -521,6 +548,11 @@ class Gateway:
         return resp
 
 
+def _unauthorized(request: web.Request) -> web.Response:
+    msg = "this call needs 'Authorization: Bearer <admin token>' (the gateway's admin_token)"
+    return json_error(401, msg, "Authorization", "unauthorized")
+
+
 def _check_id(value: str | None, field: str) -> str | None:
     """A session or prompt id goes back out in headers and keys the router's trees: printable
     (no control characters, which a header cannot carry) and at most MAX_HEADER_TEXT long."""
@@ -557,24 +589,13 @@ async def _forever(loop_fn) -> None:
 # ---- running it -------------------------------------------------------------------------------------
 
 
-def raise_fd_limit() -> None:
-    """Each session holds a client and a backend connection; the default 1024 fds is too few."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (ValueError, OSError):
-            pass
-
-
 def serve(gw: Gateway, sock: socket.socket, access_log: bool = False) -> None:
-    raise_fd_limit()
     asyncio.run(_serve(gw, sock, access_log))
 
 
 async def _serve(gw: Gateway, sock: socket.socket, access_log: bool) -> None:
     kwargs = {} if access_log else {"access_log": None}
-    runner = web.AppRunner(gw.app(), handler_cancellation=True, **kwargs)
+    runner = limited_runner(gw.app(), gw.cfg.http_limits(), handler_cancellation=True, **kwargs)
     await runner.setup()
     await web.SockSite(runner, sock, backlog=4096).start()
     host, port = sock.getsockname()[:2]
