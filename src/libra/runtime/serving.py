@@ -62,7 +62,12 @@ def limited_runner(app: web.Application, limits: HttpLimits, **kwargs) -> web.Ap
     """An `AppRunner` whose connections obey `limits` (module docstring); `kwargs` as AppRunner's."""
     app[HTTP_LIMITS] = limits
     raise_fd_limit()
-    return _LimitedRunner(app, limits, keepalive_timeout=limits.idle_timeout_s, **kwargs)
+    # After answering a request whose body did not all arrive, aiohttp reads on for its lingering
+    # time before closing: no longer than a body may take.
+    linger = min(10.0, limits.body_timeout_s)
+    return _LimitedRunner(
+        app, limits, keepalive_timeout=limits.idle_timeout_s, lingering_time=linger, **kwargs
+    )
 
 
 async def read_body(request: web.Request) -> bytes:

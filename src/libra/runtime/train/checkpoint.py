@@ -28,8 +28,6 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from libra.core.errors import LibraError
 from libra.runtime.regular_file import FileRefused, read_regular
 
@@ -71,6 +69,8 @@ def folder(root: Path, step: int) -> Path:
 
 
 def check_finite(weights: dict, step: int) -> None:
+    import torch  # here, not at the top: the CLI refuses a bad --resume before torch loads
+
     for name, t in weights.items():
         if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise NonFiniteWeights(f"step {step} produced non-finite weights ({name} holds NaN or infinity); they were neither written nor published")  # fmt: skip
@@ -102,6 +102,8 @@ def save(
 
 
 def _serialize(obj: dict) -> bytes:
+    import torch
+
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
@@ -180,6 +182,8 @@ def load(info: CheckpointInfo, run: Path | None = None) -> tuple[dict, dict | No
 
 
 def _deserialize(data: bytes, info: CheckpointInfo, name: str) -> dict:
+    import torch
+
     try:
         obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # the digest matched, so this file was written that way
