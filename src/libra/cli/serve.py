@@ -151,7 +151,7 @@ def _presets() -> list[str]:
 @click.option("--header-timeout-s", type=float, default=None, help="From a request's first byte to the end of its headers [default: 10].")  # fmt: skip
 @click.option("--body-timeout-s", type=float, default=None, help="Reading one request's body [default: 60].")  # fmt: skip
 @click.option("--idle-timeout-s", type=float, default=None, help="An idle keep-alive connection is closed after this [default: 75].")  # fmt: skip
-@click.option("--max-connections-per-client", type=int, default=None, help="Open connections from one IP address [default: 1024].")  # fmt: skip
+@click.option("--max-connections-per-client", type=int, default=None, help="Open connections from one IP address [default: 4096].")  # fmt: skip
 @click.option("--access-log", is_flag=True, help="Log every HTTP request.")
 @click.option("--step-log", type=click.Path(dir_okay=False), default=None, help="Append each step's composition and CPU seconds to this JSONL file (for `libra costmodel profile`).")  # fmt: skip
 @_needs_extra

@@ -32,7 +32,7 @@ from pydantic import BaseModel, Field
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 60.0
 IDLE_TIMEOUT_S = 75.0
-MAX_CONNECTIONS_PER_CLIENT = 1024
+MAX_CONNECTIONS_PER_CLIENT = 4096  # a gateway is one client of each engine: room for its requests in flight
 MAX_PROMPTS_PER_REQUEST = 4096
 MAX_REQUEST_TOKENS = 2**22
 

@@ -31,13 +31,10 @@ import shutil
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from libra.core.errors import ConfigError
 from libra.runtime.sandbox import mounts
-
-if TYPE_CHECKING:
-    from libra.runtime.sandbox.budget import ResponseBudget
 
 WORKSPACE, TMP = "/workspace", "/tmp"
 NAME_MAX = 255  # bytes in one path component (Linux)
@@ -150,6 +147,16 @@ class Storage:
             sorted(f"/{p.name}" for p in (self.root / "a").iterdir()) if (self.root / "a").is_dir() else []
         )
         return [WORKSPACE, TMP, *extra]
+
+
+class FetchBudget(Protocol):
+    """What a response has left for fetched files (`budget.ResponseBudget`)."""
+
+    def file_room(self, name: str) -> int: ...
+
+    def charge_file(self, name: str, size: int) -> None: ...
+
+    def refusal(self, size: int) -> str: ...
 
 
 class Storages:
@@ -287,7 +294,7 @@ class Storages:
     # ---- files out ---------------------------------------------------------------------------
 
     def fetch(
-        self, st: Storage, targets: list[Target], max_bytes: int, budget: ResponseBudget | None = None
+        self, st: Storage, targets: list[Target], max_bytes: int, budget: FetchBudget | None = None
     ) -> tuple[dict[str, str], dict[str, str]]:
         """Base64 of each requested regular file, and why each other one was not read (missing, a
         link, a FIFO, a socket, a device, a directory, too large for one file or for what the
@@ -307,7 +314,7 @@ class Storages:
                 skipped[t.name] = e.strerror or str(e)
         return out, skipped
 
-    def _read_one(self, st: Storage, t: Target, max_bytes: int, budget: ResponseBudget | None = None) -> bytes:  # fmt: skip
+    def _read_one(self, st: Storage, t: Target, max_bytes: int, budget: FetchBudget | None = None) -> bytes:  # fmt: skip
         if not st.host_dir(t.area).is_dir():
             raise FileNotFoundError(t.name)
         parent = self._open_dir(st, t, create=False)
