@@ -165,13 +165,16 @@ def test_the_cli_exits_2_naming_the_fault_and_never_starts_over(run):
     assert not (run / "steps.json").exists() and ckpt.earlier_run(run) is None
 
 
-def test_a_replica_refuses_a_checkpoint_of_another_model(run, tmp_path_factory):
-    """The trainer's own resume (behind the CLI's check) verifies and names a wrong model."""
+def test_a_checkpoint_of_another_model_is_refused_by_the_cli_and_the_replica(run, tmp_path_factory):
+    """--resume checks the tensors against the run's model; the trainer's own resume (behind the
+    CLI's check) verifies and names a wrong model too."""
     from libra.runtime.train.config import load_train_config
     from libra.runtime.train.worker import Replica
 
     small = TinyTransformer(PRESETS["small"], 0)
-    ckpt.save(run / "checkpoints", 5, 5, small.state_dict(), None, keep=10)
+    ckpt.save(run / "checkpoints", 5, 5, small.state_dict(), {"state": {}, "param_groups": []}, keep=10)
+    with pytest.raises(ckpt.CheckpointError, match="not of this run's model 'tiny'"):
+        ckpt.resume_point(run, STEPS, "tiny")
     replica = Replica(load_train_config(None, ["trainer.replicas=1"]), 0, 1, run)
     with pytest.raises(ckpt.CheckpointError, match="does not fit this run's model"):
         replica.resume(str(ckpt.folder(run / "checkpoints", 5)))

@@ -62,7 +62,7 @@ def train(config_path, steps, out_dir, launcher, overrides, resume, overwrite, a
 
     cfg = load_train_config(config_path, [*overrides, *([f"steps={steps}"] if steps else [])])
     out = writable_dir(Path(out_dir or "runs/train"))
-    point = _start_point(out, cfg.steps, resume, overwrite)
+    point = _start_point(out, cfg.steps, resume, overwrite, cfg.engine.model)
     from libra.runtime.launch import make_launcher
     from libra.runtime.train.driver import train as run_train
 
@@ -88,7 +88,7 @@ def train(config_path, steps, out_dir, launcher, overrides, resume, overwrite, a
     err_console.print(f"trained in {time.perf_counter() - t0:.0f} s; run folder {out}/ (steps.json, reward.png, trace.json, checkpoints/, logs/)")  # fmt: skip
 
 
-def _start_point(out: Path, steps: int, resume: bool, overwrite: bool):
+def _start_point(out: Path, steps: int, resume: bool, overwrite: bool, model: str | None = None):
     """The checkpoint to resume (verified), or None for a new run; a CheckpointError (exit 2)
     when --resume has nothing usable, or when a new run would overwrite an earlier one."""
     from libra.runtime.train import checkpoint as ckpt
@@ -96,7 +96,7 @@ def _start_point(out: Path, steps: int, resume: bool, overwrite: bool):
     if resume and overwrite:
         raise ckpt.CheckpointError("--resume and --overwrite: give one (continue the run in --out, or start it over)")  # fmt: skip
     if resume:
-        return ckpt.resume_point(out, steps)
+        return ckpt.resume_point(out, steps, model)
     earlier = ckpt.earlier_run(out)
     if earlier is not None and not overwrite:
         raise ckpt.CheckpointError(f"--out {out} holds an earlier run ({earlier}): pass --resume to continue it, --overwrite to start it over, or another --out")  # fmt: skip

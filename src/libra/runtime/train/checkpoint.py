@@ -217,9 +217,10 @@ def latest(root: Path) -> CheckpointInfo | None:
     return found[-1] if found else None
 
 
-def resume_point(run: Path, steps: int) -> CheckpointInfo:
-    """What `--resume` starts from: the newest checkpoint, verified byte for byte, if it leaves
-    steps to train; otherwise a CheckpointError saying what is wrong and what to do."""
+def resume_point(run: Path, steps: int, model: str | None = None) -> CheckpointInfo:
+    """What `--resume` starts from: the newest checkpoint, verified byte for byte (and, given the
+    run's `model` preset, its tensors' names and shapes), if it leaves steps to train; otherwise a
+    CheckpointError saying what is wrong and what to do."""
     root = run / "checkpoints"
     found = step_folders(root)
     if not found:
@@ -227,7 +228,9 @@ def resume_point(run: Path, steps: int) -> CheckpointInfo:
     newest = found[-1][1]
     try:
         info = open_checkpoint(newest, run)
-        load(info, run)
+        weights, _ = load(info, run)
+        if model is not None:
+            _check_model(info, weights, model)
     except CheckpointError as e:
         older = next((c for c in reversed(complete(root)) if c.path != newest), None)
         hint = (f"; the one before it is step {older.step}: move {newest} out of {root} to resume from that"
@@ -238,6 +241,17 @@ def resume_point(run: Path, steps: int) -> CheckpointInfo:
     if info.step >= steps:
         raise CheckpointError(f"--resume: the newest checkpoint is step {info.step}, which is the run's end already (steps = {steps}); pass a larger --steps to train on")  # fmt: skip
     return info
+
+
+def _check_model(info: CheckpointInfo, weights: dict, model: str) -> None:
+    from libra.runtime.engine.config import PRESETS
+    from libra.runtime.engine.model import TinyTransformer
+
+    want = {k: tuple(v.shape) for k, v in TinyTransformer(PRESETS[model], 0).state_dict().items()}
+    got = {k: tuple(getattr(v, "shape", ())) for k, v in weights.items()}
+    bad = sorted(set(want) ^ set(got)) + sorted(k for k in set(want) & set(got) if want[k] != got[k])
+    if bad:
+        raise CheckpointError(f"checkpoint {info.path} is not of this run's model {model!r} (names or shapes differ: {bad[:3]})")  # fmt: skip
 
 
 def earlier_run(run: Path) -> str | None:
