@@ -271,7 +271,8 @@ class Gateway:
         if count > cap:
             msg = f"{field!r} holds {count} prompts; this gateway takes at most {cap} per request (max_prompts_per_request)"  # fmt: skip
             raise ApiError(400, msg, field, "too_many_prompts")
-        items = prompt if count > 1 or (isinstance(prompt, list) and prompt and isinstance(prompt[0], list)) else [prompt]  # fmt: skip
+        batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+        items = prompt if batch else [prompt]
         tokens = sum(len(x) if isinstance(x, list) else tokens_of_chars(len(x)) if isinstance(x, str) else 0 for x in items)  # fmt: skip
         self._check_queue(len(items), tokens, asked, n, field)
 
