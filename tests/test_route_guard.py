@@ -36,39 +36,40 @@ def routes(app: web.Application) -> list[tuple[str, str]]:
     return sorted(out)
 
 
-async def probe(app: web.Application, token: str | None) -> dict[tuple[str, str], int]:
-    """Each route's status, called with an empty JSON body and the given token (or none)."""
+async def probe(app: web.Application) -> tuple[dict, dict]:
+    """Each route's status, called with an empty JSON body: without the token (only the routes
+    the guard covers: a public call may start real work), then with it (every route)."""
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     sock = socket.create_server(("127.0.0.1", 0))
     await web.SockSite(runner, sock).start()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    out = {}
+    out: tuple[dict, dict] = ({}, {})
     try:
-        async with aiohttp.ClientSession() as http:
-            for method, path in routes(app):
-                if not needs_admin(method, path) and token is None:
-                    continue  # not the guard's business: a public call may start real work
-                concrete = re.sub(r"\{[^}]+\}", "x", path)
-                timeout = aiohttp.ClientTimeout(total=60)
-                async with http.request(
-                    method, url + concrete, json={}, headers=headers, timeout=timeout
-                ) as r:
-                    out[(method, path)] = r.status
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+            for found, token in zip(out, (None, TOKEN), strict=True):
+                headers = {"Authorization": f"Bearer {token}"} if token else {}
+                for method, path in routes(app):
+                    if token is None and not needs_admin(method, path):
+                        continue
+                    concrete = re.sub(r"\{[^}]+\}", "x", path)
+                    async with http.request(method, url + concrete, json={}, headers=headers) as r:
+                        found[(method, path)] = r.status
     finally:
         await runner.cleanup()
     return out
 
 
-def check(app_factory) -> list[tuple[str, str]]:
-    """The guarded routes: all 401 without the token, none 401 with it."""
-    without = asyncio.run(probe(app_factory(), None))
+def check(app: web.Application) -> tuple[list[tuple[str, str]], dict]:
+    """The guarded routes (all 401 without the token, none with it) and every route's status
+    with the token."""
+    without, with_token = asyncio.run(probe(app))
     open_ones = [k for k, status in without.items() if status != 401]
     assert not open_ones, f"state-changing routes reachable without the admin token: {open_ones}"
-    guarded = sorted(without)
-    assert guarded, "no guarded route found"
-    return guarded
+    assert without, "no guarded route found"
+    refused = [k for k in without if with_token[k] == 401]
+    assert not refused, f"refused even with the token: {refused}"
+    return sorted(without), with_token
 
 
 def test_the_data_plane_is_generation_only():
@@ -84,11 +85,9 @@ def test_every_state_changing_engine_route_needs_the_token():
     from libra.runtime.engine.server import EngineServer
 
     cfg = EngineConfig(admin_token=TOKEN, kv_cache_mb=20)
-    model = build_model(cfg.preset, 0)
-    guarded = check(lambda: EngineServer(cfg, model).app())
+    guarded, statuses = check(EngineServer(cfg, build_model(cfg.preset, 0)).app())
     assert ("POST", "/update_weights_from_disk") in guarded and ("POST", "/pause_generation") in guarded
-    # With the token the guard lets a call through (it then fails on its own merits, never 401).
-    statuses = asyncio.run(probe(EngineServer(cfg, model).app(), TOKEN))
+    # With the token a call gets through, then fails or not on its own merits.
     assert statuses[("POST", "/update_weights_from_disk")] == 400, statuses
     assert statuses[("POST", "/flush_cache")] == 200, statuses
 
@@ -105,11 +104,10 @@ def test_every_state_changing_gateway_route_needs_the_token():
         "backends": [{"url": f"http://127.0.0.1:{port}", "bucket": "only", "tp": 1, "max_context": 8192}],
         "admin_token": TOKEN, "health": {"interval_s": 60},
     })  # fmt: skip
-    guarded = check(lambda: Gateway(cfg, build_router(cfg)).app())
+    guarded, statuses = check(Gateway(cfg, build_router(cfg)).app())
     for route in (("POST", "/steps/end"), ("POST", "/sessions/{sid}/finish"), ("POST", "/admin/buckets"),
                   ("GET", "/admin/instances"), ("POST", "/update_weights_from_disk")):  # fmt: skip
         assert route in guarded, route
-    statuses = asyncio.run(probe(Gateway(cfg, build_router(cfg)).app(), TOKEN))
     assert statuses[("POST", "/steps/end")] == 200 and statuses[("GET", "/admin/instances")] == 200
 
 
