@@ -14,8 +14,6 @@ import concurrent.futures
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -146,17 +144,19 @@ def test_only_step_folders_count_and_interrupted_writes_are_ignored(run):
     assert ckpt.earlier_run(run) == "checkpoints up to step 3"
 
 
-def test_the_cli_exits_2_naming_the_fault_and_never_starts_over(run):
+def test_the_cli_exits_2_naming_the_fault_and_never_starts_over(run, capsys):
     """`libra train --resume` on a corrupt checkpoint: exit 2 with one line, before any process
-    is started; a new run into a folder with steps is refused the same way (`--overwrite` or
-    `--resume` say what to do with it)."""
+    is started (the CLI's own entry point, in this process: torch is loaded already); a new run
+    into a folder with steps is refused the same way (`--overwrite` or `--resume` say what to do)."""
+    from libra.cli import main
     from libra.cli.train import _start_point
 
     (newest(run).path / ckpt.OPTIM).unlink()
-    r = subprocess.run([sys.executable, "-m", "libra", "train", "--out", str(run), "--steps", "5", "--resume"],
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert r.returncode == 2 and "optimizer state is missing" in r.stderr, r.stderr[-2000:]
-    assert len([line for line in r.stderr.splitlines() if line.strip()]) == 1, r.stderr[-2000:]
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--out", str(run), "--steps", "5", "--resume"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "optimizer state is missing" in err, err[-2000:]
+    assert len([line for line in err.splitlines() if line.strip()]) == 1, err[-2000:]
     (run / "steps.json").write_text(json.dumps([{"step": 0}]))
     with pytest.raises(ckpt.CheckpointError, match="holds an earlier run .*--resume.*--overwrite"):
         _start_point(run, 5, resume=False, overwrite=False)
