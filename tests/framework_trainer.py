@@ -1,26 +1,27 @@
-"""A trainer's side of a weight-update group, as a real process: torch.distributed's own calls only.
+"""A trainer's side of weight-update groups, as a real process: torch.distributed's own calls only.
 
-    python -m tests.framework_trainer --port P --world-size W --group NAME
+    python -m tests.framework_trainer
 
-It joins as rank 0 the way slime's trainer does (slime/utils/distributed_utils.py,
-`init_process_group`, used by `connect_rollout_engines_from_distributed` in slime/backends/
-megatron_utils/update_weight/update_weight_from_distributed.py): torch's `rendezvous` on
-tcp://127.0.0.1:P, a `PrefixStore` under the group name, torch's `_new_process_group_helper`. SGLang's
-engines and SkyRL's legacy trainer make their side the same way; no Libra code runs here.
+It reads one command a line and answers each (`joined`, `done`, `left`):
 
-It prints `joined`, then reads one command a line and answers `done`:
-
+- `join PORT WORLD_SIZE GROUP`: join as rank 0 the way slime's trainer does (slime/utils/
+  distributed_utils.py `init_process_group`, used by `connect_rollout_engines_from_distributed` in
+  slime/backends/megatron_utils/update_weight/update_weight_from_distributed.py): torch's
+  `rendezvous` on tcp://127.0.0.1:PORT, a `PrefixStore` under the group name, torch's
+  `_new_process_group_helper`. SGLang's engines and SkyRL's legacy trainer make their side the
+  same way; no Libra code is involved in the group;
 - `send SEED`: every tensor of the built-in model's weights from SEED, in state-dict order, one
   `dist.broadcast` each (slime's `update_weights_from_distributed`);
 - `send-packed SEED BYTES`: the same tensors packed into uint8 buffers that close once past BYTES,
   one broadcast per buffer (vLLM's `packed_broadcast_producer`, vllm/distributed/weight_transfer/
   packed_tensor.py, which SkyRL's sender drives with `packed: True`);
-- `quit`: `destroy_process_group` and exit.
+- `leave`: `destroy_process_group` (a group of the same name can be joined again); `quit`: exit.
+
+One process serves a test module's groups one after another, so torch is imported once.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import sys
 
@@ -36,6 +37,8 @@ from torch.distributed.distributed_c10d import (
 
 from libra.runtime.engine.config import EngineConfig
 from libra.runtime.engine.model import build_model
+
+TIMEOUT_S = 120.0
 
 
 def init_process_group(port: int, world_size: int, group_name: str, timeout_s: float):
@@ -68,26 +71,27 @@ def send_packed(pg, tensors: list[torch.Tensor], buffer_bytes: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--world-size", type=int, required=True)
-    ap.add_argument("--group", required=True)
-    ap.add_argument("--timeout-s", type=float, default=120.0)
-    a = ap.parse_args()
     torch.set_num_threads(1)
-    pg = init_process_group(a.port, a.world_size, a.group, a.timeout_s)
-    print("joined", flush=True)
+    pg = None
+    print("ready", flush=True)
     for line in sys.stdin:
         cmd = line.split()
-        if cmd[0] == "quit":
+        if not cmd or cmd[0] == "quit":
             break
-        tensors = list(build_model(EngineConfig().preset, seed=int(cmd[1])).state_dict().values())
-        if cmd[0] == "send":
-            send(pg, tensors)
-        elif cmd[0] == "send-packed":
-            send_packed(pg, tensors, int(cmd[2]))
-        print("done", flush=True)
-    dist.destroy_process_group(pg)
+        if cmd[0] == "join":
+            pg = init_process_group(int(cmd[1]), int(cmd[2]), cmd[3], TIMEOUT_S)
+            print("joined", flush=True)
+        elif cmd[0] == "leave":
+            dist.destroy_process_group(pg)
+            pg = None
+            print("left", flush=True)
+        else:
+            tensors = list(build_model(EngineConfig().preset, seed=int(cmd[1])).state_dict().values())
+            if cmd[0] == "send":
+                send(pg, tensors)
+            else:
+                send_packed(pg, tensors, int(cmd[2]))
+            print("done", flush=True)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ import os
 import pickle
 import subprocess
 import sys
-import threading
 import time
 import types
 import uuid
@@ -53,6 +52,7 @@ class Stack:
     engines: dict  # bucket name -> EngineProcess
     actions: ServiceProcess | None
     log_dir: Path
+    trainer: Trainer
 
     @property
     def url(self) -> str:
@@ -62,21 +62,37 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("frameworks")
-    with ThreadPoolExecutor(2) as pool:
-        short, long = pool.map(lambda tp: start_engine("--tp-label", tp, log_dir=log_dir), ["tp1", "tp2"])
-    gw = start_gateway(*backend_arg(short.url, "short", 1, 4096, name="e0"), *backend_arg(long.url, "long", 2, 8192, name="e1"),
-                       "--set", "health.interval_s=0.5", log_dir=log_dir)  # fmt: skip
-    actions = None
-    if sandbox_available() is None:
-        cfg = log_dir / "actions.json"
-        cfg.write_text(json.dumps({"warm_pool": 1, "sandbox": {"uid_count": 16}}))
-        actions = ServiceProcess(str(cfg)).__enter__()
-    yield Stack(gw, {"short": short, "long": long}, actions, log_dir)
-    gw.stop()
-    for e in (short, long):
-        e.stop()
-    if actions is not None:
-        actions.__exit__(None, None, None)
+    stops: list = []  # every service started, stopped together at the end (each waits for its exit)
+    with ThreadPoolExecutor(3) as pool:
+        try:
+            trainer = Trainer()  # imports torch while the services start
+            stops.append(trainer.quit)
+            starting = [pool.submit(start_engine, "--tp-label", tp, log_dir=log_dir) for tp in ("tp1", "tp2")]
+            acts = pool.submit(start_actions, log_dir) if sandbox_available() is None else None
+            short, long = (started(f, stops, lambda e: e.stop) for f in starting)
+            actions = started(acts, stops, lambda a: lambda: a.__exit__(None, None, None)) if acts else None
+            gw = started(pool.submit(start_gateway, *backend_arg(short.url, "short", 1, 4096, name="e0"),
+                                     *backend_arg(long.url, "long", 2, 8192, name="e1"),
+                                     "--set", "health.interval_s=0.5", log_dir=log_dir), stops, lambda g: g.stop)  # fmt: skip
+            trainer.expect("ready")
+            yield Stack(gw, {"short": short, "long": long}, actions, log_dir, trainer)
+        finally:
+            http.close()  # its keep-alive connections would hold the servers' shutdown
+            with ThreadPoolExecutor(len(stops) or 1) as stopping:  # the gateway first, then the rest at once
+                list(stopping.map(lambda stop: stop(), reversed(stops)))
+
+
+def start_actions(log_dir: Path) -> ServiceProcess:
+    cfg = log_dir / "actions.json"
+    cfg.write_text(json.dumps({"warm_pool": 1, "sandbox": {"uid_count": 16}}))
+    return ServiceProcess(str(cfg)).__enter__()
+
+
+def started(fut, stops: list, stopper):
+    """A service started in the pool, and how to stop it (even if another one failed to start)."""
+    proc = fut.result()
+    stops.append(stopper(proc))
+    return proc
 
 
 @pytest.fixture(scope="module")
@@ -94,10 +110,10 @@ def sessions(stack, sid: str) -> tuple[int, dict]:
 
 
 class Trainer:
-    """`tests/framework_trainer.py` as rank 0 of a group: joins, then sends on command."""
+    """`tests/framework_trainer.py`, one process for the module: rank 0 of each group in turn."""
 
-    def __init__(self, port: int, world_size: int, group: str):
-        cmd = [sys.executable, "-m", "tests.framework_trainer", "--port", str(port), "--world-size", str(world_size), "--group", group]  # fmt: skip
+    def __init__(self):
+        cmd = [sys.executable, "-m", "tests.framework_trainer"]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
 
     def expect(self, word: str) -> None:
@@ -108,19 +124,22 @@ class Trainer:
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
 
+    def leave(self) -> None:
+        self.command("leave")
+        self.expect("left")
+
     def quit(self) -> None:
         if self.proc.poll() is None:
             self.command("quit")
             self.proc.wait(timeout=60)
 
 
-def while_trainer(call, trainer: Trainer, line: str | None, word: str):
+def while_trainer(call, trainer: Trainer, line: str, word: str):
     """Send an HTTP call from a thread (as slime's Ray calls and SkyRL's tasks run beside the
     trainer's collective) while the trainer does its side; the call's result."""
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(call)
-        if line is not None:
-            trainer.command(line)
+        trainer.command(line)
         trainer.expect(word)
         return fut.result(timeout=120)
 
@@ -152,6 +171,10 @@ def slime_generate(url: str, prompt_ids: list[int], max_new_tokens: int = 8, hea
     r = http.post(url + "/generate", json=payload, headers=headers)
     r.raise_for_status()
     return r.json(), dict(r.headers)
+
+
+def busy(stack) -> int:
+    return sum(e.get("/health")["running"] for e in stack.engines.values())
 
 
 def slime_num_requests(load) -> int:
@@ -190,24 +213,19 @@ def test_slime_external_engine_rollout_and_abort(stack):
     assert tokens == out["output_ids"] and len(tokens) >= 1 and isinstance(out["text"], str)
     # abort while requests run: sglang_rollout.py `abort` -> GET router/workers, then
     # server_control.py `abort_servers_until_idle` on each worker URL
-    long = [
-        threading.Thread(target=slime_generate, args=(gw, render_prompt(f"long {i}"), 4000)) for i in range(2)
-    ]
-    for t in long:
-        t.start()
-    deadline = time.monotonic() + 60
-    while (
-        sum(e.get("/health")["running"] for e in stack.engines.values()) < 2 and time.monotonic() < deadline
-    ):
-        time.sleep(0.05)
-    urls = [w["url"] for w in http.get(gw + "/workers").json()["workers"]]
-    assert sorted(urls) == sorted(e.url for e in stack.engines.values())
-    for url in urls:
-        http.post(url + "/abort_request", json={"abort_all": True})  # `_abort_server_once`
-        assert slime_num_requests(http.get(url + "/v1/loads?include=core").json()) == 0
-    for t in long:
-        t.join(timeout=60)
-        assert not t.is_alive()
+    with ThreadPoolExecutor(2) as pool:
+        running = [pool.submit(slime_generate, gw, render_prompt(f"long {i}"), 4000) for i in range(2)]
+        deadline = time.monotonic() + 60
+        while busy(stack) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert busy(stack) == 2
+        urls = [w["url"] for w in http.get(gw + "/workers").json()["workers"]]
+        assert sorted(urls) == sorted(e.url for e in stack.engines.values())
+        for url in urls:
+            http.post(url + "/abort_request", json={"abort_all": True})  # `_abort_server_once`
+            assert slime_num_requests(http.get(url + "/v1/loads?include=core").json()) == 0
+        for fut in running:  # each comes back with what it had
+            assert fut.result(timeout=60)[0]["meta_info"]["finish_reason"]["type"] == "abort"
     assert slime_num_requests(http.get(gw + "/v1/loads").json()) == 0
 
 
@@ -243,13 +261,11 @@ def test_slime_update_weights_distributed_and_from_disk(stack, models, tmp_path)
     # update_weight_from_distributed.py `connect_rollout_engines_from_distributed`: world size from
     # the engines' GPU counts (external.py: /server_info num_gpus) + 1 for the trainer's rank 0
     world = int(http.get(gw + "/server_info").json()["num_gpus"]) + 1
-    port, group = free_port(), "slime-pp_0"
-    trainer = Trainer(port, world, group)
+    port, group, trainer = free_port(), "slime-pp_0", stack.trainer
+    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": world, "group_name": group, "backend": "gloo"}  # fmt: skip
+    # slime posts the engines' init first, then its trainer joins: each waits for the other
+    answer = while_trainer(lambda: http.post(gw + "/init_weights_update_group", json=init), trainer, f"join {port} {world} {group}", "joined")  # fmt: skip
     try:
-        init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": world, "group_name": group, "backend": "gloo"}  # fmt: skip
-        answer = while_trainer(
-            lambda: http.post(gw + "/init_weights_update_group", json=init), trainer, None, "joined"
-        )
         answer.raise_for_status()
         # `UpdateWeightFromDistributed.update_weights`: pause, flush (GET, as `flush_cache` sends it)
         http.post(gw + "/pause_generation", json={}).raise_for_status()
@@ -261,10 +277,9 @@ def test_slime_update_weights_distributed_and_from_disk(stack, models, tmp_path)
         # sglang_engine.py `get_weight_version`: response.json()["weight_version"]
         assert http.get(gw + "/get_weight_version").json()["weight_version"] == "1"
         assert greedy_matches(stack, models[5], [4, 2]) == "1"
-        # `disconnect_rollout_engines_from_distributed`
+    finally:  # `disconnect_rollout_engines_from_distributed`
         http.post(gw + "/destroy_weights_update_group", json={"group_name": group}).raise_for_status()
-    finally:
-        trainer.quit()
+        trainer.leave()
     # actor_group.py `_reload_rollout_weights_from_disk`: pause, flush, update_weights_from_disk, continue
     path = save_checkpoint(models[7], tmp_path / "weight_v000002.pt")
     http.post(gw + "/pause_generation", json={}).raise_for_status()
@@ -393,8 +408,7 @@ def test_skyrl_generate_sample_completion_chat_and_finish(stack):
 def test_skyrl_sleep_wake_and_weight_sync_packed_and_not(stack, models):
     Client, BroadcastInitInfo = skyrl_client()
     client = Client(proxy_url=stack.url, server_urls=[stack.url], data_parallel_size=1, model_name="tiny")
-    port = free_port()
-    trainer = Trainer(port, 3, "weight_update_group")
+    port, trainer = free_port(), stack.trainer
     loop = asyncio.new_event_loop()
 
     def run(coro):
@@ -409,7 +423,8 @@ def test_skyrl_sleep_wake_and_weight_sync_packed_and_not(stack, models):
         run(client.wake_up(tags=["weights"]))
         _, per_server = run(client.get_world_size())
         init = BroadcastInitInfo(master_addr="127.0.0.1", master_port=port, rank_offset=1, world_size=per_server + 1, override_existing_receiver=True)  # fmt: skip
-        while_trainer(lambda: asyncio.run(Client(proxy_url=stack.url, server_urls=[stack.url], data_parallel_size=1).init_weight_update_communicator(init)), trainer, None, "joined")  # fmt: skip
+        world = init.world_size
+        while_trainer(lambda: asyncio.run(_fresh(stack, Client).init_weight_update_communicator(init)), trainer, f"join {port} {world} weight_update_group", "joined")  # fmt: skip
         # unpacked: `update_named_weights` (vLLM's /update_weights)
         m = manifest(5, models)
         info = {"names": m["names"], "dtype_names": m["dtypes"], "shapes": m["shapes"], "packed": False}
@@ -429,11 +444,11 @@ def test_skyrl_sleep_wake_and_weight_sync_packed_and_not(stack, models):
         run(client.resume())
         assert greedy_matches(stack, models[7], [3, 1]) is not None
     finally:
-        trainer.quit()
         run(client.teardown())
         loop.close()
-        for e in stack.engines.values():  # leave the group for the tests after this one
+        for e in stack.engines.values():  # vLLM has no call to leave the group; the engines' SGLang one
             http.post(e.url + "/destroy_weights_update_group", json={"group_name": "weight_update_group"})
+        trainer.leave()
 
 
 def _fresh(stack, Client):
@@ -531,7 +546,7 @@ def test_bad_group_and_rpc_input_is_a_4xx_or_a_bounded_timeout_and_serving_conti
     assert r.status_code == 400 and r.json()["error"]["param"] == "world_size"
     # a rank that never joins (no trainer at rank 0): each engine gives up after timeout_s
     t0 = time.monotonic()
-    r = http.post(gw + "/init_weights_update_group", json={**base, "world_size": 3, "timeout_s": 2})
+    r = http.post(gw + "/init_weights_update_group", json={**base, "world_size": 3, "timeout_s": 1})
     assert r.status_code == 400 and all(
         "could not join group" in a["message"] for a in r.json()["results"].values()
     )
