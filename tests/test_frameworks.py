@@ -31,6 +31,7 @@ import httpx
 import pytest
 import torch
 
+from libra.integrations import verl as libra_verl
 from libra.integrations.verl import LibraLoadBalancer
 from libra.runtime.engine.config import EngineConfig
 from libra.runtime.engine.model import build_model, save_checkpoint
@@ -44,6 +45,8 @@ from tests.test_gateway_fixtures import backend_arg, start_gateway
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "fw-admin"
+# SkyRL's own client reads aiohttp's deprecated `session.loop`; not ours to fix.
+pytestmark = pytest.mark.filterwarnings("ignore:client.loop property is deprecated:DeprecationWarning")
 
 
 @dataclass
@@ -525,15 +528,39 @@ def test_verl_multi_turn_agent_loop_one_session_per_trajectory(stack):
             prompt_ids = prompt_ids + out.token_ids + encode(f"\ntool: {tool['run_result']['stdout']}")
         return request_id, len(prompt_ids)
 
-    done = asyncio.run(_gather(trajectory(i) for i in range(2)))
+    async def main():
+        try:
+            return await asyncio.gather(*(trajectory(i) for i in range(2)))
+        finally:
+            await libra_verl.aclose()
+
+    done = asyncio.run(main())
     for request_id, _ in done:
         status, s = sessions(stack, request_id)
         assert status == 200 and len(s["turns"]) == 3  # one gateway session per trajectory, every turn in it
     assert len({rid for rid, _ in done}) == 2
 
 
-async def _gather(coros):
-    return await asyncio.gather(*coros)
+def test_sleep_level_2_serves_nothing_until_every_weight_is_back(stack, models, tmp_path):
+    """vLLM's level 2 (SkyRL's default sleep) discards the weights: a request that arrives after
+    the wake-up is held, not served from discarded weights, until an update brings them all back."""
+    e = stack.engines["short"]
+    assert http.post(e.url + "/sleep?level=2").status_code == 200
+    assert http.post(e.url + "/wake_up").status_code == 200 and e.get("/health")["sleeping"] is False
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(http.post, e.url + "/generate", json={"input_ids": [4, 2], "return_logprob": True, "sampling_params": {"max_new_tokens": 3, "temperature": 0}})  # fmt: skip
+        deadline = time.monotonic() + 30
+        while e.get("/health")["waiting"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert e.get("/health")["waiting"] == 1 and not held.done()
+        path = save_checkpoint(models[0], tmp_path / "back.pt")
+        r = http.post(
+            e.url + "/update_weights_from_disk", json={"model_path": str(path), "weight_version": "9"}
+        )
+        assert r.json()["weights_missing"] == 0 and r.json()["released"] == 1
+        out = held.result(timeout=60).json()
+    assert out["meta_info"]["weight_version"] == "9"
+    assert_close([x[0] for x in out["meta_info"]["output_token_logprobs"]], reference_logprobs(models[0], [4, 2], out["output_ids"]))  # fmt: skip
 
 
 # ---- bad input and the admin token ----------------------------------------------------------------------

@@ -27,12 +27,31 @@ from __future__ import annotations
 
 import asyncio
 import json
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
 GENERATE_PATH = "/inference/v1/generate"
+# One HTTP connection pool per event loop, shared by every handle in the process: verl makes a
+# handle per trajectory (and Ray copies it), so a pool per handle would leak one per trajectory.
+_POOLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _pool() -> aiohttp.ClientSession:
+    loop = asyncio.get_running_loop()
+    pool = _POOLS.get(loop)
+    if pool is None or pool.closed:
+        pool = _POOLS[loop] = aiohttp.ClientSession()
+    return pool
+
+
+async def aclose() -> None:
+    """Close this event loop's connection pool (at the end of a run; handles stay usable)."""
+    pool = _POOLS.pop(asyncio.get_running_loop(), None)
+    if pool is not None:
+        await pool.close()
 
 
 @dataclass(slots=True)
@@ -72,8 +91,8 @@ class LibraServer:
 
     `response_length` and `prompt_length` are the rollout's (`actor_rollout_ref.rollout.*`): a turn
     without `max_tokens` gets min(response_length, prompt_length + response_length - prompt), as
-    verl's vLLM server computes it. Picklable (it crosses Ray as verl's handles do); its HTTP
-    session is made per event loop.
+    verl's vLLM server computes it. Plain data, so it pickles (it crosses Ray as verl's handles
+    do); the HTTP connections are the event loop's (`_pool`).
     """
 
     def __init__(self, gateway_url: str, *, response_length: int, prompt_length: int | None = None,
@@ -84,7 +103,6 @@ class LibraServer:
         self.url = gateway_url.rstrip("/").removesuffix("/v1")
         self.response_length, self.prompt_length = response_length, prompt_length
         self.session, self.model, self.api_key, self.timeout_s = session, model, api_key, timeout_s
-        self._http: aiohttp.ClientSession | None = None
 
     def for_session(self, session: str) -> LibraServer:
         """The same server, naming `session` (verl's trajectory id) on every turn."""
@@ -95,14 +113,6 @@ class LibraServer:
     @property
     def generate(self) -> _Remote:
         return _Remote(self._generate)
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_http"] = None
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
 
     async def _generate(self, *, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any],
                         image_data: Any = None, video_data: Any = None, **_: Any):  # fmt: skip
@@ -149,22 +159,14 @@ class LibraServer:
             headers["X-Session-ID"] = self.session
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        http = self._session()
-        async with http.post(self.url + GENERATE_PATH, data=json.dumps(body), headers=headers) as r:
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        async with _pool().post(
+            self.url + GENERATE_PATH, data=json.dumps(body), headers=headers, timeout=timeout
+        ) as r:
             raw = await r.read()
         if r.status != 200:
             raise RuntimeError(f"Libra gateway {self.url}{GENERATE_PATH} answered {r.status}: {raw[:500].decode(errors='replace')}")  # fmt: skip
         return json.loads(raw)
-
-    def _session(self) -> aiohttp.ClientSession:
-        loop = asyncio.get_running_loop()
-        if self._http is None or self._http.closed or self._http._loop is not loop:
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
-        return self._http
-
-    async def aclose(self) -> None:
-        if self._http is not None and not self._http.closed:
-            await self._http.close()
 
 
 class LibraLoadBalancer:
