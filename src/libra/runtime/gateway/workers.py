@@ -8,10 +8,10 @@ skyrl/backends/skyrl_train/inference_servers/remote_inference_client.py) call:
 
 - `GET /workers` -> `{"workers": [{"id", "url", "worker_type", "is_healthy", "load", ...}],
   "total", "stats"}`: every instance of the pool (its id, its URL, its bucket);
-- `POST /workers {"url", "worker_type"?, "api_key"?, "bucket"?, "name"?}`: add an engine. Its
-  bucket is `bucket` when given, else the bucket whose TP the engine reports (its `/server_info`:
-  the built-in engine's `tp_label`, SGLang's `tp_size`); when none or several fit, a 400 naming
-  `bucket`. An engine that does not answer is a 400 naming `url`; a URL already in the pool a
+- `POST /workers {"url", "worker_type"?, "api_key"?, "bucket"?, "name"?, "control"?}`: add an
+  engine. Its bucket is `bucket` when given, else the bucket whose TP the engine reports (its
+  `/server_info`: the built-in engine's `tp_label`, SGLang's `tp_size`; a server without one, as
+  vLLM, counts as TP 1); when none or several fit, a 400 naming `bucket`. An engine that does not answer is a 400 naming `url`; a URL already in the pool a
   409 naming `url`. A registration of the gateway's own URL (slime registers the engine it was
   given, which may be this gateway) changes nothing and says so;
 - `DELETE /workers/{id}` (the id from `GET /workers`, or the URL): remove it (409 while it has
@@ -104,10 +104,11 @@ class Workers:
             status, info = await self._get(cfg.url + "/get_server_info")
         if isinstance(info, dict) and info.get("libra_gateway") == self.gw.identity:
             return web.json_response({"status": "ok", "worker_id": None, "url": cfg.url, "message": "this is the gateway itself: its engines are its workers already"})  # fmt: skip
-        if status != 200:
-            raise ApiError(400, f"no worker answers at {cfg.url} (its /server_info: {info if status == 0 else f'HTTP {status}'})", "url", "invalid_value")  # fmt: skip
+        if status == 0:  # nothing answers there at all
+            raise ApiError(400, f"no worker answers at {cfg.url} ({info})", "url", "invalid_value")
+        info = info if status == 200 and isinstance(info, dict) else {}  # vLLM serves no /server_info
         bucket = body.get("bucket") or self._bucket_for(info)
-        more = {k: body[k] for k in ("api_key", "name") if body.get(k) is not None}
+        more = {k: body[k] for k in ("api_key", "name", "control") if body.get(k) is not None}
         inst = await self._admit(build(BackendConfig, {"url": cfg.url, "bucket": bucket, **more}))
         return web.json_response({"status": "ok", "worker_id": inst.id, "url": inst.cfg.url, "bucket": inst.bucket_name})  # fmt: skip
 
