@@ -296,11 +296,13 @@ def test_release_and_resume_the_kv_cache_memory(eng):
     time.sleep(0.3)
     assert late.is_alive() and health(eng)["waiting"] == 1
     assert control(eng.url, "/release_memory_occupation")[0] == 400  # a request is held
-    assert control(eng.url, "/resume_memory_occupation", {"tags": ["weights"]})[1]["param"] == "tags"
+    assert control(eng.url, "/resume_memory_occupation", {"tags": ["cuda_graph"]})[1]["param"] == "tags"
+    assert control(eng.url, "/resume_memory_occupation", {"tags": ["weights"]})[0] == 200  # not the cache
+    assert late.is_alive() and health(eng)["sleeping"] is True
     assert control(eng.url, "/resume_memory_occupation")[0] == 200
     assert len(late.result()["output_ids"]) == 5 and health(eng)["sleeping"] is False
-    # vLLM's names: level 2 would discard the weights, which a CPU engine keeps
-    assert control(eng.url, "/sleep?level=2")[1]["param"] == "level"
+    # vLLM's names (level 2, which discards the weights too, in tests/test_frameworks.py)
+    assert control(eng.url, "/sleep?level=3")[1]["param"] == "level"
     assert control(eng.url, "/sleep?level=1")[0] == 200 and control(eng.url, "/is_sleeping", method="GET")[1] == {"is_sleeping": True}  # fmt: skip
     assert control(eng.url, "/wake_up")[0] == 200 and health(eng)["sleeping"] is False
     res = post(eng.url + "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}})

@@ -36,8 +36,9 @@ from libra.runtime.engine.core import EngineCore
 from libra.runtime.engine.metrics import EngineMetrics
 from libra.runtime.engine.model import TinyTransformer, build_model, save_checkpoint
 from libra.runtime.engine.native import GenerateFormat, GenerateRequest
-from libra.runtime.engine.sequence import SamplingParams, SeqEvent, Sequence, ToolOutput
+from libra.runtime.engine.sequence import SamplingParams, SeqEvent, Sequence, TextOutput, ToolOutput
 from libra.runtime.engine.tokenizer import encode, render, render_chat, render_prompt
+from libra.runtime.engine.tokens_api import TokensFormat, TokensRequest, loads
 from libra.runtime.http_limits import batch_size
 from libra.runtime.openai_errors import ApiError, json_error, read_json_object
 from libra.runtime.serving import limited_runner, serve_until_signalled
@@ -51,6 +52,8 @@ DRAIN_SECONDS = 5.0
 ENGINE_CHECK_S = 5.0
 # The shortest tool call plus this many tokens is the budget of a tool turn with no max_tokens.
 TOOL_HEADROOM = 16
+# SGLang's /health_generate waits this long for its one-token generation.
+HEALTH_GENERATE_S = 20.0
 
 
 @dataclass(slots=True, eq=False)
@@ -218,11 +221,16 @@ class EngineServer:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/generate", self.generate)
+        app.router.add_post("/inference/v1/generate", self.tokens_generate)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model_id}", self.model_card)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/health_generate", self.health_generate)
+        app.router.add_get("/server_info", self.server_info)
+        app.router.add_get("/get_server_info", self.server_info)
+        app.router.add_get("/v1/loads", self.loads)
         app.router.add_get("/metrics", self.prometheus)
         control.register(app, self)
         app.on_startup.append(self._on_startup)
@@ -313,6 +321,21 @@ class EngineServer:
         fmt = GenerateFormat(job.rid, req, prompts, self.version)
         return await self._respond(request, job, GenerateStream(fmt), req.stream, False)
 
+    async def tokens_generate(self, request: web.Request) -> web.Response:
+        """vLLM's token-in/token-out API (see `tokens_api`)."""
+        data, _ = await read_json_object(request)
+        req = p.parse(TokensRequest, data)
+        comp = req.completion(self.cfg.served_name)
+        self._check_model(comp.model)
+        self._check_prompt(len(req.token_ids), "token_ids")
+        lp = comp.logprobs is not None
+        max_tokens = self._max_tokens(comp.max_tokens, None)
+        specs = [(list(req.token_ids), self._params(comp, max_tokens, i, lp, comp.logprobs or 0), comp.text_output()) for i in range(comp.n)]  # fmt: skip
+        if req.request_id is not None and req.request_id in self._jobs:
+            raise ApiError(400, f"request_id {req.request_id!r} is already in flight", param="request_id", code="duplicate_request_id")  # fmt: skip
+        job = self._start("gen-", specs, rid=req.request_id)
+        return await self._respond(request, job, TokensFormat(job.rid, lp, self.version), False, False)
+
     # ---- models and tokens ------------------------------------------------------------------------
 
     def _card(self) -> dict:
@@ -375,6 +398,44 @@ class EngineServer:
                 "steps": core.steps,
             },
         )
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """SGLang's /health_generate: one greedy token through the engine. A paused, sleeping or
+        weightless engine answers at once (it is alive; it is not meant to generate now)."""
+        core = self.core
+        if not core.alive:
+            raise ApiError(503, "the engine thread stopped", code="engine_dead")
+        if core.paused or core.sleeping or core.discarded:
+            return web.json_response({"status": "ok", "generated": False, "paused": core.paused is not None, "sleeping": core.sleeping})  # fmt: skip
+        seed = self._seeds.getrandbits(63)
+        job = self._start("health-", [(render_prompt(""), SamplingParams(1, 0.0, seed=seed), TextOutput())])
+        try:
+            await asyncio.wait_for(self._collect(job), HEALTH_GENERATE_S)
+        except asyncio.TimeoutError:
+            raise ApiError(503, f"no token within {HEALTH_GENERATE_S:g} s", code="engine_stalled") from None
+        finally:
+            self._jobs.pop(job.rid, None)
+            if not job.done:
+                self.core.abort(job.rid)
+        return web.json_response({"status": "ok", "generated": True})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        """SGLang's /server_info (/get_server_info), in the fields frameworks read: slime infers
+        an external engine's GPUs and checks its settings from it (slime/backends/sglang_utils/
+        external.py). One process, so one rank: tp_size 1 whatever bucket label it carries."""
+        cfg, core = self.cfg, self.core
+        return web.json_response({
+            "model_path": cfg.model, "served_model_name": cfg.served_name, "tp_size": 1, "pp_size": 1,
+            "dp_size": 1, "ep_size": 1, "tp_label": cfg.tp_label,
+            "context_length": cfg.preset.max_model_len, "max_running_requests": cfg.max_num_seqs,
+            "disaggregation_mode": "null", "enable_memory_saver": False, "version": "libra-builtin",
+            "weight_version": core.weight_version, "world_size": 1,
+        })  # fmt: skip
+
+    async def loads(self, request: web.Request) -> web.Response:
+        core = self.core
+        usage = round(core.alloc.used_count / (core.alloc.num_blocks - 1), 4)
+        return web.json_response(loads(core.num_running, core.num_waiting, usage))
 
     async def prometheus(self, request: web.Request) -> web.Response:
         resp = web.Response(body=self.metrics.render())

@@ -131,6 +131,14 @@ class SessionConfig(_Strict):
     key_field: str | None = Field(None, min_length=1, max_length=64, description="Another body field that names the session.")  # fmt: skip
 
 
+class AffinityConfig(_Strict):
+    """Keyless turns that extend an earlier turn go where it ran (`affinity`)."""
+
+    enabled: bool = Field(True, description="Follow prompt prefixes of requests that name no session.")
+    block: int = Field(64, ge=1, le=4096, description="Tokens (or characters) per hashed block.")
+    capacity: int = Field(100_000, ge=1, description="Block keys remembered (least recently used go first).")
+
+
 class CostModelConfig(_Strict):
     """What the backends serve on, for the cost model (`libra costmodel report` lists both)."""
 
@@ -157,6 +165,7 @@ class GatewayConfig(_Strict, HttpLimitFields, RequestCapFields):
     tree_save_interval_s: float = Field(60.0, gt=0)
     health: HealthConfig = Field(default_factory=HealthConfig)
     sessions: SessionConfig = Field(default_factory=SessionConfig)
+    affinity: AffinityConfig = Field(default_factory=AffinityConfig)
     tool_state: SizeThresholds = Field(default_factory=SizeThresholds)
     cost_model: CostModelConfig | None = Field(
         None,
