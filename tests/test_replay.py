@@ -74,9 +74,10 @@ def test_kv_capacity_as_vllm_computes_it(catalog, name):
 def test_the_replay_says_how_its_kv_cache_compares(catalog):
     r = run_cli("replay-vllm", str(FIXTURES / "kv-v0.28_Llama-3.1-8B"))
     assert r.returncode == 0, r.stderr
-    assert "KV cache per instance: simulated" in r.stdout and "vLLM allocated 574,608" in r.stdout
+    assert "vLLM allocated 574,608 tokens (replayed); computed" in r.stdout
     d = json.loads(run_cli("replay-vllm", str(DP_EP), "--json").stdout)
-    assert d["kv_capacity"] is None  # the 0.19 run did not record it
+    kv = d["kv_capacity"]  # the 0.19 run did not record it: the computed cache is replayed
+    assert kv["vllm"] is None and kv["error"] is None and kv["replayed"] == kv["computed"] > 0
     assert [i["instance"] for i in d["instances"]] == ["rank0", "rank1"] and d["engine"]["ep"] == 2
 
 

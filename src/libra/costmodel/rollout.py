@@ -227,25 +227,43 @@ class RolloutCostModel:
         return ((m.total_params - experts) / self.tp + experts / (self.tp * self.ep)) * m.bytes_per_param
 
     def activation_bytes(self) -> float:
-        """Peak activation of vLLM's profiling run, per GPU.
-
-        A forward pass of max_num_batched_tokens tokens, where the MLP's gate and up projections
-        dominate (tokens x 2 x intermediate / t at bf16, plus a few hidden-sized buffers), then the
-        sampler's fp32 logits over the full vocabulary for max_num_seqs sequences.
-        """
-        m = self.model
+        """Peak torch memory of vLLM's profiling run, per GPU: the larger of a forward pass of
+        max_num_batched_tokens tokens (where the MLP's gate and up projections dominate: tokens x 2
+        x intermediate / t at bf16, plus a few hidden-sized buffers) and the dummy sampling of
+        max_num_seqs requests that follows it, beside the forward's output hidden states."""
+        m, mem = self.model, self.overhead.memory
+        tokens = self.max_num_batched_tokens
         width = m.expert_intermediate * m.active_experts if m.is_moe else m.intermediate
-        per_tok = (2 * width / self.tp + 4 * m.hidden) * m.bytes_per_param
-        return self.max_num_batched_tokens * per_tok + self.max_num_seqs * m.vocab * 4
+        forward = tokens * (2 * width / self.tp + 4 * m.hidden) * m.bytes_per_param
+        reqs = min(self.max_num_seqs, tokens)
+        sampler = tokens * m.hidden * m.bytes_per_param + reqs * m.vocab * mem.sampler_bytes_per_logit
+        return max(forward, sampler)
+
+    def non_torch_bytes(self) -> float:
+        """Allocations outside torch: workspaces, and the communicators' buffers in a TP/EP group."""
+        mem = self.overhead.memory
+        return (mem.non_torch_gib + (mem.collective_gib if self.tp * self.ep > 1 else 0.0)) * GIB
+
+    def cudagraph_bytes(self) -> float:
+        """The CUDA-graph memory the engine subtracts before sizing its cache (0 where it does not)."""
+        mem = self.overhead.memory
+        return mem.cudagraphs(self.max_num_seqs) * mem.cudagraph_mib * 2**20
+
+    def memory_breakdown(self) -> dict[str, float]:
+        """Bytes per GPU by what holds them, as vLLM's startup profile accounts them (KV last)."""
+        usable = self.hw.memory_bytes * self.gpu_memory_utilization
+        parts = {
+            "weights": self.weight_bytes_per_gpu(),
+            "activation_peak": self.activation_bytes(),
+            "non_torch": self.non_torch_bytes(),
+            "cudagraphs": self.cudagraph_bytes(),
+            "other": self.eff.fixed_workspace_gib * GIB,
+        }
+        parts["kv_cache"] = usable - sum(parts.values())
+        return parts
 
     def kv_budget_bytes(self) -> float:
-        usable = self.hw.memory_bytes * self.gpu_memory_utilization
-        return (
-            usable
-            - self.weight_bytes_per_gpu()
-            - self.eff.fixed_workspace_gib * GIB
-            - self.activation_bytes()
-        )
+        return self.memory_breakdown()["kv_cache"]
 
     def kv_capacity_tokens(self) -> int:
         """Tokens the KV cache holds on this instance, in whole blocks as vLLM allocates it
