@@ -37,8 +37,9 @@ def test_calibrate_on_llama_transfer_to_qwen(shared_data, catalog):
 
 def test_data_parallel_expert_parallel_replay(catalog):
     """Two DP ranks of an MoE model with its experts split over them: both engines run, the load
-    balancer shares the requests, each rank holds half the experts, and the held-out run is
-    predicted within 15%."""
+    balancer shares the requests, each rank holds half the experts, the ranks step together, and
+    the held-out run is predicted within 15% (latency, TPOT) and 35% (TTFT: 57% short while the
+    ranks stepped on their own, each as if its peer's batch were its own)."""
     bench = load_bench(DP_EP, catalog)
     assert bench.model == "qwen3-30b-a3b" and [(r.tp, r.ep) for r in bench.ranks] == [(1, 2), (1, 2)]
     replay = simulate(bench, catalog)
@@ -48,6 +49,7 @@ def test_data_parallel_expert_parallel_replay(catalog):
     assert one_rank.weight_bytes_per_gpu() < 0.6 * catalog.model("qwen3-30b-a3b").weight_bytes
     err = compare(bench, catalog)["error"]
     assert abs(err["latency_mean"]) <= 0.15 and abs(err["tpot_mean"]) <= 0.15
+    assert abs(err["ttft_mean"]) <= 0.35
 
 
 def test_a_data_parallel_group_listed_once_is_expanded(tmp_path, catalog):

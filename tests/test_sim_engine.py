@@ -232,3 +232,34 @@ def test_no_cascade_on_the_rtx4090_trace(catalog):
     (p_full, lat_full), (p_small, lat_small) = runs[41_408], runs[35_196]
     assert p_small <= 1.25 * p_full + 5 and p_small < len(bench.requests), runs
     assert lat_full < lat_small < lat_full + 0.2, runs
+
+
+def test_data_parallel_moe_ranks_step_together(catalog):
+    """Two data-parallel ranks of an MoE model (`LockstepGroup`): one prefills an 8,000-token
+    prompt in four 2,048-token chunks while the other decodes a short request. Every step ends on
+    both at once, padded to the larger batch, so the decoding rank's first four tokens each take
+    a whole prefill step; alone, it would decode at its own pace."""
+    from libra.sim.engine import LockstepGroup
+
+    cost = RolloutCostModel(catalog.hardware("h100-80g"), catalog.model("qwen3-30b-a3b"), 1,
+                            max_num_batched_tokens=2048, ep=2)  # fmt: skip
+
+    def run(grouped: bool) -> tuple[Seq, Seq, int]:
+        k = Kernel(0)
+        a, b = Engine(k, "a", cost, 64, 2048), Engine(k, "b", cost, 64, 2048)
+        group = LockstepGroup(k, [a, b]) if grouped else None
+        long, short = Seq(0, 8000, 2), Seq(1, 16, 50)
+        a.submit(long)
+        b.submit(short)
+        k.run()
+        return long, short, group.steps if group else 0
+
+    long, short, steps = run(True)
+    _, alone, _ = run(False)
+    chunk = cost.step_time(2048, 2048 * 2049 / 2, 0, 0.0)
+    # The long prompt's first chunk started alone (the short request was submitted just after):
+    # then the short one's prefill and 49 decodes, the long one's 3 chunks and 1 decode inside them.
+    assert steps == 51
+    assert short.t_first >= chunk + cost.step_time(16, 136, 0, 0.0, 2048)  # padded to 2,048 tokens
+    assert short.t_done - alone.t_done > 3 * (chunk - cost.decode_time(1, 40))
+    assert long.t_done < short.t_done

@@ -174,18 +174,22 @@ class RolloutCostModel:
     # ---- step time ------------------------------------------------------------------------------
 
     def step_time(
-        self, prefill_tokens: int, prefill_attn: float, decode_seqs: int, decode_ctx: float
-    ) -> float:
+        self, prefill_tokens: int, prefill_attn: float, decode_seqs: int, decode_ctx: float,
+        pad_to: int = 0,
+    ) -> float:  # fmt: skip
         """Seconds for one iteration.
 
         prefill_tokens: tokens prefilled this step (all chunks together).
         prefill_attn: sum over those tokens of the context each attends to (for a chunk of c tokens
             starting at position p, c*p + c*(c+1)/2).
         decode_seqs, decode_ctx: decoding sequences and the sum of their context lengths.
+        pad_to: the linear layers and the collectives run on at least this many tokens (a
+            data-parallel rank of an MoE model pads its batch to the largest rank's; 0: none).
         """
         tokens = prefill_tokens + decode_seqs
-        if tokens <= 0:
+        if tokens <= 0 and pad_to <= 0:
             return 0.0
+        tokens = max(tokens, pad_to)
         seqs = decode_seqs + (1 if prefill_tokens else 0)
         kv = self._kv_s * (decode_ctx + prefill_tokens)
         af = self._attn_flop_s * (decode_ctx + prefill_attn)

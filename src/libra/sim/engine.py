@@ -132,6 +132,8 @@ class Engine:
         self._stepping = False
         # Tests set 1 to step iteration by iteration and check the closed form against it.
         self.max_segment_steps = max_segment_steps
+        # Data-parallel ranks of an MoE model step together (`LockstepGroup`); None: on its own.
+        self.group: LockstepGroup | None = None
 
     # ---- queries ------------------------------------------------------------------------------
 
@@ -193,12 +195,17 @@ class Engine:
         """Something changed: start work if idle, or cut a decode segment at the next step."""
         if self._stepping:
             return  # the step handler schedules the next step when it is done
-        if self._busy is None:
+        if self.group is not None:
+            self.group.poke()
+        elif self._busy is None:
             self._schedule_next()
         elif self._seg is not None and self.waiting and self.running < self.max_num_seqs:
             self._cut_segment()
 
     def _schedule_next(self) -> None:
+        if self.group is not None:
+            self.group.poke()
+            return
         plan = self.schedule()
         if not plan.empty:
             self._execute(plan)
@@ -401,6 +408,11 @@ class Engine:
 
     def _end_mixed(self, plan: StepPlan) -> None:
         self._busy, self._stepping = None, True
+        self._apply_mixed(plan)
+        self._stepping = False
+        self._schedule_next()
+
+    def _apply_mixed(self, plan: StepPlan) -> None:
         self._advance(1)
         self.prefill_tokens += plan.prefill_tokens
         for seq, c in plan.chunks:
@@ -408,8 +420,21 @@ class Engine:
             seq.prefilled += c
             if seq.done_tokens >= seq.ctx:
                 self._prefill_done(seq)
+
+    def step_seconds(self, plan: StepPlan, pad_to: int = 0) -> float:
+        """One iteration of `plan`, its linear layers run on at least `pad_to` tokens."""
+        return self.cost.step_time(
+            plan.prefill_tokens, plan.prefill_attn, plan.decode_seqs, plan.decode_ctx, pad_to
+        )
+
+    def apply(self, plan: StepPlan) -> None:
+        """A lockstep group's step of this rank ended: its outputs apply (no next step here)."""
+        self._stepping = True
+        if plan.chunks:
+            self._apply_mixed(plan)
+        else:
+            self._advance(plan.decode_steps)
         self._stepping = False
-        self._schedule_next()
 
     def _prefill_done(self, seq: Seq) -> None:
         """The last chunk's step also samples the sequence's next token."""
@@ -481,6 +506,52 @@ class Engine:
         if self._free() >= tokens:
             self.cache[key] = tokens
             self.cache_tokens += tokens
+
+
+class LockstepGroup:
+    """The data-parallel ranks of a mixture-of-experts model, stepping together.
+
+    Every MoE layer gathers the tokens of all ranks (the experts are split over them, or sharded
+    across the data-parallel group), so vLLM runs each forward pass on every rank at once: a rank
+    pads its batch to the largest rank's tokens, and one with nothing to do runs a dummy batch
+    while any other has work. Each rank keeps its own queue and its own scheduler (vLLM's
+    data-parallel engines behind one load balancer); a step ends on all of them when the slowest
+    is done, so one rank's prefill chunk holds up the other's decodes, and the padded tokens pay
+    for the experts' all-gather too (`RolloutCostModel.step_time(..., pad_to)`)."""
+
+    def __init__(self, kernel: Kernel, engines: list[Engine]):
+        self.k, self.engines = kernel, engines
+        self.busy = self.stepping = False
+        self.steps = 0
+        for e in engines:
+            e.group = self
+            e.max_segment_steps = 1  # decode segments would let the ranks drift apart
+
+    def poke(self) -> None:
+        """Start the group's next step, unless one is running or being applied."""
+        if self.busy or self.stepping:
+            return
+        plans = [e.schedule() for e in self.engines]
+        if all(p.empty for p in plans):
+            return
+        pad = max(max(1, p.prefill_tokens + p.decode_seqs) for p in plans)
+        dt = max(e.step_seconds(p, pad) for e, p in zip(self.engines, plans, strict=True))
+        for e, p in zip(self.engines, plans, strict=True):
+            if not p.empty:
+                e.busy_s += dt
+                if e.tracer is not None:
+                    e.tracer.engine_span(e, self.k.now, self.k.now + dt, p.decode_seqs, p.prefill_tokens)
+        self.busy = True
+        self.steps += 1
+        self.k.after(dt, self._end, plans)
+
+    def _end(self, plans: list[StepPlan]) -> None:
+        self.busy, self.stepping = False, True
+        for e, p in zip(self.engines, plans, strict=True):
+            if not p.empty:
+                e.apply(p)
+        self.stepping = False
+        self.poke()
 
 
 def _live(entry: tuple[int, int, Seq]) -> bool:

@@ -27,7 +27,7 @@ from libra.core.trace import MAX_TOKENS, build_line, json_lines
 from libra.costmodel.catalog import Catalog
 from libra.costmodel.efficiency import DEFAULT_ENGINE, RolloutEfficiency
 from libra.costmodel.rollout import RolloutCostModel
-from libra.sim.engine import Engine, Seq
+from libra.sim.engine import Engine, LockstepGroup, Seq
 from libra.sim.kernel import Kernel
 
 METRICS = ("ttft", "tpot", "latency")
@@ -283,6 +283,8 @@ def simulate(bench: Bench, catalog: Catalog, eff: RolloutEfficiency | None = Non
     engines = [Engine(k, f"rank{i}", c, bench.max_num_seqs, bench.max_num_batched_tokens,
                       kv_capacity=bench.vllm_kv_tokens)
                for i, c in enumerate(cost_models(bench, catalog, eff, engine))]  # fmt: skip
+    if len(engines) > 1 and catalog.model(bench.model).is_moe:
+        LockstepGroup(k, engines)  # an MoE model's data-parallel ranks run each forward together
     served: list[list[Seq]] = [[] for _ in engines]
     t0 = min(r["arrival_time"] for r in bench.requests)
     seqs = []
