@@ -152,3 +152,18 @@ def test_a_folder_with_one_bad_value_is_one_line_exit_2(tmp_path, shared_data, c
     r = run_cli("replay-vllm", str(_mutated(tmp_path, shared_data, **change)))
     assert r.returncode == 2 and needle in r.stderr, r.stderr[-400:]
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_public_figures_out_of_sample(catalog):
+    """Every public figure replayed with the shipped vllm-v0 preset, whose GPU terms come from
+    Vidur's kernel profiles and CPU terms from Vidur's CPU profile (no figure fitted): mean absolute
+    error <= 15% and no figure beyond 50%, from 1 to 320 sequences at once and TP 1 to 8. The
+    preset fitted on 10-prompt figures before predicted the 320-prompt ones 3.5-309% slow."""
+    from libra.sim.replay import public
+
+    results = public.replay_all(catalog)
+    big = [r for r in results if r.figure.id.startswith("lambda320")]
+    assert len(results) >= 19 and len(big) == 4
+    assert public.mape(results) <= 0.15, public.mape(results)
+    assert max(abs(r.error) for r in results) <= 0.5
+    assert max(abs(r.error) for r in big) <= 0.15
