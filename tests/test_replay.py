@@ -167,3 +167,23 @@ def test_public_figures_out_of_sample(catalog):
     assert public.mape(results) <= 0.15, public.mape(results)
     assert max(abs(r.error) for r in results) <= 0.5
     assert max(abs(r.error) for r in big) <= 0.15
+
+
+def test_preemptions_are_printed_beside_vllms_where_the_run_recorded_them(tmp_path, catalog):
+    """meta.json's `metrics.num_preemptions` (vLLM's counter; a list: one per data-parallel rank):
+    each rank's simulated count is printed beside vLLM's; a run without it says so."""
+    import shutil
+
+    shutil.copytree(FIXTURES / "kv-v0.28_Qwen3-30B-A3B-Instruct-2507", tmp_path / "b")
+    meta = json.loads((tmp_path / "b" / "meta.json").read_text())
+    meta["metrics"] = {"num_preemptions": [3, 4]}
+    (tmp_path / "b" / "meta.json").write_text(json.dumps(meta))
+    rows = compare(load_bench(tmp_path / "b", catalog), catalog)["instances"]
+    assert [(r["instance"], r["vllm_preemptions"]) for r in rows] == [("rank0", 3), ("rank1", 4)]
+    assert all(isinstance(r["preemptions"], int) for r in rows)
+    out = run_cli("replay-vllm", str(FIXTURES / "kv-v0.28_Llama-3.1-8B")).stdout
+    assert "vllm_preemptions" in out and "not recorded" in out
+    meta["metrics"] = {"num_preemptions": "many"}
+    (tmp_path / "b" / "meta.json").write_text(json.dumps(meta))
+    r = run_cli("replay-vllm", str(tmp_path / "b"))
+    assert r.returncode == 2 and "num_preemptions" in r.stderr and "Traceback" not in r.stderr
