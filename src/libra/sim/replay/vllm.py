@@ -5,9 +5,12 @@ newer runs the KV cache vLLM allocated), `config.json` (hardware and the engine 
 `requests.jsonl` (arrivals, token counts and the engine's timestamps). Every instance of the
 layout is simulated: data-parallel ranks each run their own engine behind vLLM's load balancer,
 and a mixture-of-experts model served with expert parallelism splits its experts over the ranks
-(`RolloutCostModel(..., ep=...)`). The model and hardware are looked up in the catalog by name, so
-the replay uses spec-sheet numbers, the measured GPU terms and an engine preset: nothing is fitted
-per trace.
+(`RolloutCostModel(..., ep=...)`), its ranks stepping together (`LockstepGroup`). The model and
+hardware are looked up in the catalog by name, so the replay uses spec-sheet numbers, the measured
+GPU terms and an engine preset: nothing is fitted per trace. Where meta.json records the KV cache
+vLLM allocated, the engines run on it and the cost model's own (vLLM's memory profile, term by
+term, from the run's vLLM version) is reported beside it; where it records vLLM's preemption
+counter, each rank's simulated count is reported beside it.
 """
 
 from __future__ import annotations
