@@ -18,7 +18,7 @@ $(STAMP_CORE): pyproject.toml | $(BIN)/python
 # torch==2.13.0 is the CPU build that installs offline on these machines (see README); ray is for
 # the `libra train --launcher ray` test.
 $(STAMP_TEST): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e ".[test,serve,train,native,ray]"
+	$(BIN)/pip install -q -e ".[test,serve,train,native,ray,tensorboard,wandb]"
 	touch $@ $(STAMP_CORE)
 
 demo: $(STAMP_CORE) native

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import aiohttp
 
+from libra.core.curves import CurveOptions
 from libra.core.errors import InfeasibleError
 from libra.planner.staleness import StalenessGate
 from libra.runtime.launch.base import Launcher, LaunchError
@@ -54,8 +55,9 @@ class Start:
     checkpoint: str
 
 
-async def train(cfg: TrainConfig, run: Path, launcher: Launcher, resume: bool, progress=None) -> dict:
-    folder, metrics = RunFolder(run, time.time()), DriverMetrics()
+async def train(cfg: TrainConfig, run: Path, launcher: Launcher, resume: bool, progress=None,
+                curves: CurveOptions | None = None) -> dict:  # fmt: skip
+    folder, metrics = RunFolder(run, time.time(), curves), DriverMetrics()
     port = metrics.serve(cfg.metrics_port)
     if progress is not None and port:
         progress.note(f"driver metrics on http://127.0.0.1:{port}/metrics")
