@@ -130,8 +130,11 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
             _observe(metrics, rec)
             if progress is not None:
                 progress.step(rec)
-        folder.unfinished = rollouts.running()
+    except asyncio.CancelledError:  # interrupted (Ctrl-C): the steps so far stay, counted as such
+        folder.interrupted = True
+        raise
     finally:
+        folder.unfinished = rollouts.running()  # 0 after the last step; on an interrupt, counted
         await rollouts.stop()
         await pool.stop()
         await fleet.stop()

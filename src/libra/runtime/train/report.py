@@ -169,6 +169,7 @@ class RunFolder:
         self.timeline = Timeline(t0)
         self.records: list[dict] = []
         self.unfinished = 0  # trajectories still generating when the run ended
+        self.interrupted = False  # stopped by an interrupt before its last step
         self.warmstart: WarmStartRecord | None = None
 
     def save_trajectories(self, step: int, groups) -> None:
@@ -200,7 +201,8 @@ class RunFolder:
     def finish(self, metrics_text: bytes | None) -> dict:
         self.curves.close()
         ws = asdict(self.warmstart) if self.warmstart is not None else None
-        summary = {**summarize(self.records), "unfinished": self.unfinished, "warmstart": ws}
+        summary = {**summarize(self.records), "unfinished": self.unfinished, "interrupted": self.interrupted,
+                   "warmstart": ws}  # fmt: skip
         self._write("summary.json", summary)
         self._write("trace.json", self.timeline.chrome())
         if metrics_text is not None:
