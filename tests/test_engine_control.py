@@ -25,6 +25,7 @@ from libra.runtime.engine.config import EngineConfig
 from libra.runtime.engine.model import build_model, save_checkpoint
 from libra.runtime.engine.tokenizer import encode
 from libra.runtime.engine.weight_sync import WeightUpdateError, open_group, push_weights
+from tests.conftest import wait_for
 from tests.engine_fixtures import engine_factory  # noqa: F401
 from tests.test_engine_tokens import assert_close, post, reference_logprobs
 
@@ -120,8 +121,8 @@ def test_pause_abort_answers_in_flight_requests_with_what_they_have_and_holds_ne
         res = s.result()
         assert res["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(res["output_ids"]) < 600
     late = Stream(eng.url, encode("late"), 5)
-    time.sleep(0.5)
-    assert health(eng)["paused"] == "abort" and health(eng)["waiting"] == 1 and late.is_alive()
+    wait_for(lambda: health(eng)["waiting"] == 1, "the late request held")
+    assert health(eng)["paused"] == "abort" and late.is_alive()
     status, out = control(eng.url, "/continue_generation")
     assert status == 200 and out["released"] == 1
     assert late.result()["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
@@ -182,7 +183,7 @@ def test_pause_wait_lets_in_flight_requests_finish(eng):
     for s in streams:
         assert s.result()["meta_info"]["finish_reason"]["type"] == "length"
     late = Stream(eng.url, encode("late"), 4)
-    time.sleep(0.3)
+    wait_for(lambda: health(eng)["waiting"] == 1, "the late request held")
     assert late.is_alive() and health(eng)["paused"] == "wait"
     control(eng.url, "/continue_generation")
     assert len(late.result()["output_ids"]) == 4
@@ -293,8 +294,8 @@ def test_release_and_resume_the_kv_cache_memory(eng):
     status, out = control(eng.url, "/release_memory_occupation", {"tags": ["kv_cache"]})
     assert status == 200 and out["freed_mb"] > 0 and health(eng)["sleeping"] is True
     late = Stream(eng.url, encode("asleep"), 5)  # held while the cache is gone
-    time.sleep(0.3)
-    assert late.is_alive() and health(eng)["waiting"] == 1
+    wait_for(lambda: health(eng)["waiting"] == 1, "the request held while asleep")
+    assert late.is_alive()
     assert control(eng.url, "/release_memory_occupation")[0] == 400  # a request is held
     assert control(eng.url, "/resume_memory_occupation", {"tags": ["weights"]})[1]["param"] == "tags"
     assert control(eng.url, "/resume_memory_occupation")[0] == 200
