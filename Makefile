@@ -20,7 +20,7 @@ $(STAMP_CORE): pyproject.toml | $(BIN)/python
 # from PyPI's skyrl 0.3.0 without its dependencies: the client needs only aiohttp, while the
 # package's own list pulls transformers, datasets, peft and more (docs/integrations.md).
 $(STAMP_TEST): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e ".[test,serve,train,native,ray]"
+	$(BIN)/pip install -q -e ".[test,serve,train,native,ray,tensorboard,wandb]"
 	$(BIN)/pip install -q --no-deps skyrl==0.3.0
 	touch $@ $(STAMP_CORE)
 

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from libra.runtime.sandbox.client import ActionsClient, ServiceProcess
 from libra.runtime.sandbox.rewards import judge_reward, unit_test_reward
+from tests.conftest import wait_for
 
 
 def sandbox_available() -> str | None:
@@ -440,14 +441,6 @@ def finished_run_code(http) -> float:
     return sum(
         float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith('libra_actions_total{endpoint="run_code"')
     )
-
-
-def wait_for(check, what: str, limit_s: float = 600.0) -> None:
-    """Poll until `check()` holds; the limit only stops a broken service from hanging the suite."""
-    end = time.monotonic() + limit_s
-    while not check():
-        assert time.monotonic() < end, f"never happened: {what}"
-        time.sleep(0.05)
 
 
 @needs_sandbox

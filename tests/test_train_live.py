@@ -79,6 +79,17 @@ def check_smoke(out: Path, r: subprocess.CompletedProcess, steps: int) -> None:
         assert (out / f).stat().st_size > 0, f
     check_tokens(out, recs)
     check_decisions(recs)
+    check_curves(out, steps)
+
+
+def check_curves(out: Path, steps: int) -> None:
+    """TensorBoard has each step's reward, success, step time split, staleness and decisions."""
+    from tests.test_curves import read_events
+
+    got = read_events(out / "tb")
+    for tag in ("reward", "success", "step_time_s/train", "step_time_s/rollout_wait", "tokens_per_s",
+                "staleness/max", "loss/policy", "controller/replan"):  # fmt: skip
+        assert [s for s, _ in got[tag]] == list(range(steps)), tag
 
 
 def check_decisions(recs: list[dict]) -> None:
@@ -174,7 +185,8 @@ def test_trainer_killed_stops_clearly_and_resumes(tmp_path):
 
 
 def test_unreachable_actions_service_is_a_clear_error(tmp_path):
-    t0 = time.monotonic()
-    r = libra_train(tmp_path / "run", "--steps", "2", "--set", "actions.url=http://127.0.0.1:9", "--set", "actions.connect_timeout_s=2", timeout=120)  # fmt: skip
+    """Not a hang: the start-up check gives up after `actions.connect_timeout_s` and says so
+    (the subprocess timeout is only the net under a hang, not a figure)."""
+    r = libra_train(tmp_path / "run", "--steps", "2", "--set", "actions.url=http://127.0.0.1:9", "--set", "actions.connect_timeout_s=2", timeout=300)  # fmt: skip
     assert r.returncode == 1 and "actions service" in r.stderr and "unreachable" in r.stderr, r.stderr[-2000:]
-    assert time.monotonic() - t0 < 60
+    assert "after 2 s (actions.url, actions.connect_timeout_s)" in r.stderr, r.stderr[-2000:]

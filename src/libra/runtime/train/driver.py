@@ -21,6 +21,7 @@ from pathlib import Path
 
 import aiohttp
 
+from libra.core.curves import CurveOptions
 from libra.core.errors import InfeasibleError
 from libra.planner.staleness import StalenessGate
 from libra.runtime.launch.base import Launcher, LaunchError
@@ -61,10 +62,11 @@ class Start:
     checkpoint: str
 
 
-async def train(cfg: TrainConfig, run: Path, launcher: Launcher, resume: ckpt.CheckpointInfo | None, progress=None) -> dict:  # fmt: skip
+async def train(cfg: TrainConfig, run: Path, launcher: Launcher, resume: ckpt.CheckpointInfo | None, progress=None,
+                curves: CurveOptions | None = None) -> dict:  # fmt: skip
     """Run `cfg` in the run folder `run`, from the verified checkpoint `resume` (`ckpt.resume_point`)
-    or from a warm-start."""
-    folder, metrics = RunFolder(run, time.time()), DriverMetrics()
+    or from a warm-start; per-step curves go where `curves` says."""
+    folder, metrics = RunFolder(run, time.time(), curves), DriverMetrics()
     port = metrics.serve(cfg.metrics_port)
     if progress is not None and port:
         progress.note(f"driver metrics on http://127.0.0.1:{port}/metrics")
@@ -137,8 +139,11 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
             _observe(metrics, rec)
             if progress is not None:
                 progress.step(rec)
-        folder.unfinished = rollouts.running()
+    except asyncio.CancelledError:  # interrupted (Ctrl-C): the steps so far stay, counted as such
+        folder.interrupted = True
+        raise
     finally:
+        folder.unfinished = rollouts.running()  # 0 after the last step; on an interrupt, counted
         await rollouts.stop()
         await pool.stop()
         await fleet.stop()
