@@ -95,7 +95,12 @@ class Curves:
             w.close()  # type: ignore[attr-defined]
         self._tb.clear()
         if self._wandb is not None:
+            import wandb
+
             self._wandb.finish()  # type: ignore[attr-defined]
+            # finish() can return before the offline writer has flushed the run file; tearing
+            # the service down waits for it (a run's Curves is closed once, at its end).
+            wandb.teardown()
             self._wandb = None
 
     def _tensorboard(self, series: str):
