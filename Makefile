@@ -52,10 +52,13 @@ sysdeps:
 	  else echo "note: not installed:$$missing (sandbox tests skip without bubblewrap; a language without its toolchain is skipped)"; fi; \
 	fi
 
+# Two pytest workers (pytest-xdist), a module each at a time so a module's shared live stack starts
+# once; `make test WORKERS=1` runs the suite in one process.
+WORKERS ?= 2
 test: $(STAMP_TEST) sysdeps native
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(if $(filter 1,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
 
 lint: $(STAMP_TEST)
 	$(BIN)/ruff check src tests benchmarks

@@ -50,3 +50,10 @@ def wait_for(check, what: str, limit_s: float = 600.0) -> None:
     while not check():
         assert time.monotonic() < end, f"never happened: {what}"
         time.sleep(0.05)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The long end-to-end modules (marked `slow`) run first. Under pytest-xdist (`make test` runs
+    two workers, a module each at a time) a long module started last would run alone at the end;
+    started first, the short ones fill the other worker meanwhile. Order within a module is kept."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
