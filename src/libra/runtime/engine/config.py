@@ -12,7 +12,6 @@ from typing import Annotated, Literal
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
     ConfigDict,
     Field,
     PrivateAttr,
@@ -24,6 +23,7 @@ from pydantic import (
 from libra.core.errors import ConfigError
 from libra.runtime.engine.presets import PRESETS, ModelPreset
 from libra.runtime.engine.sources import ModelSource, resolve
+from libra.runtime.http_limits import HttpLimitFields, RequestCapFields
 
 __all__ = ["PRESETS", "EngineConfig", "ModelPreset"]
 
@@ -37,8 +37,9 @@ def _visible(v: str) -> str:
 Visible = Annotated[str, AfterValidator(_visible)]
 
 
-class EngineConfig(BaseModel):
-    """Everything `libra serve engine` can be told. Field names match the CLI options."""
+class EngineConfig(HttpLimitFields, RequestCapFields):
+    """Everything `libra serve engine` can be told. Field names match the CLI options (the
+    connection limits and request caps are `http_limits`' fields, shared with the gateway)."""
 
     model_config = ConfigDict(allow_inf_nan=False, extra="forbid", frozen=True)
 

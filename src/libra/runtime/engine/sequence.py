@@ -14,9 +14,10 @@ import random
 import secrets
 from dataclasses import dataclass, field
 from enum import IntEnum
+from functools import lru_cache
 
 from libra.runtime.engine.codec import BYTES, Codec, parse_hermes
-from libra.runtime.engine.constraints import FreeText, ToolCallGrammar, Utf8Text
+from libra.runtime.engine.constraints import FreeText, ToolCallGrammar, Utf8Text, _all_but
 
 
 class SeqStatus(IntEnum):
@@ -72,6 +73,36 @@ class SeqEvent:
     raw: str | None = None  # a Hermes tool-call turn's whole text, markup included (see HermesOutput)
 
 
+class AtLeast:
+    """vLLM's `min_tokens` over another constraint: until `left` more tokens are sampled, neither
+    the end token nor a stop token may be (their logits are masked, as vLLM masks them)."""
+
+    __slots__ = ("inner", "left", "banned", "vocab_size")
+
+    def __init__(self, inner: Utf8Text | FreeText, n: int, banned: frozenset[int], vocab_size: int):
+        """`banned`: the stop tokens and the codec's end tokens."""
+        self.inner, self.left, self.banned, self.vocab_size = inner, n, banned, vocab_size
+
+    def allowed(self, budget: int) -> frozenset[int]:
+        allowed = self.inner.allowed(budget)
+        if self.left <= 0:
+            return allowed
+        return _all_but(self.vocab_size, self.banned) if allowed is None else _without(allowed, self.banned)
+
+    def advance(self, token: int) -> None:
+        self.inner.advance(token)
+        self.left -= 1
+
+    @property
+    def done(self) -> bool:
+        return self.inner.done
+
+
+@lru_cache(maxsize=256)
+def _without(allowed: frozenset[int], banned: frozenset[int]) -> frozenset[int]:
+    return allowed - banned
+
+
 class TextOutput:
     """Plain text: stop strings and stop token ids honoured; with the built-in codec, only valid
     printable UTF-8 is sampled (`Utf8Text`), with a tokenizer's vocabulary anything is (`FreeText`).
@@ -81,7 +112,8 @@ class TextOutput:
     the text and never sent even in part; `include_stop` keeps it (vLLM's
     include_stop_str_in_output, SGLang's no_stop_trim), and `specials` writes the end token by its
     name (skip_special_tokens false). The token ids always hold every sampled token, so a client
-    can train on exactly what was sampled.
+    can train on exactly what was sampled. With `min_tokens` nothing ends the text before that
+    many tokens: the end and stop tokens are masked and stop strings are not looked for.
     """
 
     __slots__ = (
@@ -94,14 +126,16 @@ class TextOutput:
         "specials",
         "codec",
         "_utf8",
+        "_early",
     )
 
     def __init__(self, stops: tuple[str, ...] = (), ignore_eos: bool = False, stop_ids: frozenset[int] = frozenset(),
-                 include_stop: bool = False, specials: bool = False, codec: Codec = BYTES):  # fmt: skip
+                 include_stop: bool = False, specials: bool = False, min_tokens: int = 0, codec: Codec = BYTES):  # fmt: skip
         self.codec = codec
-        self.constraint = (
-            Utf8Text(allow_end=not ignore_eos) if codec is BYTES else FreeText(codec, not ignore_eos)
-        )
+        text = Utf8Text(allow_end=not ignore_eos) if codec is BYTES else FreeText(codec, not ignore_eos)
+        banned = stop_ids | codec.end_ids
+        self.constraint = AtLeast(text, min_tokens, banned, codec.vocab_size) if min_tokens > 0 else text
+        self._early = min_tokens  # tokens still to come before a stop string may end the text
         self.buf, self.sent = bytearray(), 0
         self.stops = [s.encode() for s in stops if s]
         self.stop_ids, self.include_stop, self.specials = stop_ids, include_stop, specials
@@ -113,7 +147,8 @@ class TextOutput:
             return self._stop_token(token, ev)
         start = len(self.buf)
         self.buf += self.codec.token_bytes(token)
-        hit = self._stop_at(start)
+        self._early -= 1
+        hit = self._stop_at(start) if self._early <= 0 else None
         if hit is not None:  # the earliest (so longest) stop reaching into this token's bytes
             at, stop = hit
             del self.buf[at + (len(stop) if self.include_stop else 0) :]
