@@ -74,10 +74,16 @@ def read_regular(path: str | Path, within: Path | None = None, max_bytes: int | 
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
             raise FileRefused(f"{path}: changed while being opened (now {kind(st.st_mode)})")
-        chunks, left = [], st.st_size  # no more than it had: a file still growing is cut there
-        while left > 0 and (chunk := os.read(fd, min(left, 1 << 22))):
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
+        return read_upto(fd, st.st_size)
     finally:
         os.close(fd)
+
+
+def read_upto(fd: int, size: int) -> bytes:
+    """At most `size` bytes of an open file: no more than its size said when it was checked, so a
+    file still growing is cut there (a writer cannot make a read unbounded)."""
+    chunks, left = [], size
+    while left > 0 and (chunk := os.read(fd, min(left, 1 << 22))):
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)

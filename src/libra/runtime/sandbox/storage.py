@@ -34,6 +34,7 @@ from pathlib import Path, PurePosixPath
 from typing import Protocol
 
 from libra.core.errors import ConfigError
+from libra.runtime.regular_file import read_upto
 from libra.runtime.sandbox import mounts
 
 WORKSPACE, TMP = "/workspace", "/tmp"
@@ -335,11 +336,7 @@ class Storages:
                 raise OSError(errno.EFBIG, f"{size} bytes, more than the {max_bytes} a fetched file may have")
             if budget is not None and size > budget.file_room(t.name):
                 raise OSError(errno.EFBIG, budget.refusal(size))
-            chunks, left = [], size  # never more than fstat said: a file still growing is cut there
-            while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
-                chunks.append(chunk)
-                left -= len(chunk)
-            return b"".join(chunks)
+            return read_upto(fd, size)  # never more than fstat said
         finally:
             os.close(fd)
 
