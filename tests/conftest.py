@@ -16,6 +16,14 @@ from libra.costmodel.catalog import load_catalog
 # Property tests draw the same examples on every run by default, so CI is deterministic (a change,
 # not the dice, turns it red). `LIBRA_HYPOTHESIS=explore make test` draws new ones each run, which
 # is how the fuzz-style tests of the services are meant to be used when hunting for bugs.
+# One BLAS thread per test process (and per CLI subprocess, which inherits it). The suite's numpy
+# work is small matrices (the routers' ridge fits, the cost models' fits); on a loaded 2-core box
+# OpenBLAS's worker threads spin waiting for a core and cost up to three times the CPU of the work
+# itself (tests/test_rollout_evaluate.py: 28 s of CPU with the default threads, 18 s with one).
+# It must be set before numpy is first imported, which no import above does; under pytest-xdist
+# each worker runs this file first too. A caller's own setting wins.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 settings.register_profile("ci", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("LIBRA_HYPOTHESIS", "ci"))
