@@ -109,7 +109,8 @@ def test_wandb_offline_run_lands_in_the_run_folder(tmp_path):
 
 def test_tensorboard_curves_do_not_import_torch(tmp_path):
     """tensorboardX's writer imports torch when it is installed (~2 CPU s, most of a short
-    `libra simulate`); the curves take the writer without it, and torch still imports afterwards."""
+    `libra simulate`); the curves take the writer without it. `False` also shows the block is gone:
+    a `None` left in `sys.modules` would read as present, and break a later `import torch`."""
     import subprocess
     import sys
 
@@ -117,8 +118,6 @@ def test_tensorboard_curves_do_not_import_torch(tmp_path):
         "import sys; from pathlib import Path; from libra.core.curves import CurveOptions, Curves, Toggle\n"
         f"c = Curves(Path({str(tmp_path)!r}), CurveOptions(tensorboard=Toggle.ON), name='run')\n"
         "c.log(0, {'reward': 0.5}); c.close(); print('torch' in sys.modules)\n"
-        "import importlib.util\n"
-        "if importlib.util.find_spec('torch'): import torch; assert torch.tensor([1.0]).sum() == 1.0\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
