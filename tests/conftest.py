@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -49,6 +51,33 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "libra", *args], capture_output=True, text=True, timeout=timeout
     )
+
+
+def run_main(*args: str) -> subprocess.CompletedProcess:
+    """`libra ARGS` in this process, through the same `libra.cli.main` that `run_cli`'s process
+    runs, for a behaviour's further cases once one real process has shown it (a new interpreter
+    is 0.5-1.5 CPU s of imports). Output and exit code come back as `run_cli`'s do; an exception
+    that is not an exit propagates, failing the test as a traceback on stderr would. The
+    simulator's compiled modules are never switched on here: they would stay on for every later
+    test of this process (LIBRA_PURE_PYTHON while a command module is first imported)."""
+    from libra.cli import main
+    from libra.sim.native import PURE_ENV
+
+    out, err = io.StringIO(), io.StringIO()
+    before = os.environ.get(PURE_ENV)
+    os.environ[PURE_ENV] = "1"
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    finally:
+        if before is None:
+            del os.environ[PURE_ENV]
+        else:
+            os.environ[PURE_ENV] = before
+    return subprocess.CompletedProcess(["libra", *args], code, out.getvalue(), err.getvalue())
 
 
 def wait_for(check, what: str, limit_s: float = 600.0) -> None:
