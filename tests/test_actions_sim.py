@@ -16,7 +16,7 @@ from libra.sim.scenarios import parse_scenario, read_scenario
 from libra.sim.tangram import runner
 from libra.sim.tangram.runner import split_nodes
 from libra.sim.tangram.systems import max_min_fair
-from tests.conftest import run_cli
+from tests.conftest import run_cli, run_main
 
 
 def run(scenario: dict, *args, **kw) -> dict:
@@ -230,7 +230,9 @@ def test_cli_simulate_runs_a_tangram_scenario(tmp_path):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["systems"]["tangram"]["actions"]["gpus"] == 40 and "gpus_for_equal_act" in out
-    bad = run_cli("simulate", "--scenario", "tangram-mopd", "--set", "mopd.decode_tok_s=-1")
+    # The error path through the same libra.cli.main in this process (conftest.run_main); a real
+    # process's bad --set values are test_sim_pipeline's.
+    bad = run_main("simulate", "--scenario", "tangram-mopd", "--set", "mopd.decode_tok_s=-1")
     assert bad.returncode == 2 and "decode_tok_s" in bad.stderr and "Traceback" not in bad.stderr
 
 
