@@ -15,9 +15,6 @@ from hypothesis import settings
 
 from libra.costmodel.catalog import load_catalog
 
-# Property tests draw the same examples on every run by default, so CI is deterministic (a change,
-# not the dice, turns it red). `LIBRA_HYPOTHESIS=explore make test` draws new ones each run, which
-# is how the fuzz-style tests of the services are meant to be used when hunting for bugs.
 # One BLAS thread per test process (and per CLI subprocess, which inherits it). The suite's numpy
 # work is small matrices (the routers' ridge fits, the cost models' fits); on a loaded 2-core box
 # OpenBLAS's worker threads spin waiting for a core and cost up to three times the CPU of the work
@@ -26,8 +23,14 @@ from libra.costmodel.catalog import load_catalog
 # each worker runs this file first too. A caller's own setting wins.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-settings.register_profile("ci", derandomize=True)
-settings.register_profile("explore", derandomize=False)
+# Property tests draw the same examples on every run by default, so CI is deterministic (a change,
+# not the dice, turns it red). `LIBRA_HYPOTHESIS=explore make test` draws new ones each run, which
+# is how the fuzz-style tests of the services are meant to be used when hunting for bugs.
+# No per-example deadline (hypothesis' default is 200 ms): on a loaded machine an example can take
+# longer than that, and DeadlineExceeded would then fail a test for the machine's pace, not for
+# the property. The suite's timeout (pyproject) still stops a test that hangs.
+settings.register_profile("ci", derandomize=True, deadline=None)
+settings.register_profile("explore", derandomize=False, deadline=None)
 settings.load_profile(os.environ.get("LIBRA_HYPOTHESIS", "ci"))
 
 REPO = Path(__file__).resolve().parents[1]
