@@ -105,3 +105,21 @@ def test_wandb_offline_run_lands_in_the_run_folder(tmp_path):
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 0
     assert b"libra/reward" in runs[0].read_bytes()
+
+
+def test_tensorboard_curves_do_not_import_torch(tmp_path):
+    """tensorboardX's writer imports torch when it is installed (~2 CPU s, most of a short
+    `libra simulate`); the curves take the writer without it. `False` also shows the block is gone:
+    a `None` left in `sys.modules` would read as present, and break a later `import torch`."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from pathlib import Path; from libra.core.curves import CurveOptions, Curves, Toggle\n"
+        f"c = Curves(Path({str(tmp_path)!r}), CurveOptions(tensorboard=Toggle.ON), name='run')\n"
+        "c.log(0, {'reward': 0.5}); c.close(); print('torch' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
+    assert read_events(tmp_path / "tb" / "run") == {"reward": [(0, 0.5)]}

@@ -9,7 +9,7 @@ import pytest
 
 from libra.core.errors import ConfigError
 from libra.sim.replay.vllm import calibrate, compare, cost_models, load_bench, simulate
-from tests.conftest import run_cli
+from tests.conftest import run_cli, run_main
 
 TRACES = ["RTXPRO6000_Llama-3.1-8B", "RTXPRO6000_Qwen3-32B"]
 FIXTURES = Path(__file__).parent / "data" / "vllm-bench"
@@ -65,8 +65,14 @@ def test_a_data_parallel_group_listed_once_is_expanded(tmp_path, catalog):
     assert [(r.tp, r.ep) for r in bench.ranks] == [(1, 2), (1, 2)]
 
 
-def test_the_replay_says_how_its_kv_cache_compares(catalog):
-    r = run_cli("replay-vllm", str(FIXTURES / "kv-v0.28_Llama-3.1-8B"))
+@pytest.fixture(scope="module")
+def llama_kv_printed():
+    """`libra replay-vllm` on the 0.28 Llama run, its printed table: read by two tests."""
+    return run_cli("replay-vllm", str(FIXTURES / "kv-v0.28_Llama-3.1-8B"))
+
+
+def test_the_replay_says_how_its_kv_cache_compares(catalog, llama_kv_printed):
+    r = llama_kv_printed
     assert r.returncode == 0, r.stderr
     assert "vLLM allocated 574,608 tokens (replayed); computed" in r.stdout
     d = json.loads(run_cli("replay-vllm", str(DP_EP), "--json").stdout)
@@ -149,7 +155,10 @@ def _mutated(tmp_path, shared_data, meta=None, instance=None, request=None):
     ],
 )
 def test_a_folder_with_one_bad_value_is_one_line_exit_2(tmp_path, shared_data, change, needle):
-    r = run_cli("replay-vllm", str(_mutated(tmp_path, shared_data, **change)))
+    # The first case in a real process, as a user runs it; the others through the same
+    # libra.cli.main in this one (conftest.run_main: no new interpreter's imports each).
+    cli = run_cli if needle == "meta.json.engine_kwargs.model" else run_main
+    r = cli("replay-vllm", str(_mutated(tmp_path, shared_data, **change)))
     assert r.returncode == 2 and needle in r.stderr, r.stderr[-400:]
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
@@ -169,7 +178,9 @@ def test_public_figures_out_of_sample(catalog):
     assert max(abs(r.error) for r in big) <= 0.15
 
 
-def test_preemptions_are_printed_beside_vllms_where_the_run_recorded_them(tmp_path, catalog):
+def test_preemptions_are_printed_beside_vllms_where_the_run_recorded_them(
+    tmp_path, catalog, llama_kv_printed
+):
     """meta.json's `metrics.num_preemptions` (vLLM's counter; a list: one per data-parallel rank):
     each rank's simulated count is printed beside vLLM's; a run without it says so."""
     import shutil
@@ -181,9 +192,9 @@ def test_preemptions_are_printed_beside_vllms_where_the_run_recorded_them(tmp_pa
     rows = compare(load_bench(tmp_path / "b", catalog), catalog)["instances"]
     assert [(r["instance"], r["vllm_preemptions"]) for r in rows] == [("rank0", 3), ("rank1", 4)]
     assert all(isinstance(r["preemptions"], int) for r in rows)
-    out = run_cli("replay-vllm", str(FIXTURES / "kv-v0.28_Llama-3.1-8B")).stdout
+    out = llama_kv_printed.stdout
     assert "vllm_preemptions" in out and "not recorded" in out
     meta["metrics"] = {"num_preemptions": "many"}
     (tmp_path / "b" / "meta.json").write_text(json.dumps(meta))
-    r = run_cli("replay-vllm", str(tmp_path / "b"))
+    r = run_main("replay-vllm", str(tmp_path / "b"))  # in this process: the real one is above
     assert r.returncode == 2 and "num_preemptions" in r.stderr and "Traceback" not in r.stderr

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -105,9 +106,8 @@ class Curves:
 
     def _tensorboard(self, series: str):
         if series not in self._tb:
-            from tensorboardX import SummaryWriter
-
-            self._tb[series] = SummaryWriter(str(self.folder / "tb" / (series or self.name)), flush_secs=5)
+            writer = _summary_writer()
+            self._tb[series] = writer(str(self.folder / "tb" / (series or self.name)), flush_secs=5)
         return self._tb[series]
 
     def _run(self):
@@ -120,6 +120,27 @@ class Curves:
                 config=dict(self.config), reinit="finish_previous",
             )  # fmt: skip
         return self._wandb
+
+
+def _summary_writer():
+    """tensorboardX's SummaryWriter, imported without pulling torch in when torch is not loaded yet.
+
+    tensorboardX's writer module imports torch if it is installed, only to name `torch.Tensor` in
+    its type hints (turning a tensor into numbers imports torch itself, when one is given). That
+    import is ~2 CPU seconds, most of a short `libra simulate`, which logs plain floats and has no
+    other use for torch. A `None` in `sys.modules` makes `import torch` raise ImportError, the
+    writer's own fallback; the entry is removed at once, so a later `import torch` works as usual.
+    """
+    if "torch" in sys.modules or "tensorboardX" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
 
 
 def flatten(prefix: str, obj: object, out: dict[str, float] | None = None) -> dict[str, float]:
