@@ -34,6 +34,7 @@ from libra.costmodel.catalog import load_catalog
 from libra.costmodel.efficiency import Profile
 from libra.costmodel.training import TrainCostModel
 from libra.planner import StepReport
+from libra.planner.plan import InFlightBatch
 from libra.planner.staleness import Finished, GroupQueue, StalenessGate
 from libra.rollout.registry import make_router, params_for, route_params
 from libra.rollout.tail import TailLane, TailStats
@@ -120,6 +121,7 @@ class RLSim:
         self.finished: GroupQueue[list[Trajectory]] = GroupQueue(self.gate)
         self.filled = 0  # steps whose training batch is full
         self.version: dict[int, int] = {}  # step -> training steps done when its batch started
+        self.batch_t0: dict[int, float] = {}  # step -> when its batch started rolling out
         self.done_batches: dict[int, StepRecord] = {}
         self.rollout_started = self.train_done = 0
         self.training = False
@@ -129,6 +131,7 @@ class RLSim:
         self.progress: Progress = lambda label, frac: None
         self.pending: Setup | None = None  # a new layout waiting for the batches in flight to drain
         self.next_batch_delay = 0.0
+        self.train_delay = 0.0  # a training reshard the next step waits for (`_reshard`)
         self.replans = 0
         self.pool = self._make_pool() if system.elastic else None
         self._bounds: list[float] | None = None
@@ -212,6 +215,7 @@ class RLSim:
             groups.setdefault(t.prompt_id, []).append(t)
         b = self.in_flight[s]
         b.t0, b.groups = self.k.now, len(groups)
+        self.batch_t0[s] = self.k.now
         for pid, members in groups.items():
             self.group_left[(s, pid)] = len(members)
         for t in trajs:
@@ -264,6 +268,7 @@ class RLSim:
         par = self.train_par()
         dt = self.train_cost.step(par, rec.lengths).step_time_s
         delay = self.sc.pipeline.switch_s if self.setup.colocated else 0.0
+        delay, self.train_delay = delay + self.train_delay, 0.0
         rec.train_start, rec.train_time = self.k.now + delay, dt
         rec.train_gpus, rec.rollout_gpus = par.gpus, self._serving_gpus()
         rec.layout = [(b.tp, sum(1 for i in self.setup.instances if i.bucket == k), b.max_context)
@@ -293,7 +298,8 @@ class RLSim:
         if ctrl is None:
             return
         last = self.history[-1]
-        report = StepReport(last.step, last.trajs, last.train_time, last.rollout_makespan, self._pressure())
+        report = StepReport(last.step, last.trajs, last.train_time, last.rollout_makespan, self._pressure(),
+                            in_flight=self._running_batches())  # fmt: skip
         pool = None
         if self.pool is not None:
             pool = self.pool.view(
@@ -305,14 +311,40 @@ class RLSim:
         if dec.replan is not None:
             self._switch(self.system.setup_for(dec.replan.plan, self.sc, self.hw, dec.replan.reconfig_s))
 
+    def _running_batches(self) -> tuple[InFlightBatch, ...]:
+        """The batches a layout switch would drain (`_switch` waits for all of them): every
+        started batch with trajectories still running, and those admitted but not yet started."""
+        running: dict[int, int] = {}
+        for step, _ in self.group_left:
+            running[step] = running.get(step, 0) + 1
+        for s, b in self.in_flight.items():
+            if b.t0 is None:
+                running[s] = 1
+        now = self.k.now
+        return tuple(InFlightBatch(s, now - self.batch_t0.get(s, now), n) for s, n in sorted(running.items()))
+
     def _switch(self, new: Setup) -> None:
         if _same_layout(new, self.setup):  # only the bucket boundaries moved: router thresholds
             self.setup = replace(new, instances=self.setup.instances)
             self.driver.retune(new.buckets)
             return
+        if _same_engines(new, self.setup) and (self.pool is None or not self.pool.lent_gpus()):
+            self._reshard(new)
+            return
         self.pending = new
         if not self.in_flight:
             self._apply_pending()
+
+    def _reshard(self, new: Setup) -> None:
+        """Only the training layout changes: the engines keep serving (no drain) and the trainer
+        reshards before its next step, which waits the switch's cost."""
+        self.setup = replace(new, instances=self.setup.instances)
+        self.driver.retune(new.buckets)
+        self.train_delay += new.reconfig_s
+        self.replans += 1
+        if self.pool is not None:  # replicas of the new training layout's size, on the same engines
+            old, self.pool = self.pool, self._make_pool()
+            self.pool.carry_over(old)
 
     def _pressure(self) -> float:
         engines = self.driver.engines.values()
@@ -429,9 +461,14 @@ def _collector_paused():
             gc.enable()
 
 
-def _same_layout(a: Setup, b: Setup) -> bool:
-    key = lambda s: (s.train, s.train_gpus, s.router, sorted((i.tp, i.bucket) for i in s.instances))  # noqa: E731
+def _same_engines(a: Setup, b: Setup) -> bool:
+    """The same rollout engines (TP and bucket of each) and split: a switch needs no drain."""
+    key = lambda s: (s.train_gpus, s.router, sorted((i.tp, i.bucket) for i in s.instances))  # noqa: E731
     return key(a) == key(b)
+
+
+def _same_layout(a: Setup, b: Setup) -> bool:
+    return a.train == b.train and _same_engines(a, b)
 
 
 def limit_of(sc: RLScenario, profile: Profile) -> Limit:
