@@ -34,7 +34,7 @@ import numpy as np
 from libra.core.specs import HardwareSpec, ModelSpec
 from libra.core.trajectory import Trajectory
 from libra.costmodel.efficiency import RolloutEfficiency
-from libra.costmodel.rollout import RolloutCostModel
+from libra.costmodel.speculative import SpecDecoding, rollout_cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,21 +80,22 @@ class Limit:
     """The floors of one cluster and model: which engines it can run, and their best times."""
 
     def __init__(self, hw: HardwareSpec, model: ModelSpec, eff: RolloutEfficiency | None, rollout,
-                 default_tool_s: float):  # fmt: skip
-        """`rollout`: the scenario's rollout section (memory settings and the engine's limits)."""
+                 default_tool_s: float, speculative: SpecDecoding | None = None):  # fmt: skip
+        """`rollout`: the scenario's rollout section (memory settings and the engine's limits);
+        `speculative`: the speculative decoder of the system bounded, if it has one."""
         self.default_tool_s = default_tool_s
-        costs = [RolloutCostModel(hw, model, tp, eff, rollout.gpu_memory_utilization, rollout.max_num_batched_tokens,
-                                  rollout.engine, rollout.max_num_seqs) for tp in _tps(hw, model)]  # fmt: skip
+        costs = [rollout_cost(hw, model, tp, eff, rollout, speculative) for tp in _tps(hw, model)]
         costs = [c for c in costs if c.fits()]
         if not costs:
             raise ValueError(f"no rollout engine of {model.name} fits on {hw.name}")
         # Serial floor per TP: a turn of `out` tokens from context c costs out*A + B*((out-1)c + out(out-1)/2).
-        self.serial = [c.decode_coeffs(1) for c in costs]
-        full = max(rollout.max_num_batched_tokens, rollout.max_num_seqs)
+        self.serial = [c.floor_coeffs() for c in costs]
         # GPU-seconds per token at the fullest iteration (attention at context 1), and per
         # context token of a decode's attention; each at its own best TP (a bound, if looser).
-        self.per_token = min(c.tp * c.step_time(full, 0.0, 0, 0.0) / full for c in costs)
-        self.per_ctx = min(c.tp * c.decode_coeffs(1)[1] for c in costs)
+        self.per_token = min(
+            c.tp * c.step_time(c.fullest_batch(), 0.0, 0, 0.0) / c.fullest_batch() for c in costs
+        )
+        self.per_ctx = min(c.tp * c.floor_coeffs()[1] for c in costs)
 
     def batch(self, trajs: Sequence[Trajectory]) -> BatchFloor:
         a = turn_arrays(trajs, self.default_tool_s)
