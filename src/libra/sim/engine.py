@@ -162,6 +162,10 @@ class Engine:
     def kv_used(self) -> int:
         return self.ctx_sum + self.kv_pref + self.cache_tokens
 
+    def busy_until(self) -> float:
+        """When the iteration now running ends (now, if idle)."""
+        return self.k.now if self._busy is None else self._busy.time
+
     def cached(self, key) -> int:
         return self.cache.get(key, 0) or self.host.get(key, 0)
 
