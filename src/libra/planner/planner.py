@@ -242,6 +242,13 @@ class GlobalPlanner:
             f"{p.max_length} tokens on the {left} GPUs left after training ({p.hw.name}, TP in {self.config.rollout_tp})"
         )
 
+    def rollout_layout(self, stats: WorkloadStats, gpus: int) -> list[BucketPlan]:
+        """The DP's rollout buckets for `gpus` GPUs alone, leftovers to the slowest bucket: the
+        layout of a system that lays its rollout out on GPUs it does not split with training
+        (a colocated system)."""
+        ev = RolloutEvaluator(self.tables, self.problem, stats)
+        return list(ev.with_times(fill_leftover(self._layout(stats).buckets(gpus), gpus, ev)))
+
     # ---- pricing and switching ------------------------------------------------------------------
 
     def evaluate(self, plan: Plan, stats: WorkloadStats) -> Plan:

@@ -100,6 +100,65 @@ class PipelineCfg(_Strict):
     tool_latency_default_s: float = Field(2.0, ge=0, description="for trace turns without tool_latency_s")
 
 
+class ArealCfg(_Strict):
+    """AReaL (arXiv 2505.24298). Its staleness bound eta is `pipeline.staleness`, shared with every
+    system so that asynchronous systems are compared at one bound."""
+
+    interrupt: bool = Field(
+        True,
+        description="weight updates interrupt the requests in flight, which recompute their KV (section 4.1)",
+    )
+
+
+class AprilCfg(_Strict):
+    """APRIL (arXiv 2509.18521), on slime's synchronous pipeline."""
+
+    over_provision: float = Field(
+        2.0, ge=1, le=8, description="groups kept in flight per step, over the step's target (section 3)"
+    )
+
+
+class SeerCfg(_Strict):
+    """Seer (arXiv 2511.14617), synchronous."""
+
+    chunk_tokens: int = Field(
+        8192, ge=0, le=1 << 20, description="divided rollout: output tokens per chunk, 0 off (section 4.1)"
+    )
+    context_aware: bool = Field(
+        True, description="probe each group, then longest estimated first (section 4.2); off: FCFS"
+    )
+    speculative: bool = Field(True, description="grouped speculative decoding (section 4.3)")
+    acceptance_rate: float = Field(
+        0.6,
+        gt=0,
+        lt=1,
+        description="per draft token, drafts from the group's other responses (stated, not derived)",
+    )
+    max_draft: int = Field(4, ge=1, le=16, description="the longest draft; the length adapts to the batch")
+
+
+class HeddleCfg(_Strict):
+    """Heddle (arXiv 2603.28101), on a synchronous pipeline."""
+
+    priority: bool = Field(
+        True, description="progressive priority: longest predicted remaining first (section 4)"
+    )
+    migrate_in_tool: bool = Field(True, description="move a trajectory's KV while its tool runs (section 5)")
+    per_trajectory_tp: bool = Field(
+        True,
+        description="engines of several TPs from the presorted DP, each trajectory on the TP of its predicted length (sections 5-6); off: one TP",
+    )
+
+
+class PeersCfg(_Strict):
+    """Options of the peer systems (`sim.rl.peers`), one section each; defaults are the papers'."""
+
+    areal: ArealCfg = ArealCfg()
+    april: AprilCfg = AprilCfg()
+    seer: SeerCfg = SeerCfg()
+    heddle: HeddleCfg = HeddleCfg()
+
+
 class RLScenario(_Strict):
     kind: Literal["rl"] = "rl"
     name: str
@@ -117,6 +176,7 @@ class RLScenario(_Strict):
     elastic: ElasticConfig = ElasticConfig()
     selector: SelectorConfig = SelectorConfig()
     tail: TailConfig = TailConfig()
+    peers: PeersCfg = PeersCfg()
     trace_step: int | None = Field(None, ge=0, description="the step drawn in trace.json")
 
     def check(self, catalog: Catalog, split: bool = True) -> None:
