@@ -108,7 +108,7 @@ def assert_feasible(plan: Plan, p: PlanningProblem, min_concurrent: int = 4, min
     """Every constraint, re-derived here from the cost models without the planner's code."""
     t = plan.train
     assert t.gpus == plan.train_gpus and plan.train_gpus + plan.rollout_gpus <= p.gpus
-    assert t.tp * t.cp <= p.hw.gpus_per_node and p.model.heads % t.tp == 0 and p.model.layers % t.pp == 0
+    assert t.tp * t.cp <= p.hw.gpus_per_node and p.model.heads % t.tp == 0 and t.pp <= p.model.layers
     assert p.prompts_per_step % t.dp == 0 and (p.batch_size // t.dp) % t.micro_batch == 0
     assert TrainCostModel(p.hw, p.model, p.profile.train).memory(t, plan.context_bound).fits
     assert sum(b.tp * b.instances for b in plan.buckets) == plan.rollout_gpus
@@ -551,7 +551,7 @@ def test_drain_is_the_longest_wait_of_the_batches_still_running():
 def test_a_switch_whose_drain_costs_more_than_it_gains_is_not_made(problem):
     """Agents with 30 s tools drift shorter: the new plan wins more than a restart over the
     horizon, but less than waiting for a batch of such agents that has just started."""
-    planner = GlobalPlanner(problem)
+    planner = GlobalPlanner(problem, PlannerConfig(switch="drain"))
     long = WorkloadStats.from_trajectories(synthetic(512, 7, out_median=2500, latency_median_s=30))
     first = planner.decide(long, None).plan
     drifted = WorkloadStats.from_trajectories(synthetic(512, 8, out_median=400, latency_median_s=30))
@@ -570,6 +570,28 @@ def test_a_switch_whose_drain_costs_more_than_it_gains_is_not_made(problem):
     done = planner.decide(drifted, first, [InFlightBatch(9, 0.0, 0)])  # nothing left running
     assert done.verdict.apply and done.verdict.cost_s == free.verdict.cost_s
     assert not restarts_engines(replace(diff(first, first), train_changed=True))  # a reshard only
+
+
+def test_a_switch_interrupts_the_batches_in_flight_when_that_is_cheaper_than_draining(problem):
+    """Interrupting costs the new engines' recompute of the context in flight, not the slowest
+    trajectory still to come: the switch the drain held back goes ahead, and the decision says
+    how to carry it out. `planner.switch` can force either."""
+    long = WorkloadStats.from_trajectories(synthetic(512, 7, out_median=2500, latency_median_s=30))
+    drifted = WorkloadStats.from_trajectories(synthetic(512, 8, out_median=400, latency_median_s=30))
+    just_started = [InFlightBatch(9, 0.0, 512, 512 * 3000)]
+    cheaper = GlobalPlanner(problem)
+    first = cheaper.decide(long, None).plan
+    dec = cheaper.decide(drifted, first, just_started)
+    redo = cheaper.recompute_s(dec.candidate, just_started)
+    assert dec.verdict.apply and dec.interrupt and "interrupting" in dec.verdict.reason
+    assert 0 < redo < cheaper.slowest_s(dec.current, drifted)
+    assert dec.verdict.cost_s == pytest.approx(reconfig_cost_s(diff(dec.current, dec.candidate)) + redo)
+    more = [InFlightBatch(9, 0.0, 512, 512 * 6000)]  # twice the context: at least twice the recompute
+    assert cheaper.recompute_s(dec.candidate, more) >= 2 * redo
+    drain = GlobalPlanner(problem, PlannerConfig(switch="drain")).decide(drifted, first, just_started)
+    assert not drain.verdict.apply and not drain.interrupt
+    forced = GlobalPlanner(problem, PlannerConfig(switch="interrupt")).decide(drifted, first, just_started)
+    assert forced.interrupt and forced.verdict.cost_s == pytest.approx(dec.verdict.cost_s)
 
 
 def test_a_replan_keeps_the_context_bound_until_the_window_is_long_enough(problem):

@@ -414,6 +414,38 @@ def test_each_step_report_names_the_batches_a_switch_would_drain(catalog):
             assert b.step > step or b.running <= 16  # older batches: stragglers only
 
 
+@pytest.mark.parametrize("interrupt", [False, True])
+def test_a_switch_drains_or_interrupts_and_loses_no_trajectory(catalog, interrupt):
+    """A re-plan that restarts engines after step 1: draining waits for every batch in flight;
+    interrupting stops the engines, and every trajectory in flight (mid-turn or in a tool call)
+    goes on on the new engines, an aborted turn from the tokens it had."""
+    from dataclasses import replace
+
+    from libra.sim.rl.pipeline import Batches
+
+    sc = parse_rl({**SMALL, "steps": 4, "pipeline": {"staleness": 2}}, catalog)
+    batches = Batches(sc, 0)
+    system = make_system("router:least-loaded")
+
+    class ReplanOnce:
+        def observe(self, report, current, pool):
+            replan = Replan(None, 10.8, Trigger.INTERVAL, "test", interrupt) if report.step == 1 else None
+            return ControlDecision(report.step, replan=replan)
+
+    system.controller = ReplanOnce()
+    system.setup_for = lambda plan, sc, hw, reconfig_s: replace(
+        sim.setup, instances=sim.setup.instances[:-1], reconfig_s=reconfig_s
+    )
+    sim = RLSim(sc, system, batches, 4, 0)
+    res = sim.run()
+    assert res["replans"] == 1
+    trained = sorted(t.id for r in sim.history for t in r.trajs)
+    assert trained == sorted(t.id for s in range(4) for t in batches.get(s))  # each once
+    assert sim.history[-1].rollout_gpus == sim.setup.rollout_gpus < sim.history[0].rollout_gpus
+    if interrupt:  # nothing waited for a drain: the next step trains on the new layout
+        assert sim.history[2].rollout_gpus == sim.setup.rollout_gpus
+
+
 def test_elastic_pool_joins_when_training_is_slow(catalog):
     """Training the bottleneck: a hybrid replica drains its engines, goes through
     FETCHING_STATE and ZERO_SYNC, and adds a DP replica to later training steps, never blocking one."""

@@ -9,6 +9,8 @@ transition costs) and a written-down engineering choice elsewhere.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
@@ -71,7 +73,12 @@ class PlannerConfig(BaseModel):
     split_margin: float = Field(
         0.10, ge=0, lt=1, description="Least predicted gain of a bucket split over one bucket"
     )
-    # Applying a plan.
+    # Applying a plan. A switch that restarts engines while batches are in flight either drains
+    # them first (no new batch starts until their slowest trajectory is done) or interrupts them
+    # (they resume on the new engines and recompute their KV); the planner prices both.
+    switch: Literal["drain", "interrupt", "cheaper"] = Field(
+        "cheaper", description="How a switch treats the batches in flight: drain, interrupt, or the cheaper"
+    )
     min_gain: float = Field(0.05, ge=0, lt=1, description="Least relative step-time gain worth a switch")
     interval_steps: int = Field(10, ge=1, description="Re-plan every K steps (also the gain horizon)")
     # Pressure triggers.

@@ -66,6 +66,7 @@ class Replan:
     reconfig_s: float
     trigger: Trigger
     reason: str
+    interrupt: bool = False  # interrupt the batches in flight instead of draining them first
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +89,7 @@ class ControlDecision:
             else {
                 "trigger": rp.trigger.name.lower(),
                 "reconfig_s": rp.reconfig_s,
+                "interrupt": rp.interrupt,
                 "reason": rp.reason,
                 "instances": [b.instances for b in rp.plan.buckets],
                 "boundaries": list(rp.plan.boundaries),
@@ -181,4 +183,5 @@ class PlanController:
         if dec.plan == current:
             return ControlDecision(report.step, elastic, trigger=trigger, reason=reason)
         cost = reconfig_cost_s(diff(current, dec.plan), self.planner.elastic)
-        return ControlDecision(report.step, elastic, Replan(dec.plan, cost, trigger, reason), trigger, reason)
+        replan = Replan(dec.plan, cost, trigger, reason, dec.interrupt and dec.plan is dec.candidate)
+        return ControlDecision(report.step, elastic, replan, trigger, reason)

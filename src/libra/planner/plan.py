@@ -238,6 +238,7 @@ class InFlightBatch:
     step: int
     age_s: float  # seconds since the batch started rolling out
     running: int  # its trajectories not finished yet
+    context_tokens: int = 0  # the context its running trajectories hold (an interruption recomputes it)
 
 
 # A batch still running past the predicted makespan has stragglers of unknown length left (agent
@@ -300,8 +301,8 @@ def _check_train(plan: Plan, problem: PlanningProblem) -> list[str]:
     t, m, out = plan.train, problem.model, []
     if t.gpus != plan.train_gpus:
         out.append(f"training parallelism uses {t.gpus} GPUs, the split gives it {plan.train_gpus}")
-    if t.tp * t.cp > problem.hw.gpus_per_node or m.heads % t.tp or m.layers % t.pp:
-        out.append(f"tp={t.tp} cp={t.cp} pp={t.pp} break node/head/layer divisibility")
+    if t.tp * t.cp > problem.hw.gpus_per_node or m.heads % t.tp or t.pp > m.layers:
+        out.append(f"tp={t.tp} cp={t.cp} pp={t.pp} break node/head divisibility or exceed the layers")
     if problem.prompts_per_step % t.dp:
         out.append(f"{problem.prompts_per_step} GRPO groups do not divide over dp={t.dp}")
     elif (problem.batch_size // t.dp) % t.micro_batch:

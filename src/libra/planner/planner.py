@@ -62,6 +62,9 @@ class PlanDecision:
     candidate: Plan
     current: Plan | None
     verdict: ApplyVerdict
+    # Carry the switch out by interrupting the batches in flight (they resume on the new engines,
+    # recomputing their KV) rather than draining them first: the cheaper of the two (`switch_cost`).
+    interrupt: bool = False
 
     @property
     def plan(self) -> Plan:
@@ -319,16 +322,44 @@ class GlobalPlanner:
             key=lambda p: p.step_time_s,
         )
         change = diff(now, candidate)
-        drain = (
-            drain_s(in_flight, self.slowest_s(now, stats)) if in_flight and restarts_engines(change) else 0.0
-        )
-        cost = reconfig_cost_s(change, self.elastic) + drain
+        wait, interrupt, how = 0.0, False, ""
+        if in_flight and restarts_engines(change):
+            wait, interrupt, how = self.switch_cost(now, candidate, stats, in_flight)
+        cost = reconfig_cost_s(change, self.elastic) + wait
         verdict = self._verdict(now, candidate, cost)
-        if drain > 0:
-            verdict = replace(verdict, reason=f"{verdict.reason} (a drain of {drain:.0f} s included)")
+        if how:
+            verdict = replace(verdict, reason=f"{verdict.reason} ({how})")
         if verdict.apply and math.isfinite(now.step_time_s):  # a plan that no longer fits must go
             verdict = self._robust(now, candidate, cost, stats, verdict)
-        return PlanDecision(candidate, now, verdict)
+        return PlanDecision(candidate, now, verdict, interrupt)
+
+    def switch_cost(
+        self, now: Plan, candidate: Plan, stats: WorkloadStats, in_flight: Sequence[InFlightBatch]
+    ) -> tuple[float, bool, str]:
+        """What switching costs beyond the restart, and how: (seconds, interrupt, in words).
+
+        A drain waits for the slowest trajectory still to come (`plan.drain_s`) while no new batch
+        starts. An interruption stops the engines at once and resumes every trajectory on the
+        new ones, which first recompute the context those trajectories hold (`recompute_s`).
+        `planner.switch` picks one, or the cheaper (the default)."""
+        mode = self.config.switch
+        drain = drain_s(in_flight, self.slowest_s(now, stats)) if mode != "interrupt" else math.inf
+        redo = self.recompute_s(candidate, in_flight) if mode != "drain" else math.inf
+        if redo < drain:
+            return redo, True, f"interrupting: {redo:.0f} s of recompute included"
+        return drain, False, f"a drain of {drain:.0f} s included"
+
+    def recompute_s(self, plan: Plan, in_flight: Sequence[InFlightBatch]) -> float:
+        """Seconds `plan`'s engines take to prefill again the context the batches in flight hold,
+        each trajectory from scratch at the mean context, all engines at once (the stall an
+        interruption costs; decoding beside it only makes it longer)."""
+        running = sum(b.running for b in in_flight)
+        tokens = sum(b.context_tokens for b in in_flight)
+        if not running or not tokens:
+            return 0.0
+        ctx = max(1, tokens // running)
+        per_s = sum(b.instances / self.problem.rollout_model(b.tp).prefill_time(ctx) for b in plan.buckets)
+        return running / per_s if per_s > 0 else math.inf
 
     def slowest_s(self, plan: Plan, stats: WorkloadStats) -> float:
         """A batch's slowest trajectory on `plan`: the largest of the history's steps' predicted

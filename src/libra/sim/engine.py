@@ -11,7 +11,8 @@
 - During a tool call a trajectory's KV is `resident` (kept as an evictable cached prefix),
   `offload`ed to host memory (reloaded over PCIe when the next turn arrives), or `drop`ped.
 - Priority: requests wait in order of `Seq.priority` (lower first; FCFS among equals, and all
-  equal by default), so a scheduler that ranks requests (Seer's longest-first, Heddle's
+  equal by default), and admitted requests get their prefill chunks in that order (a prefill
+  under way keeps its place), so a scheduler that ranks requests (Seer's longest-first, Heddle's
   progressive priority) is carried out by the queue that admits them.
 - Interruption (`interrupt` / `resume`): at the end of the iteration now running, every request
   the engine holds is aborted and handed back with the tokens it produced, the whole KV cache is
@@ -320,8 +321,21 @@ class Engine:
                 break
             self.waiting.popleft()
             seq.state = SeqState.PREFILL
-            self.prefilling.append(seq)
+            if self._prioritized:
+                self._insert_prefill(seq)
+            else:
+                self.prefilling.append(seq)
             self.kv_pref += seq.done_tokens
+
+    def _insert_prefill(self, seq: Seq) -> None:
+        """Prefill chunks go by priority too, as vLLM's priority scheduler admits a waiting request
+        only into the token budget left: ahead of every admitted request of a higher priority
+        value that has not had a chunk yet (a prefill under way keeps its place)."""
+        p = self.prefilling
+        i = len(p)
+        while i > 0 and p[i - 1].prefilled == 0 and p[i - 1].priority > seq.priority:
+            i -= 1
+        p.insert(i, seq)
 
     def _free(self) -> int:
         return self.kv_cap - self.ctx_sum - self.kv_pref - self.cache_tokens

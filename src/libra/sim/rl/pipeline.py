@@ -137,7 +137,7 @@ class RLSim:
         self.engine_busy_gpu_s = 0.0
         self.progress: Progress = lambda label, frac: None
         self.pending: Setup | None = None  # a new layout waiting for the batches in flight to drain
-        self.next_batch_delay = 0.0
+        self.ready_at = 0.0  # when the engines of a new layout are up (a re-plan's restart)
         self.train_delay = 0.0  # a training reshard the next step waits for (`_reshard`)
         self.replans = 0
         self.pool = self._make_pool() if system.elastic else None
@@ -215,7 +215,7 @@ class RLSim:
             self.in_flight[s] = InFlight(s)
             self.version[s] = self.train_done  # the weights batch s is generated with
             delay = self.sc.pipeline.switch_s if self.setup.colocated and s > 0 else 0.0
-            delay, self.next_batch_delay = delay + self.next_batch_delay, 0.0
+            delay = max(delay, self.ready_at - self.k.now)
             if self.train_done > self.weights_on_engines and not self.setup.colocated:
                 delay += self._weight_sync_s()
                 self.weights_on_engines = self.train_done
@@ -406,29 +406,40 @@ class RLSim:
         if dec.elastic is not None and self.pool is not None:
             self.pool.apply(dec.elastic)
         if dec.replan is not None:
-            self._switch(self.system.setup_for(dec.replan.plan, self.sc, self.hw, dec.replan.reconfig_s))
+            new = self.system.setup_for(dec.replan.plan, self.sc, self.hw, dec.replan.reconfig_s)
+            self._switch(new, dec.replan.interrupt)
 
     def _running_batches(self) -> tuple[InFlightBatch, ...]:
-        """The batches a layout switch would drain (`_switch` waits for all of them): every
-        started batch with trajectories still running, and those admitted but not yet started."""
+        """The batches a layout switch would drain (`_switch` waits for all of them), or
+        interrupt: every started batch with trajectories still running, with the context their
+        running trajectories hold, and those admitted but not yet started."""
         now = self.k.now
         running: dict[int, int] = {}
         age: dict[int, float] = {}
-        for key in self.group_left:  # a batch's age is its youngest running group's
-            running[key[0]] = running.get(key[0], 0) + self.group_left[key]
+        for key, left in self.group_left.items():  # a batch's age is its youngest running group's
+            running[key[0]] = running.get(key[0], 0) + left
             age[key[0]] = min(age.get(key[0], now), now - self.submitted[key])
+        tokens: dict[int, int] = {}
+        for run in self.driver.active.values():
+            tokens[run.traj.step] = tokens.get(run.traj.step, 0) + _context_of(run)
         for s, b in self.in_flight.items():
             if b.t0 is None:
                 running[s], age[s] = 1, 0.0
-        return tuple(InFlightBatch(s, age[s], n) for s, n in sorted(running.items()))
+        return tuple(InFlightBatch(s, age[s], n, tokens.get(s, 0)) for s, n in sorted(running.items()))
 
-    def _switch(self, new: Setup) -> None:
+    def _switch(self, new: Setup, interrupt: bool = False) -> None:
+        """Carry a re-plan out: new boundaries and a training reshard at once; new engines once the
+        batches in flight have drained, or at once by interrupting them (`interrupt`)."""
         if _same_layout(new, self.setup):  # only the bucket boundaries moved: router thresholds
             self.setup = replace(new, instances=self.setup.instances)
             self.driver.retune(new.buckets)
             return
         if _same_engines(new, self.setup) and (self.pool is None or not self.pool.lent_gpus()):
             self._reshard(new)
+            return
+        if interrupt:
+            self.pending = None  # a drain still waiting is overtaken
+            self._interrupt_switch(new)
             return
         self.pending = new
         if not self.in_flight:
@@ -452,19 +463,49 @@ class RLSim:
     def _apply_pending(self) -> None:
         """Every batch has drained: restart the engines in the new layout (after its cost)."""
         new, self.pending = self.pending, None
+        self._new_layout(new)
+
+    def _new_layout(self, new: Setup) -> RolloutDriver:
+        """Retire the engines and start the new layout's, which serve from `reconfig_s` on; the
+        retired driver is returned (an interrupting switch still hands its trajectories over)."""
+        old = self.driver
         self.engine_busy_gpu_s += self._engine_busy()
-        retiring = self.driver.engines.values()
+        retiring = old.engines.values()
         self.retired_tokens += sum(e.prefill_tokens + e.decode_tokens for e in retiring)
         self.retired_preemptions += sum(e.preemptions for e in retiring)
         # A new layout gets a new router: its cost model is the new engines', so nothing a router
         # learned of the old layout (queue levels, per-bucket costs) carries over.
-        self.driver_version = self.driver.version
+        self.driver_version = old.version
         self.setup, self.driver = new, self._build_driver(new)
-        self.next_batch_delay += new.reconfig_s
+        self.ready_at = self.k.now + new.reconfig_s
         self.replans += 1
         if self.pool is not None:  # the new layout's hybrid replicas; the counts run on
-            old, self.pool = self.pool, self._make_pool()
-            self.pool.carry_over(old)
+            pool, self.pool = self.pool, self._make_pool()
+            self.pool.carry_over(pool)
+        return old
+
+    def _interrupt_switch(self, new: Setup) -> None:
+        """Switch now instead of draining (AReaL's interruption, carried to a re-plan): the engines
+        abort what they run at the end of their iteration and stop; once the new layout's engines
+        are up (`reconfig_s`), every trajectory in flight goes on there, an aborted turn from the
+        tokens it had, recomputing its KV (`RolloutDriver.suspend` / `resume`)."""
+        old = self._new_layout(new)
+        old.interrupt(_ignore)
+        self.k.at(self.ready_at, self._take_over, old)
+
+    def _take_over(self, old: RolloutDriver) -> None:
+        # Turns that started on the stopped engines since (a tool returned) are aborted now.
+        old.interrupt(partial(self._adopt, old))
+        for run in list(old.active.values()):
+            if run.seq is None:  # in a tool call, or aborted
+                self._adopt(old, run)
+
+    def _adopt(self, old: RolloutDriver, run: Run) -> None:
+        old.suspend(run)
+        del old.active[run.traj.id]
+        run.engine = None  # it holds no KV anywhere now
+        self.driver.active[run.traj.id] = run
+        self.driver.resume(run)
 
     # ---- metrics ------------------------------------------------------------------------------
 
@@ -602,6 +643,18 @@ def limit_of(sc: RLScenario, profile: Profile, speculative: SpecDecoding | None 
     cat = load_catalog()
     hw, model = cat.hardware(sc.cluster.hardware), cat.model(sc.model)
     return Limit(hw, model, profile.rollout, sc.rollout, sc.pipeline.tool_latency_default_s, speculative)
+
+
+def _context_of(run: Run) -> int:
+    """The context a running trajectory holds: what an interruption makes it recompute."""
+    if not run.contexts:
+        return run.traj.prompt_tokens
+    done = run.traj.turns[run.turn].output_tokens if run.state == RunState.TOOL else run.partial
+    return run.contexts[-1] + done
+
+
+def _ignore(run: Run) -> None:
+    """An aborted trajectory that stays where it is until it is handed over."""
 
 
 def _token_lag(history: list[StepRecord]) -> dict:
