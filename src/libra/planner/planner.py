@@ -368,7 +368,12 @@ class GlobalPlanner:
         return max([plan.t_rollout_s] + [self.evaluate(plan, p).t_rollout_s for p in parts])
 
     def _verdict(self, now: Plan, candidate: Plan, cost: float) -> ApplyVerdict:
-        return should_apply(now, candidate, cost, self.config.interval_steps, self.config.min_gain)
+        """The apply rule; a move from one bucket to a split by length must also clear
+        `split_margin`, the estimate's error on exactly that comparison (as in `_pick`)."""
+        least = self.config.min_gain
+        if len(candidate.buckets) > 1 and len(now.buckets) == 1:
+            least = max(least, self.config.split_margin)
+        return should_apply(now, candidate, cost, self.config.interval_steps, least)
 
     def _robust(
         self, now: Plan, candidate: Plan, cost: float, stats: WorkloadStats, verdict: ApplyVerdict
