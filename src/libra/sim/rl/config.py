@@ -144,6 +144,9 @@ class HeddleCfg(_Strict):
         True, description="progressive priority: longest predicted remaining first (section 4)"
     )
     migrate_in_tool: bool = Field(True, description="move a trajectory's KV while its tool runs (section 5)")
+    oracle: bool = Field(
+        False, description="the ceiling of its mechanisms: predictions are the true final lengths"
+    )
     per_trajectory_tp: bool = Field(
         True,
         description="engines of several TPs from the presorted DP, each trajectory on the TP of its predicted length (sections 5-6); off: one TP",

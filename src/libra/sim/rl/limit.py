@@ -75,7 +75,7 @@ class BatchFloor:
     index: dict[str, int]  # prompt id -> its position in the arrays
     latency_s: np.ndarray  # the group's slowest member alone on its fastest engine, tools included
     work_gpu_s: np.ndarray  # GPU-seconds of the group's tokens at the best per-GPU rate
-    serial_s: np.ndarray  # the same as latency_s without the tools: time on an engine
+    serial_s: np.ndarray | None = None  # latency_s without the tools: time on an engine (None: 0)
 
 
 class Limit:
@@ -215,8 +215,9 @@ def _submitted_finishes(floors: dict[int, BatchFloor], submitted: dict[tuple[int
     for (b, g), t in submitted.items():
         k = floors[b].index[g]
         finish = t + float(floors[b].latency_s[k])
-        if clock is not None:
-            finish = max(finish, clock.when(clock.active(t) + float(floors[b].serial_s[k])))
+        serial = floors[b].serial_s
+        if clock is not None and serial is not None:
+            finish = max(finish, clock.when(clock.active(t) + float(serial[k])))
         times.append(finish)
     return np.sort(np.asarray(times, dtype=np.float64))
 

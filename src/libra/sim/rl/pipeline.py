@@ -19,6 +19,7 @@ the moment step s's groups are all in; GPU utilisation = busy GPU-seconds / (all
 from __future__ import annotations
 
 import gc
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
@@ -144,6 +145,7 @@ class RLSim:
         self.submitted: dict[GroupKey, float] = {}  # when each group's first trajectory started
         self.group_version: dict[GroupKey, int] = {}  # the weights its first trajectory started with
         self._tags: dict[str, list] = {}  # finished, untrained trajectory -> its tokens' version tags
+        self._finish_at: dict[str, float] = {}  # finished, untrained trajectory -> when it finished
         self.suspended: list[Run] = []  # partial rollouts: trajectories stopped with their step
         self._sync_until = 0.0
         self.partial: PartialRollout | None = None
@@ -278,6 +280,7 @@ class RLSim:
         t = run.traj
         key = (t.step, t.prompt_id)
         self._tags[t.id] = run.tags
+        self._finish_at[t.id] = self.k.now
         self.group_done.setdefault(key, []).append(t)
         self.group_left[key] -= 1
         if self.group_left[key]:
@@ -345,10 +348,12 @@ class RLSim:
         for t in trajs:
             for version, tokens in self._tags.pop(t.id, ()):
                 lags[s - version] += tokens
+        done = sorted(self._finish_at.pop(t.id) for t in trajs)
+        tail = done[-1] - done[max(0, math.ceil(TAIL_SHARE * len(done)) - 1)] if done else 0.0
         end = self.k.now if end is None else end
         self.done_batches[s] = StepRecord(s, b.t0, end, sum(t.generated_tokens for t in trajs),
                                           [t.total_tokens for t in trajs], trajs,
-                                          [s - f.version for f in taken], dict(lags))  # fmt: skip
+                                          [s - f.version for f in taken], dict(lags), tail)  # fmt: skip
         self.driver.router.on_step_end(s)
 
     def _try_train(self) -> None:
@@ -484,6 +489,7 @@ class RLSim:
             "distance_to_limit": makespan / bound - 1 if bound > 0 else 0.0,
             "rollout_throughput_tokens_per_s": gen / sum(r.rollout_makespan for r in h),
             "mean_train_time_s": float(np.mean([r.train_time for r in h])),
+            "mean_tail_s": float(np.mean([r.tail_s for r in h])),
             "gpu_utilization": busy / (self.total_gpus * wall),
             "wall_time_s": wall,
             "generated_tokens": gen,
@@ -526,6 +532,9 @@ class RLSim:
 
 
 GC_EVERY_STEPS = 25
+# The tail of a step (Seer's definition): its last 10% of trajectories to finish. `mean_tail_s` is
+# the time from the moment 90% of a step's trained trajectories had finished to its last one.
+TAIL_SHARE = 0.9
 
 
 @contextmanager
