@@ -151,8 +151,8 @@ class RLSim:
         self.partial: PartialRollout | None = None
         if self.mech.partial:
             stream = GroupStream(batches.get)
-            self.partial = PartialRollout(stream, sc.workload.prompts_per_step, self.mech.over_provision,
-                                          sc.pipeline.staleness)  # fmt: skip
+            target = len({t.prompt_id for t in batches.get(0)})  # a step's groups (a trace's too)
+            self.partial = PartialRollout(stream, target, self.mech.over_provision, sc.pipeline.staleness)
 
     def _make_pool(self) -> ElasticPool:
         return ElasticPool(self.setup.plan, self.driver, self.k, self.sc.elastic)
