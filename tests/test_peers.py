@@ -124,7 +124,7 @@ def test_areal_interrupts_each_update_and_keeps_its_admission_bound():
 
 @pytest.mark.parametrize("staleness", [1, 2])
 def test_april_resumes_partial_trajectories_with_their_version_tags(staleness):
-    sim = _sim("april", steps=4, pipeline={"staleness": staleness})
+    sim = _sim("april", steps=4, pipeline={"staleness": staleness, "strict_staleness": True})
     out = sim.summary()
     assert out["carried_groups"] > 0 and out["max_token_lag"] <= staleness
     trained = [t.id for r in sim.history for t in r.trajs]
@@ -134,6 +134,15 @@ def test_april_resumes_partial_trajectories_with_their_version_tags(staleness):
         assert max(r.token_lag) <= staleness
         assert sum(r.token_lag.values()) == r.generated_tokens  # every token tagged once
         assert len({(t.step, t.prompt_id) for t in r.trajs}) >= SMALL["workload"]["prompts_per_step"]
+
+
+@pytest.mark.parametrize("system", ["static-uniform", "areal", "april"])
+def test_a_strict_bound_holds_for_every_trained_token(system):
+    """Admission alone lets a straggler be trained with tokens older than the bound; strict does not."""
+    loose = _sim(system, steps=5, pipeline={"staleness": 1}).summary()
+    strict = _sim(system, steps=5, pipeline={"staleness": 1, "strict_staleness": True}).summary()
+    assert strict["max_token_lag"] <= 1 and strict["max_staleness"] <= 1
+    assert loose["max_token_lag"] >= strict["max_token_lag"]
 
 
 # ---- Seer ---------------------------------------------------------------------------------------
@@ -258,3 +267,15 @@ def test_cli_bad_peer_options_exit_2():
     with pytest.raises(ConfigError) as e:
         parse_scenario({**SMALL, "peers": {"april": {"over_provision": 0.5}}})
     assert e.value.field == "scenario.peers.april.over_provision"
+
+
+def test_strict_gate_takes_overdue_groups_first_and_waits_for_running_ones():
+    from libra.planner.staleness import GroupQueue, StalenessGate
+
+    q: GroupQueue[str] = GroupQueue(StalenessGate(1, "completion", strict=True))
+    for version, name in [(3, "fresh-a"), (1, "old-a"), (3, "fresh-b"), (1, "old-b"), (2, "mid")]:
+        q.add(0, version, name)
+    assert q.take(2, 2, oldest_running=1) is None  # a group sampled at version 1 still runs
+    taken = q.take(2, 1, oldest_running=2)
+    assert [f.group for f in taken] == ["old-a", "old-b"]  # overdue at step 2: past the target
+    assert [f.group for f in q.take(3, 2)] == ["mid", "fresh-a"]

@@ -95,6 +95,12 @@ class PipelineCfg(_Strict):
         description="disaggregated systems: training step s takes the first GRPO groups to finish "
         "(completion, as AReaL does) or exactly the groups of batch s (batch)",
     )
+    strict_staleness: bool = Field(
+        False,
+        description="keep the staleness bound on trained tokens too: a step first trains, and waits for, "
+        "groups sampled `staleness` versions ago (libra.planner.staleness); off: the bound holds where "
+        "generation starts, and a straggler may be trained later with older tokens",
+    )
     switch_s: float = Field(20.0, ge=0, description="colocated systems: switch cost per direction")
     weight_sync_s: float | None = Field(None, ge=0, description="None: computed from model size and network")
     tool_latency_default_s: float = Field(2.0, ge=0, description="for trace turns without tool_latency_s")

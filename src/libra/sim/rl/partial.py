@@ -13,13 +13,13 @@ training batch is ready, and which groups it trains.
   pipeline aborts the rest (`RolloutDriver.interrupt`): each keeps the tokens it wrote, tagged with
   the weight version that wrote them, and resumes in the next step (it prefills its context again,
   its KV having been dropped for training).
-- **The staleness bound, kept.** A group is stamped with the weight version of its first
-  submission, the oldest version any of its tokens can carry. A group trained at step s must have
-  that stamp >= s - k (k = `pipeline.staleness`), so the step does not stop while a group stamped
-  s - k or older is still running, and trains every finished group stamped that old even past the
-  target; the rest of the batch is filled with the first groups to finish. No trained token is
-  ever more than k versions old. APRIL itself bounds staleness by resuming carried groups first;
-  the wait is the choice made here to keep the bound exact (written down in docs/peers.md).
+- **The staleness bound.** A group is stamped with the weight version of its first submission,
+  the oldest version any of its tokens can carry. APRIL bounds staleness by resuming carried
+  groups first, so most finish in the next step, but a long one may be carried again. With
+  `pipeline.strict_staleness` the bound is exact: a group trained at step s must have its stamp
+  >= s - k (k = `pipeline.staleness`), so the step does not stop while a group stamped s - k or
+  older is still running, and trains every finished group stamped that old even past the target
+  (`StalenessGate.overdue`); the rest of the batch is the first groups to finish.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from libra.core.trajectory import Trajectory
-from libra.planner.staleness import Finished
+from libra.planner.staleness import Finished, StalenessGate
 
 GroupKey = tuple[int, str]  # (batch, prompt id)
 
@@ -65,8 +65,8 @@ class GroupStream:
 class PartialRollout:
     """APRIL's policy on top of any pipeline: what to start, when a step is full, what it trains."""
 
-    def __init__(self, stream: GroupStream, target: int, over_provision: float, staleness: int):
-        self.stream, self.target, self.staleness = stream, target, staleness
+    def __init__(self, stream: GroupStream, target: int, over_provision: float, gate: StalenessGate):
+        self.stream, self.target, self.gate = stream, target, gate
         self.keep = max(target, math.ceil(over_provision * target))
         self.running: dict[GroupKey, GroupInFlight] = {}  # started and not finished, carried included
         self.finished: dict[GroupKey, GroupInFlight] = {}  # finished and not trained yet
@@ -96,16 +96,14 @@ class PartialRollout:
         """Whether step `step` may stop: its target has finished and no group it must train runs."""
         if len(self.finished) < self.target:
             return False
-        oldest = step - self.staleness
-        return all(g.version > oldest for g in self.running.values())
+        return not any(self.gate.overdue(step, g.version) for g in self.running.values())
 
     def take(self, step: int) -> list[Finished[list[Trajectory]]]:
-        """The groups step `step` trains: every finished one stamped `step - staleness` or older,
-        then the first to finish, up to the target."""
-        oldest = step - self.staleness
+        """The groups step `step` trains: every finished overdue one (a strict gate), then the
+        first to finish, up to the target."""
         by_order = sorted(self.finished.items(), key=lambda kv: kv[1].order)
-        must = [(k, g) for k, g in by_order if g.version <= oldest]
-        rest = [(k, g) for k, g in by_order if g.version > oldest]
+        must = [(k, g) for k, g in by_order if self.gate.overdue(step, g.version)]
+        rest = [(k, g) for k, g in by_order if not self.gate.overdue(step, g.version)]
         chosen = must + rest[: max(0, self.target - len(must))]
         for k, _ in chosen:
             del self.finished[k]

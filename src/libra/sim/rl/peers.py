@@ -56,7 +56,8 @@ class Areal(PlannedSystem):
       are compared at one bound). A prompt admitted under that rule is started at once, which is
       what the controller's per-sample admission amounts to when every sample of a batch is
       admitted on the same version. The bound is kept at admission, as AReaL keeps it: a
-      straggler trained later carries older tokens (the run reports every trained token's lag).
+      straggler trained later carries older tokens (the run reports every trained token's lag;
+      `pipeline.strict_staleness` keeps the bound on trained tokens, for every system).
     - The trainer takes the first whole groups to finish (`pipeline.consume: completion`).
     - The split between generation and training GPUs is set by hand in AReaL; here it is the
       planner's best static split with one TP (the `static-optimal` layout), AReaL at its best.
@@ -89,9 +90,9 @@ class April(System):
       (`sim.rl.partial`). Nothing is discarded.
     - The pipeline around it is synchronous and colocated (rollout, then training, on every GPU,
       as the paper runs it in slime), each request to the least loaded engine.
-    - Choice made here: the step also waits for any running group stamped `pipeline.staleness`
-      versions old, so that no trained token is older than the bound (APRIL resumes carried groups
-      first, which makes the wait rare).
+    - Carried groups resume first, which is how APRIL bounds staleness; with
+      `pipeline.strict_staleness` the step also waits for any running group stamped
+      `pipeline.staleness` versions old, so that no trained token is older than the bound.
 
     Needs a staleness bound >= 1: carried trajectories are trained a step after they started.
     """

@@ -125,7 +125,8 @@ class RLSim:
         self.in_flight: dict[int, InFlight] = {}
         self.group_left: dict[tuple[int, str], int] = {}  # (step, prompt) -> samples still running
         self.group_done: dict[tuple[int, str], list[Trajectory]] = {}
-        self.gate = StalenessGate(sc.pipeline.staleness, sc.pipeline.consume, self.setup.colocated)
+        self.gate = StalenessGate(sc.pipeline.staleness, sc.pipeline.consume, self.setup.colocated,
+                                  sc.pipeline.strict_staleness)  # fmt: skip
         self.finished: GroupQueue[list[Trajectory]] = GroupQueue(self.gate)
         self.filled = 0  # steps whose training batch is full
         self.version: dict[int, int] = {}  # step -> training steps done when its batch started
@@ -152,7 +153,7 @@ class RLSim:
         if self.mech.partial:
             stream = GroupStream(batches.get)
             target = len({t.prompt_id for t in batches.get(0)})  # a step's groups (a trace's too)
-            self.partial = PartialRollout(stream, target, self.mech.over_provision, sc.pipeline.staleness)
+            self.partial = PartialRollout(stream, target, self.mech.over_provision, self.gate)
 
     def _make_pool(self) -> ElasticPool:
         return ElasticPool(self.setup.plan, self.driver, self.k, self.sc.elastic)
@@ -301,13 +302,19 @@ class RLSim:
         """Fill the next steps' batches from finished groups; whether any step was filled."""
         filled = False
         while (b := self.in_flight.get(self.filled)) is not None and b.groups is not None:
-            taken = self.finished.take(self.filled, b.groups)
+            taken = self.finished.take(self.filled, b.groups, self._oldest_running())
             if taken is None:
                 break
             self._batch_done(b, taken)
             self.filled += 1
             filled = True
         return filled
+
+    def _oldest_running(self) -> int | None:
+        """The weight version of the oldest group still running (a strict gate waits for it)."""
+        if not self.gate.strict or not self.group_left:
+            return None
+        return min(self.group_version[k] for k in self.group_left)
 
     def _fill_partial(self) -> None:
         """A partial-rollout step is full once its target has finished (`PartialRollout.ready`):
