@@ -87,7 +87,7 @@ class April(System):
       GRPO groups in flight; once the target count has finished the rollout stops and the rest are
       aborted; the unfinished trajectories are kept with what they wrote and resume first in the
       next step, their tokens tagged with the weight version that wrote them
-      (`sim.rl.partial`). Nothing is discarded.
+      (`planner.partial`). Nothing is discarded.
     - The pipeline around it is synchronous and colocated (rollout, then training, on every GPU,
       as the paper runs it in slime), each request to the least loaded engine.
     - Carried groups resume first, which is how APRIL bounds staleness; with

@@ -37,6 +37,7 @@ from libra.costmodel.efficiency import Profile
 from libra.costmodel.speculative import SpecDecoding
 from libra.costmodel.training import TrainCostModel
 from libra.planner import StepReport
+from libra.planner.partial import PartialRollout
 from libra.planner.staleness import Finished, GroupQueue, StalenessGate
 from libra.rollout.registry import make_router, params_for, route_params
 from libra.rollout.tail import TailLane, TailStats
@@ -47,7 +48,7 @@ from libra.sim.rl.config import RLScenario
 from libra.sim.rl.driver import RolloutDriver, RoutingStats, Run, RunState, make_engines
 from libra.sim.rl.elastic_pool import ElasticPool
 from libra.sim.rl.limit import BatchFloor, Limit, StepTaken, makespan_bounds, window_work
-from libra.sim.rl.partial import GroupKey, GroupStream, PartialRollout
+from libra.sim.rl.partial import GroupKey, GroupStream
 from libra.sim.rl.records import InFlight, SimRecord, StepRecord
 from libra.sim.rl.systems import Setup, System, make_system
 from libra.sim.tracing import Tracer
@@ -149,11 +150,11 @@ class RLSim:
         self._finish_at: dict[str, float] = {}  # finished, untrained trajectory -> when it finished
         self.suspended: list[Run] = []  # partial rollouts: trajectories stopped with their step
         self._sync_until = 0.0
-        self.partial: PartialRollout | None = None
+        self.partial: PartialRollout[list[Trajectory]] | None = None
+        self.stream = GroupStream(batches.get)
         if self.mech.partial:
-            stream = GroupStream(batches.get)
             target = len({t.prompt_id for t in batches.get(0)})  # a step's groups (a trace's too)
-            self.partial = PartialRollout(stream, target, self.mech.over_provision, self.gate)
+            self.partial = PartialRollout(target, self.mech.over_provision, self.gate)
 
     def _make_pool(self) -> ElasticPool:
         return ElasticPool(self.setup.plan, self.driver, self.k, self.sc.elastic)
@@ -272,7 +273,9 @@ class RLSim:
         carried, self.suspended = self.suspended, []
         for run in carried:
             self.driver.resume(run)
-        for key, members in self.partial.to_start(self.driver.version):
+        for _ in range(self.partial.room()):
+            key, members = self.stream.next()
+            self.partial.started(key, self.driver.version)
             self._group_started(key, len(members))
             for t in members:
                 self.driver.start(t)
