@@ -132,6 +132,10 @@ class HeddleParams(BucketParams):
     priority: bool = Field(True, description="Heddle: longest predicted remaining first.")
     window: int = Field(2048, ge=16, le=1 << 16, description="Recent final lengths the prediction draws on.")
     per_prompt: int = Field(64, ge=1, le=4096, description="Final lengths kept per prompt.")
+    oracle: bool = Field(
+        False,
+        description="Heddle's ceiling: predict the true final length (the simulator's `true_final_tokens`).",
+    )
 
 
 class HeddleRouter(BaseRouter):
@@ -150,6 +154,8 @@ class HeddleRouter(BaseRouter):
         """The predicted final length of a trajectory now at `req.context_tokens` (progressive:
         conditioned on the context it has already reached)."""
         ctx = req.context_tokens
+        if self.params.oracle and req.true_final_tokens is not None:
+            return float(req.true_final_tokens)
         own = [x for x in self._by_prompt.get(req.prompt_id, ()) if x > ctx]
         if own:
             return sum(own) / len(own)

@@ -275,6 +275,9 @@ class RolloutDriver:
         target.adopt(run.traj.id, held)
 
     def _tool_return(self, run: Run) -> None:
+        if run.kv_move is not None:  # the KV moved during the tool is not there yet: wait for it
+            run.pending = self.k.at(run.kv_ready_at, self._tool_return, run)  # after its arrival event
+            return
         run.pending = None
         turn = run.traj.turns[run.turn]
         run.path.append(from_turn(turn))
@@ -282,13 +285,6 @@ class RolloutDriver:
         run.generated += turn.output_tokens
         ctx = run.contexts[-1] + turn.output_tokens + turn.tool_return_tokens
         run.state = RunState.TURN
-        if run.kv_move is not None:  # the KV moved during the tool is not there yet: wait for it
-            run.pending = self.k.at(run.kv_ready_at, self._after_move, run, ctx)
-            return
-        self._route_and_submit(run, ctx)
-
-    def _after_move(self, run: Run, ctx: int) -> None:
-        run.pending = None
         self._route_and_submit(run, ctx)
 
     def _commit(self, engine: Engine, tokens: int) -> None:

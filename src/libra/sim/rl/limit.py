@@ -22,6 +22,29 @@ How the two combine depends on what a step waits for (`pipeline.consume`):
   so the step cannot be full before the C_s-th smallest of those times; and the groups it takes
   from batch s or later did all their work after batch s started. Both bounds use the batches'
   actual start times in that run, so the bound is per system and strict for each.
+
+Why it stays a strict lower bound for asynchronous, partial and speculative systems (the peers,
+`sim.rl.peers`; a property test runs every system on random seeds, bounds and workloads):
+
+- **Interrupted requests** (AReaL's weight updates): an abort throws away the iteration in flight
+  and the resubmitted request prefills its whole context again, and the engines pause for the
+  weights. All of that only adds time and work: no trajectory finishes sooner than its serial
+  floor after it first started, nor does less than its tokens' work.
+- **Partial rollouts** (APRIL): a step trains groups started in earlier steps, and part of their
+  work was done then. So a group's floor runs from its *first* submission (`submitted`), not
+  from the start of the step that trains it, and the work term counts only the groups first
+  submitted inside the step. A colocated system's engines work only inside its rollout windows
+  (they are interrupted at the stop and paused while it trains), so a group's engine time (its
+  serial floor without tools, `BatchFloor.serial_s`) must also fit in the windows after its first
+  submission (`ActiveClock`); its tools may run between windows. Across the run, the windows
+  together hold every trained group's work (`window_work`), which bounds the mean makespan.
+- **Speculative decoding** (Seer): a decoder that verifies drafts yields several tokens an
+  iteration, so plain decoding's floor would not hold. A system with one is bounded by its own
+  decoder: per-token coefficients that no verification undercuts at any batch size or draft
+  length (`SpeculativeCostModel.floor_coeffs`), and a fullest iteration that counts the drafts
+  (`fullest_batch`). The bound is per system: one without speculation keeps plain decoding's.
+- **Chunks and migrations** (Seer's divided rollout, Heddle's moves during tool calls) only add
+  transfers and prefills.
 """
 
 from __future__ import annotations
@@ -75,7 +98,7 @@ class BatchFloor:
     index: dict[str, int]  # prompt id -> its position in the arrays
     latency_s: np.ndarray  # the group's slowest member alone on its fastest engine, tools included
     work_gpu_s: np.ndarray  # GPU-seconds of the group's tokens at the best per-GPU rate
-    serial_s: np.ndarray  # the same as latency_s without the tools: time on an engine
+    serial_s: np.ndarray | None = None  # latency_s without the tools: time on an engine (None: 0)
 
 
 class Limit:
@@ -215,8 +238,9 @@ def _submitted_finishes(floors: dict[int, BatchFloor], submitted: dict[tuple[int
     for (b, g), t in submitted.items():
         k = floors[b].index[g]
         finish = t + float(floors[b].latency_s[k])
-        if clock is not None:
-            finish = max(finish, clock.when(clock.active(t) + float(floors[b].serial_s[k])))
+        serial = floors[b].serial_s
+        if clock is not None and serial is not None:
+            finish = max(finish, clock.when(clock.active(t) + float(serial[k])))
         times.append(finish)
     return np.sort(np.asarray(times, dtype=np.float64))
 

@@ -23,7 +23,7 @@ from libra.core.specs import HardwareSpec
 from libra.costmodel.speculative import SpecDecoding
 from libra.planner.stats import WorkloadStats
 from libra.sim.rl.config import RLScenario
-from libra.sim.rl.planned import profiling_sample, shared_planner
+from libra.sim.rl.planned import PlannedSystem, profiling_sample, shared_planner
 from libra.sim.rl.setup import (
     Mechanisms,
     Setup,
@@ -43,21 +43,25 @@ def _colocated(sc: RLScenario, hw: HardwareSpec, router: str, params: dict, mech
                  train_parallel(sc, total), params, mechanisms=mech)  # fmt: skip
 
 
-class Areal(System):
+class Areal(PlannedSystem):
     """AReaL (arXiv 2505.24298), fully asynchronous RL.
 
-    - System design, "interruptible rollout worker": rollout and training run on separate GPUs
-      (the scenario's split, engines of its homogeneous TP, each request to the least loaded);
-      as soon as a training step ends its weights go to every engine, which aborts the requests
-      in flight, loads the weights (`pipeline.weight_sync_s`, paused), and resumes them: each
+    - System design, "interruptible rollout worker": rollout and training run on separate GPUs; as
+      soon as a training step ends its weights go to every engine, which aborts the requests in
+      flight, loads the weights (`pipeline.weight_sync_s`, paused) and resumes them: each
       recomputes its KV with the new weights (`peers.areal.interrupt`).
     - "Continuous generation" and the rollout controller: generation never waits for a batch
       barrier; a new prompt may start while at most eta versions separate it from the trained
       policy, eta = `pipeline.staleness` (the same gate for every system, so asynchronous systems
       are compared at one bound). A prompt admitted under that rule is started at once, which is
       what the controller's per-sample admission amounts to when every sample of a batch is
-      admitted on the same version.
+      admitted on the same version. The bound is kept at admission, as AReaL keeps it: a
+      straggler trained later carries older tokens (the run reports every trained token's lag;
+      `pipeline.strict_staleness` keeps the bound on trained tokens, for every system).
     - The trainer takes the first whole groups to finish (`pipeline.consume: completion`).
+    - The split between generation and training GPUs is set by hand in AReaL; here it is the
+      planner's best static split with one TP (the `static-optimal` layout), AReaL at its best.
+      Requests go to the least loaded engine.
     - Staleness-aware training (the decoupled PPO objective) is algorithmic: not simulated.
 
     Needs eta >= 1: an interrupted request keeps its tokens from the older weights, so a step may
@@ -65,14 +69,15 @@ class Areal(System):
     """
 
     name = "areal"
+    planner = "homogeneous"
+    replan = False
     min_staleness = 1
     needs_staleness = "interrupted requests keep tokens from older weights (eta 0 is synchronous RL)"
 
-    def setup(self, sc, hw):
-        tr, ro, tp = sc.split.train_gpus, sc.split.rollout_gpus, sc.rollout.homogeneous_tp
-        mech = Mechanisms(interrupt_updates=sc.peers.areal.interrupt)
-        return Setup(False, tr, homogeneous(tr, ro, tp, hw), one_bucket(sc, tp), self.router,
-                     train_parallel(sc, tr), dict(sc.rollout.router_params), mechanisms=mech)  # fmt: skip
+    def setup_for(self, plan, sc, hw, reconfig_s=0.0):
+        setup = super().setup_for(plan, sc, hw, reconfig_s)
+        setup.mechanisms = Mechanisms(interrupt_updates=sc.peers.areal.interrupt)
+        return setup
 
 
 class April(System):
@@ -82,12 +87,12 @@ class April(System):
       GRPO groups in flight; once the target count has finished the rollout stops and the rest are
       aborted; the unfinished trajectories are kept with what they wrote and resume first in the
       next step, their tokens tagged with the weight version that wrote them
-      (`sim.rl.partial`). Nothing is discarded.
+      (`planner.partial`). Nothing is discarded.
     - The pipeline around it is synchronous and colocated (rollout, then training, on every GPU,
       as the paper runs it in slime), each request to the least loaded engine.
-    - Choice made here: the step also waits for any running group stamped `pipeline.staleness`
-      versions old, so that no trained token is older than the bound (APRIL resumes carried groups
-      first, which makes the wait rare).
+    - Carried groups resume first, which is how APRIL bounds staleness; with
+      `pipeline.strict_staleness` the step also waits for any running group stamped
+      `pipeline.staleness` versions old, so that no trained token is older than the bound.
 
     Needs a staleness bound >= 1: carried trajectories are trained a step after they started.
     """
@@ -151,7 +156,7 @@ class Heddle(System):
     def setup(self, sc, hw):
         cfg = sc.peers.heddle
         mech = Mechanisms(migrate_in_tool=cfg.migrate_in_tool)
-        params = {**sc.rollout.router_params, "priority": cfg.priority}
+        params = {**sc.rollout.router_params, "priority": cfg.priority, "oracle": cfg.oracle}
         base = _colocated(sc, hw, self.router, params, mech)
         if not cfg.per_trajectory_tp:
             return base

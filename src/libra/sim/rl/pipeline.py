@@ -19,6 +19,7 @@ the moment step s's groups are all in; GPU utilisation = busy GPU-seconds / (all
 from __future__ import annotations
 
 import gc
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
@@ -36,6 +37,7 @@ from libra.costmodel.efficiency import Profile
 from libra.costmodel.speculative import SpecDecoding
 from libra.costmodel.training import TrainCostModel
 from libra.planner import StepReport
+from libra.planner.partial import PartialRollout
 from libra.planner.plan import InFlightBatch
 from libra.planner.staleness import Finished, GroupQueue, StalenessGate
 from libra.rollout.registry import make_router, params_for, route_params
@@ -47,7 +49,7 @@ from libra.sim.rl.config import RLScenario
 from libra.sim.rl.driver import RolloutDriver, RoutingStats, Run, RunState, make_engines
 from libra.sim.rl.elastic_pool import ElasticPool
 from libra.sim.rl.limit import BatchFloor, Limit, StepTaken, makespan_bounds, window_work
-from libra.sim.rl.partial import GroupKey, GroupStream, PartialRollout
+from libra.sim.rl.partial import GroupKey, GroupStream
 from libra.sim.rl.records import InFlight, SimRecord, StepRecord
 from libra.sim.rl.systems import Setup, System, make_system
 from libra.sim.tracing import Tracer
@@ -125,7 +127,8 @@ class RLSim:
         self.in_flight: dict[int, InFlight] = {}
         self.group_left: dict[tuple[int, str], int] = {}  # (step, prompt) -> samples still running
         self.group_done: dict[tuple[int, str], list[Trajectory]] = {}
-        self.gate = StalenessGate(sc.pipeline.staleness, sc.pipeline.consume, self.setup.colocated)
+        self.gate = StalenessGate(sc.pipeline.staleness, sc.pipeline.consume, self.setup.colocated,
+                                  sc.pipeline.strict_staleness)  # fmt: skip
         self.finished: GroupQueue[list[Trajectory]] = GroupQueue(self.gate)
         self.filled = 0  # steps whose training batch is full
         self.version: dict[int, int] = {}  # step -> training steps done when its batch started
@@ -146,13 +149,14 @@ class RLSim:
         self.submitted: dict[GroupKey, float] = {}  # when each group's first trajectory started
         self.group_version: dict[GroupKey, int] = {}  # the weights its first trajectory started with
         self._tags: dict[str, list] = {}  # finished, untrained trajectory -> its tokens' version tags
+        self._finish_at: dict[str, float] = {}  # finished, untrained trajectory -> when it finished
         self.suspended: list[Run] = []  # partial rollouts: trajectories stopped with their step
         self._sync_until = 0.0
-        self.partial: PartialRollout | None = None
+        self.partial: PartialRollout[list[Trajectory]] | None = None
+        self.stream = GroupStream(batches.get)
         if self.mech.partial:
-            stream = GroupStream(batches.get)
-            self.partial = PartialRollout(stream, sc.workload.prompts_per_step, self.mech.over_provision,
-                                          sc.pipeline.staleness)  # fmt: skip
+            target = len({t.prompt_id for t in batches.get(0)})  # a step's groups (a trace's too)
+            self.partial = PartialRollout(target, self.mech.over_provision, self.gate)
 
     def _make_pool(self) -> ElasticPool:
         return ElasticPool(self.setup.plan, self.driver, self.k, self.sc.elastic)
@@ -271,7 +275,9 @@ class RLSim:
         carried, self.suspended = self.suspended, []
         for run in carried:
             self.driver.resume(run)
-        for key, members in self.partial.to_start(self.driver.version):
+        for _ in range(self.partial.room()):
+            key, members = self.stream.next()
+            self.partial.started(key, self.driver.version)
             self._group_started(key, len(members))
             for t in members:
                 self.driver.start(t)
@@ -280,6 +286,7 @@ class RLSim:
         t = run.traj
         key = (t.step, t.prompt_id)
         self._tags[t.id] = run.tags
+        self._finish_at[t.id] = self.k.now
         self.group_done.setdefault(key, []).append(t)
         self.group_left[key] -= 1
         if self.group_left[key]:
@@ -300,13 +307,19 @@ class RLSim:
         """Fill the next steps' batches from finished groups; whether any step was filled."""
         filled = False
         while (b := self.in_flight.get(self.filled)) is not None and b.groups is not None:
-            taken = self.finished.take(self.filled, b.groups)
+            taken = self.finished.take(self.filled, b.groups, self._oldest_running())
             if taken is None:
                 break
             self._batch_done(b, taken)
             self.filled += 1
             filled = True
         return filled
+
+    def _oldest_running(self) -> int | None:
+        """The weight version of the oldest group still running (a strict gate waits for it)."""
+        if not self.gate.strict or not self.group_left:
+            return None
+        return min(self.group_version[k] for k in self.group_left)
 
     def _fill_partial(self) -> None:
         """A partial-rollout step is full once its target has finished (`PartialRollout.ready`):
@@ -347,10 +360,12 @@ class RLSim:
         for t in trajs:
             for version, tokens in self._tags.pop(t.id, ()):
                 lags[s - version] += tokens
+        done = sorted(self._finish_at.pop(t.id) for t in trajs)
+        tail = done[-1] - done[max(0, math.ceil(TAIL_SHARE * len(done)) - 1)] if done else 0.0
         end = self.k.now if end is None else end
         self.done_batches[s] = StepRecord(s, b.t0, end, sum(t.generated_tokens for t in trajs),
                                           [t.total_tokens for t in trajs], trajs,
-                                          [s - f.version for f in taken], dict(lags))  # fmt: skip
+                                          [s - f.version for f in taken], dict(lags), tail)  # fmt: skip
         self.driver.router.on_step_end(s)
 
     def _try_train(self) -> None:
@@ -557,6 +572,7 @@ class RLSim:
             "distance_to_limit": makespan / bound - 1 if bound > 0 else 0.0,
             "rollout_throughput_tokens_per_s": gen / sum(r.rollout_makespan for r in h),
             "mean_train_time_s": float(np.mean([r.train_time for r in h])),
+            "mean_tail_s": float(np.mean([r.tail_s for r in h])),
             "gpu_utilization": busy / (self.total_gpus * wall),
             "wall_time_s": wall,
             "generated_tokens": gen,
@@ -599,6 +615,9 @@ class RLSim:
 
 
 GC_EVERY_STEPS = 25
+# The tail of a step (Seer's definition): its last 10% of trajectories to finish. `mean_tail_s` is
+# the time from the moment 90% of a step's trained trajectories had finished to its last one.
+TAIL_SHARE = 0.9
 
 
 @contextmanager
