@@ -16,9 +16,12 @@ $(STAMP_CORE): pyproject.toml | $(BIN)/python
 	touch $@
 
 # torch==2.13.0 is the CPU build that installs offline on these machines (see README); ray is for
-# the `libra train --launcher ray` test.
+# the `libra train --launcher ray` test. SkyRL's HTTP client (tests/test_frameworks.py) is taken
+# from PyPI's skyrl 0.3.0 without its dependencies: the client needs only aiohttp, while the
+# package's own list pulls transformers, datasets, peft and more (docs/integrations.md).
 $(STAMP_TEST): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e ".[test,serve,train,native,ray]"
+	$(BIN)/pip install -q -e ".[test,serve,train,native,ray,tensorboard,wandb]"
+	$(BIN)/pip install -q --no-deps skyrl==0.3.0
 	touch $@ $(STAMP_CORE)
 
 demo: $(STAMP_CORE) native
@@ -49,10 +52,13 @@ sysdeps:
 	  else echo "note: not installed:$$missing (sandbox tests skip without bubblewrap; a language without its toolchain is skipped)"; fi; \
 	fi
 
+# Two pytest workers (pytest-xdist), a module each at a time so a module's shared live stack starts
+# once; `make test WORKERS=1` runs the suite in one process.
+WORKERS ?= 2
 test: $(STAMP_TEST) sysdeps native
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(if $(filter 1,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
 
 lint: $(STAMP_TEST)
 	$(BIN)/ruff check src tests benchmarks

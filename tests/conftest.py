@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,19 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "libra", *args], capture_output=True, text=True, timeout=timeout
     )
+
+
+def wait_for(check, what: str, limit_s: float = 600.0) -> None:
+    """Poll until `check()` holds (a readiness wait, never a fixed sleep); the limit only stops a
+    broken service from hanging the suite, it is not a figure any test asserts."""
+    end = time.monotonic() + limit_s
+    while not check():
+        assert time.monotonic() < end, f"never happened: {what}"
+        time.sleep(0.05)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The long end-to-end modules (marked `slow`) run first. Under pytest-xdist (`make test` runs
+    two workers, a module each at a time) a long module started last would run alone at the end;
+    started first, the short ones fill the other worker meanwhile. Order within a module is kept."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

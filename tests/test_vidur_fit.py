@@ -152,3 +152,18 @@ def test_profile_on_cpu_writes_what_calibrate_reads(tmp_path):
     assert r.returncode == 0, r.stderr
     eng = load_profile(tmp_path / "c.yaml").rollout.engine("libra-builtin")
     assert eng.probe_cpu_s > 0 and eng.contention and eng.weight_load_cpu_s > 0
+
+
+def test_the_v0_presets_cpu_terms_are_vidurs_measured_cpu_profile():
+    """vllm-v0's per-step and per-sequence CPU terms are the least-squares fit of Vidur's CPU
+    profile of a vLLM-0.2-era engine (tests/data/vidur-cpu/a100): measured per scheduled sequence
+    from batch 8 to 128, not fitted to any public figure the simulator is checked against."""
+    from libra.costmodel.vidur import fit_cpu_overheads
+
+    base, per_seq = fit_cpu_overheads(
+        Path(__file__).parent / "data" / "vidur-cpu" / "a100" / "cpu_overheads.csv"
+    )
+    eng = RolloutEfficiency().engine("vllm-v0")
+    assert eng.base_overhead_s == pytest.approx(base, rel=0.01)
+    assert eng.per_seq_overhead_s == pytest.approx(per_seq, rel=0.01)
+    assert eng.tp_seq_overhead_s == 0.0  # the profile's slope does not grow with TP (43-48 us at TP 1/2/4)

@@ -146,6 +146,12 @@ def _presets() -> list[str]:
 @click.option("--max-body-mb", default=8.0, show_default=True, type=click.FloatRange(min=0, max=4096, min_open=True), help="Largest request body.")  # fmt: skip
 @click.option("--weight-version", default="0", show_default=True, help="Weight version reported until a trainer sets another.")  # fmt: skip
 @click.option("--admin-token", default=None, envvar="LIBRA_ADMIN_TOKEN", help="Control calls (pause, weights, flush) need 'Authorization: Bearer TOKEN' [env: LIBRA_ADMIN_TOKEN].")  # fmt: skip
+@click.option("--max-prompts-per-request", type=int, default=None, help="Prompts in one batched request [default: 4096].")  # fmt: skip
+@click.option("--max-request-tokens", type=int, default=None, help="Tokens one request may queue: prompt plus max_tokens, over its sequences [default: 4194304].")  # fmt: skip
+@click.option("--header-timeout-s", type=float, default=None, help="From a request's first byte to the end of its headers [default: 10].")  # fmt: skip
+@click.option("--body-timeout-s", type=float, default=None, help="Reading one request's body [default: 60].")  # fmt: skip
+@click.option("--idle-timeout-s", type=float, default=None, help="An idle keep-alive connection is closed after this [default: 75].")  # fmt: skip
+@click.option("--max-connections-per-client", type=int, default=None, help="Open connections from one IP address [default: 4096].")  # fmt: skip
 @click.option("--access-log", is_flag=True, help="Log every HTTP request.")
 @click.option("--step-log", type=click.Path(dir_okay=False), default=None, help="Append each step's composition and CPU seconds to this JSONL file (for `libra costmodel profile`).")  # fmt: skip
 @_needs_extra
@@ -154,6 +160,7 @@ def engine(save_checkpoint: str | None, host: str, port: int, access_log: bool, 
     paged KV cache, behind an OpenAI-compatible API. For CI and laptops; not a vLLM replacement."""
     from libra.runtime.engine.config import EngineConfig
 
+    options = {k: v for k, v in options.items() if v is not None}  # absent: the config's default
     try:
         cfg = build(EngineConfig, options)
     except ConfigError as e:  # name the option the user typed, not the model field

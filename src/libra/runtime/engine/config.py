@@ -11,9 +11,10 @@ import os
 from dataclasses import dataclass
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from libra.runtime.engine.tokenizer import VOCAB_SIZE
+from libra.runtime.http_limits import HttpLimitFields, RequestCapFields
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +53,9 @@ def _visible(v: str) -> str:
 Visible = Annotated[str, AfterValidator(_visible)]
 
 
-class EngineConfig(BaseModel):
-    """Everything `libra serve engine` can be told. Field names match the CLI options."""
+class EngineConfig(HttpLimitFields, RequestCapFields):
+    """Everything `libra serve engine` can be told. Field names match the CLI options (the
+    connection limits and request caps are `http_limits`' fields, shared with the gateway)."""
 
     model_config = ConfigDict(allow_inf_nan=False, extra="forbid", frozen=True)
 

@@ -47,7 +47,6 @@ NEUTRAL_SAMPLING: dict[str, tuple] = {
     "frequency_penalty": (0, 0.0),
     "presence_penalty": (0, 0.0),
     "repetition_penalty": (1, 1.0),
-    "min_new_tokens": (0,),
     "n": (1,),
     "json_schema": (None,),
     "regex": (None,),
@@ -89,7 +88,7 @@ class GenerateSampling(BaseModel):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    min_new_tokens: int = 0
+    min_new_tokens: int = Field(0, ge=0)
     n: int = 1
     json_schema: object = None
     regex: object = None
@@ -108,7 +107,7 @@ class GenerateSampling(BaseModel):
             "min_p": self.min_p, "logit_bias": self.logit_bias, "stop": self.stop,
             "stop_token_ids": self.stop_token_ids, "include_stop_str_in_output": self.no_stop_trim,
             "skip_special_tokens": self.skip_special_tokens, "ignore_eos": self.ignore_eos,
-            "seed": self.sampling_seed,
+            "seed": self.sampling_seed, "min_tokens": self.min_new_tokens, "max_tokens": self.max_new_tokens,
         }  # fmt: skip
         return parse(SamplingRequest, data, "sampling_params")
 

@@ -9,7 +9,8 @@ servers do, but a known option the engine cannot honour (penalties, `echo`, `bes
 vLLM's extensions that RL trainers use are honoured: `return_token_ids` (the prompt's and each
 choice's token ids), `return_tokens_as_token_ids` (logprob tokens written `token_id:N`), token-id
 prompts on /v1/completions, `top_k`, `min_p`, `logit_bias`, `stop_token_ids`,
-`include_stop_str_in_output`, `skip_special_tokens` and `ignore_eos`. Every response also carries
+`include_stop_str_in_output`, `skip_special_tokens`, `ignore_eos` and `min_tokens` (no end token,
+stop token or stop string before that many tokens; SkyRL sends 1 by default). Every response also carries
 the `weight_version` that produced it (SGLang's name), and the version of each token when a
 request spanned a weight update.
 
@@ -151,7 +152,6 @@ NEUTRAL: dict[str, tuple] = {
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),
-    "min_tokens": (None, 0),
     "prompt_logprobs": (None,),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -200,7 +200,7 @@ class SamplingRequest(_Model):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    min_tokens: int | None = Field(None, ge=0)
     prompt_logprobs: int | None = None
     echo: bool | None = None
     suffix: str | None = None
@@ -216,6 +216,14 @@ class SamplingRequest(_Model):
     @classmethod
     def _refused(cls, v: object, info: ValidationInfo) -> object:
         return refuse_unless_neutral(v, info, NEUTRAL)
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_within_max(cls, v: int | None, info: ValidationInfo) -> int | None:
+        most = info.data.get("max_tokens")
+        if v and most is not None and v > most:
+            raise ValueError(f"at most max_tokens ({most})")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -254,7 +262,7 @@ class SamplingRequest(_Model):
 
     def text_output(self) -> TextOutput:
         return TextOutput(self.stops(), self.ignore_eos, frozenset(self.stop_token_ids or ()),
-                          self.include_stop_str_in_output, not self.skip_special_tokens)  # fmt: skip
+                          self.include_stop_str_in_output, not self.skip_special_tokens, self.min_tokens or 0)  # fmt: skip
 
 
 class ChatRequest(SamplingRequest):

@@ -14,6 +14,7 @@ import random
 import secrets
 from dataclasses import dataclass, field
 from enum import IntEnum
+from functools import lru_cache
 
 from libra.runtime.engine.constraints import END, ToolCallGrammar, Utf8Text
 from libra.runtime.engine.tokenizer import NUM_BYTES, SPECIAL_TEXT
@@ -71,20 +72,61 @@ class SeqEvent:
     error: str | None = None
 
 
+class AtLeast:
+    """vLLM's `min_tokens` over another constraint: until `left` more tokens are sampled, neither
+    the end token nor a stop token may be (their logits are masked, as vLLM masks them)."""
+
+    __slots__ = ("inner", "left", "banned")
+
+    def __init__(self, inner: Utf8Text, n: int, banned: frozenset[int]):
+        self.inner, self.left, self.banned = inner, n, banned | {END}
+
+    def allowed(self, budget: int) -> frozenset[int]:
+        allowed = self.inner.allowed(budget)
+        return _without(allowed, self.banned) if self.left > 0 else allowed
+
+    def advance(self, token: int) -> None:
+        self.inner.advance(token)
+        self.left -= 1
+
+    @property
+    def done(self) -> bool:
+        return self.inner.done
+
+
+@lru_cache(maxsize=256)
+def _without(allowed: frozenset[int], banned: frozenset[int]) -> frozenset[int]:
+    return allowed - banned
+
+
 class TextOutput:
     """Plain text: valid UTF-8, stop strings and stop token ids honoured.
 
     By default (OpenAI's and vLLM's) a stop string is cut from the text and never sent even in
     part; `include_stop` keeps it (vLLM's include_stop_str_in_output, SGLang's no_stop_trim), and
     `specials` writes the end token by its name (skip_special_tokens false). The token ids always
-    hold every sampled token, so a client can train on exactly what was sampled.
+    hold every sampled token, so a client can train on exactly what was sampled. With `min_tokens`
+    nothing ends the text before that many tokens: the end and stop tokens are masked and stop
+    strings are not looked for.
     """
 
-    __slots__ = ("constraint", "buf", "sent", "stops", "stop_ids", "include_stop", "specials", "_utf8")
+    __slots__ = (
+        "constraint",
+        "buf",
+        "sent",
+        "stops",
+        "stop_ids",
+        "include_stop",
+        "specials",
+        "_utf8",
+        "_early",
+    )
 
     def __init__(self, stops: tuple[str, ...] = (), ignore_eos: bool = False, stop_ids: frozenset[int] = frozenset(),
-                 include_stop: bool = False, specials: bool = False):  # fmt: skip
-        self.constraint = Utf8Text(allow_end=not ignore_eos)
+                 include_stop: bool = False, specials: bool = False, min_tokens: int = 0):  # fmt: skip
+        text = Utf8Text(allow_end=not ignore_eos)
+        self.constraint = AtLeast(text, min_tokens, stop_ids) if min_tokens > 0 else text
+        self._early = min_tokens  # tokens still to come before a stop string may end the text
         self.buf, self.sent = bytearray(), 0
         self.stops = [s.encode() for s in stops if s]
         self.stop_ids, self.include_stop, self.specials = stop_ids, include_stop, specials
@@ -95,7 +137,10 @@ class TextOutput:
         if token == END or token >= NUM_BYTES or token in self.stop_ids:
             return self._stop_token(token, ev)
         self.buf.append(token)
-        hit = max((s for s in self.stops if self.buf.endswith(s)), key=len, default=b"")
+        self._early -= 1
+        hit = b""
+        if self._early <= 0:
+            hit = max((s for s in self.stops if self.buf.endswith(s)), key=len, default=b"")
         if hit:  # the longest stop ending here, so no part of any stop is left in the text
             if not self.include_stop:
                 del self.buf[-len(hit) :]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import aiohttp
 
+from libra.core.curves import CurveOptions
 from libra.core.errors import InfeasibleError
 from libra.planner.staleness import StalenessGate
 from libra.runtime.launch.base import Launcher, LaunchError
@@ -29,7 +30,14 @@ from libra.runtime.train import cluster as procs
 from libra.runtime.train.agent import AgentEnv, make_agent_loop
 from libra.runtime.train.chat import GatewayChat, Sampling
 from libra.runtime.train.config import TrainConfig
-from libra.runtime.train.control import Publisher, PublishFailed, TrainerLost, Trainers, TrainResult
+from libra.runtime.train.control import (
+    Publisher,
+    PublishFailed,
+    TrainerLost,
+    TrainerRefused,
+    Trainers,
+    TrainResult,
+)
 from libra.runtime.train.fleet import LiveFleet
 from libra.runtime.train.gateway_admin import GatewayAdmin
 from libra.runtime.train.metrics import DriverMetrics
@@ -54,8 +62,11 @@ class Start:
     checkpoint: str
 
 
-async def train(cfg: TrainConfig, run: Path, launcher: Launcher, resume: bool, progress=None) -> dict:
-    folder, metrics = RunFolder(run, time.time()), DriverMetrics()
+async def train(cfg: TrainConfig, run: Path, launcher: Launcher, resume: ckpt.CheckpointInfo | None, progress=None,
+                curves: CurveOptions | None = None) -> dict:  # fmt: skip
+    """Run `cfg` in the run folder `run`, from the verified checkpoint `resume` (`ckpt.resume_point`)
+    or from a warm-start; per-step curves go where `curves` says."""
+    folder, metrics = RunFolder(run, time.time(), curves), DriverMetrics()
     port = metrics.serve(cfg.metrics_port)
     if progress is not None and port:
         progress.note(f"driver metrics on http://127.0.0.1:{port}/metrics")
@@ -66,7 +77,7 @@ async def train(cfg: TrainConfig, run: Path, launcher: Launcher, resume: bool, p
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
             await _loop(cfg, cluster, http, folder, metrics, resume, progress)
-    except (TrainerLost, RolloutFailed, ActionsUnreachable, PublishFailed) as e:
+    except (TrainerLost, TrainerRefused, RolloutFailed, ActionsUnreachable, PublishFailed) as e:
         raise RunStopped(stop_message(e, run)) from None
     finally:
         await asyncio.to_thread(cluster.save_metrics)
@@ -76,7 +87,7 @@ async def train(cfg: TrainConfig, run: Path, launcher: Launcher, resume: bool, p
 
 
 def stop_message(e: Exception, run: Path) -> str:
-    what = {TrainerLost: "a trainer replica was lost", RolloutFailed: "rollout failed",
+    what = {TrainerLost: "a trainer replica was lost", TrainerRefused: "a trainer refused to go on", RolloutFailed: "rollout failed",
             ActionsUnreachable: "the actions service is unreachable", PublishFailed: "weight publication failed"}[type(e)]  # fmt: skip
     found = ckpt.latest(run / "checkpoints")
     where = (f"the newest checkpoint is step {found.step} ({found.path}); resume with: libra train --out {run} --resume"
@@ -128,8 +139,11 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
             _observe(metrics, rec)
             if progress is not None:
                 progress.step(rec)
-        folder.unfinished = rollouts.running()
+    except asyncio.CancelledError:  # interrupted (Ctrl-C): the steps so far stay, counted as such
+        folder.interrupted = True
+        raise
     finally:
+        folder.unfinished = rollouts.running()  # 0 after the last step; on an interrupt, counted
         await rollouts.stop()
         await pool.stop()
         await fleet.stop()
@@ -155,9 +169,9 @@ async def _train(cfg: TrainConfig, trainers: Trainers, pool, step: int, samples,
     return result
 
 
-async def _prepare(cfg: TrainConfig, trainers: Trainers, folder: RunFolder, resume: bool, progress) -> Start:
-    """Resume the newest checkpoint, or warm-start from scratch."""
-    found = ckpt.latest(folder.path / "checkpoints") if resume else None
+async def _prepare(cfg: TrainConfig, trainers: Trainers, folder: RunFolder, resume: ckpt.CheckpointInfo | None, progress) -> Start:  # fmt: skip
+    """Resume the checkpoint the CLI verified, or warm-start from scratch."""
+    found = resume
     if found is not None:
         await trainers.resume(str(found.path))
         folder.load_previous(found.step)
@@ -173,7 +187,7 @@ async def _prepare(cfg: TrainConfig, trainers: Trainers, folder: RunFolder, resu
 
 def _rollouts(cfg: TrainConfig, cluster, http: aiohttp.ClientSession, step: int) -> Rollouts:
     r = cfg.rollout
-    chat = GatewayChat(cluster.gateway_url, procs.MODEL_NAME, http, r.turn_timeout_s)
+    chat = GatewayChat(cluster.gateway_url, procs.MODEL_NAME, http, r.turn_timeout_s, cfg.publish.admin_token)
     tools = SandboxTools(cluster.actions_url, http) if cfg.task.tool == "sandbox" else InProcessTools()
     tools = SlowFrom(tools, cfg.task.slow_tool_s, cfg.task.slow_tool_from)
     env = AgentEnv(chat, tools, Sampling(r.temperature, r.top_p, r.max_tokens))

@@ -90,11 +90,13 @@ class Replica:
         return {"losses": out.losses, "probes": out.probes, "seconds": time.perf_counter() - t0, "checkpoint": path, "fingerprint": self.learner.fingerprint()}  # fmt: skip
 
     def resume(self, path: str) -> dict:
-        info = next((c for c in ckpt.complete(Path(path).parent) if str(c.path) == path), None)
-        if info is None:
-            raise ValueError(f"no complete checkpoint at {path}")
-        weights, opt = ckpt.load(info)
-        self.learner.load(weights, opt, info.step, info.version)
+        """Load a checkpoint of this run, verified against its manifest (`checkpoint`)."""
+        info = ckpt.open_checkpoint(Path(path), self.run)
+        weights, opt = ckpt.load(info, self.run)
+        try:
+            self.learner.load(weights, opt, info.step, info.version)
+        except (RuntimeError, ValueError, KeyError) as e:  # a state_dict of another model or optimizer
+            raise ckpt.CheckpointError(f"checkpoint {path} does not fit this run's model and optimizer ({type(e).__name__}: {str(e)[:200]})") from None  # fmt: skip
         return {"step": info.step, "version": info.version, "fingerprint": self.learner.fingerprint()}
 
     def train(self, body: dict) -> dict:
@@ -159,6 +161,11 @@ class Replica:
         async with self.lock:
             try:
                 return web.json_response(await asyncio.to_thread(fn, body))
+            except (
+                ckpt.CheckpointError,
+                ckpt.NonFiniteWeights,
+            ) as e:  # refused: the run cannot go on this way
+                return web.json_response({"error": str(e), "refused": True}, status=422)
             except (KeyError, TypeError, ValueError) as e:
                 return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=400)
             except RuntimeError as e:  # a collective that failed: a peer is gone
