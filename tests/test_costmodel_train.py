@@ -56,7 +56,7 @@ def test_distributed_optimizer_shards(tcm):
     "par,field",
     [
         (TrainParallel(tp=16), "tp"),
-        (TrainParallel(pp=3), "pp"),
+        (TrainParallel(pp=41), "pp"),  # more stages than qwen3-14b's 40 layers
         (TrainParallel(tp=3), "tp"),
         (TrainParallel(dp=0), "dp"),
     ],
@@ -65,6 +65,17 @@ def test_invalid_parallelism(tcm, par, field):
     with pytest.raises(ConfigError) as e:
         tcm.step(par, [1024])
     assert e.value.field == field
+
+
+def test_uneven_pipeline_stages_are_priced_by_the_largest(tcm):
+    """40 layers in 3 stages run as 14 + 13 + 13: priced as 3 even stages of 14 layers, between
+    2 and 4 even stages, and identical to the even formula when pp divides the layers."""
+    lens = [4096] * 64
+    t = {pp: tcm.step(TrainParallel(tp=2, pp=pp, dp=2), lens) for pp in (2, 3, 4)}
+    assert t[4].compute_s < t[3].compute_s < t[2].compute_s
+    assert t[3].compute_s == pytest.approx(t[2].compute_s * 14 / 20, rel=0.01)
+    m = {pp: tcm.memory(TrainParallel(tp=2, pp=pp, dp=2), 8192).weights for pp in (2, 3, 4)}
+    assert m[3] == pytest.approx(m[2] * 14 / 20) and m[4] == pytest.approx(m[2] / 2)
 
 
 def test_empty_batch_is_an_error(tcm):

@@ -107,3 +107,19 @@ def test_an_impossible_cell_is_reported_not_fatal():
     grid = Grid.model_validate({**TINY, "axes": [{"name": "m", "key": "model", "values": ["no-such-model"]}]})
     result = sweep(grid, local_map(1))
     assert "model" in result["cells"][0]["error"] and result["best_gain"] == {}
+
+
+def test_cells_built_from_real_trajectories_run_every_system(shared_data):
+    """A grid that replays the tau-bench trace: the peers run beside the ladder, each with its
+    trained tokens' lag, and the cell's command replays the same trace."""
+    trace = shared_data / "trajectories" / "tau-bench-airline.jsonl"
+    grid = Grid.model_validate(
+        {"name": "tau", "scenario": "libra-r2e-48gpu", "steps": 2, "trace": str(trace),
+         "set": ["model=qwen3-8b", "train.tp=2", "cluster.nodes=1", "split.train_gpus=4", "split.rollout_gpus=4"],
+         "axes": [{"name": "staleness", "key": "pipeline.staleness", "values": [0]}]}
+    )  # fmt: skip
+    (cell,) = sweep(grid, local_map(1))["cells"]
+    assert cell["error"] is None and f"--trace {trace}" in cell["command"]
+    assert set(cell["skipped"]) == {"areal", "april"}  # they need a bound of at least 1
+    assert {"seer", "heddle", "libra"} <= set(cell["throughput"]) and cell["best_peer"] in ("seer", "heddle")
+    assert all(lag == [0.0, 0] for name, lag in cell["token_lag"].items() if name in ("seer", "heddle"))

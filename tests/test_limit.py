@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from libra.core.trajectory import Trajectory, Turn
 from libra.costmodel.rollout import RolloutCostModel
@@ -83,3 +85,30 @@ def test_ideal_exec_without_profile_is_t1():
 
     spec = ActionSpec("shell", 4.0, ResourceVector.of(key="cpu", cpu=1))
     assert ideal_exec_s(spec, 32) == 4.0
+
+
+PEERS = ["areal", "april", "seer", "heddle", "colocated:group-round-robin"]
+
+
+@settings(max_examples=4, deadline=None)
+@given(
+    seed=st.integers(0, 1000),
+    staleness=st.integers(1, 2),
+    family=st.sampled_from(["r2e-gym", "dapo-math", "search-r1"]),
+)
+def test_no_system_beats_the_limit(catalog, seed, staleness, family):
+    """Asynchronous, partial and speculative systems included: every step's makespan is at least
+    its bound, on any seed, staleness bound and workload family."""
+    data = {
+        **SMALL,
+        "workload": {**SMALL["workload"], "family": family},
+        "pipeline": {"staleness": staleness},
+    }
+    out = pipeline.run(
+        parse_scenario(data, catalog), SYSTEMS + PEERS, 3, seed, None, lambda *a: None, isolate=False
+    )
+    for name, rows in out["per_step"].items():
+        for r in rows:
+            assert r["makespan_lower_bound_s"] <= r["rollout_makespan_s"] + 1e-6, (name, r)
+        m = out["systems"][name]
+        assert m["makespan_lower_bound_s"] <= m["mean_rollout_makespan_s"] + 1e-6, name

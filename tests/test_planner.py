@@ -11,6 +11,7 @@ import itertools
 import json
 import math
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -28,23 +29,29 @@ from libra.planner import (
     GlobalPlanner,
     GreedyShiftPlanner,
     HomogeneousPlanner,
+    InFlightBatch,
     PipelineSignals,
     Plan,
+    PlanController,
     PlannerConfig,
     PlanningProblem,
+    StepReport,
     Trigger,
     WorkloadStats,
     check_plan,
     check_triggers,
     completion_wait,
     diff,
+    drain_s,
     make_planner,
     pack,
     pipeline_period,
     place,
     reconfig_cost_s,
+    restarts_engines,
     should_apply,
 )
+from libra.planner.plan import DRAIN_FLOOR
 from libra.planner.rollout_dp import EngineTables, LayoutDP, all_ranges
 from tests.conftest import run_cli
 
@@ -101,7 +108,7 @@ def assert_feasible(plan: Plan, p: PlanningProblem, min_concurrent: int = 4, min
     """Every constraint, re-derived here from the cost models without the planner's code."""
     t = plan.train
     assert t.gpus == plan.train_gpus and plan.train_gpus + plan.rollout_gpus <= p.gpus
-    assert t.tp * t.cp <= p.hw.gpus_per_node and p.model.heads % t.tp == 0 and p.model.layers % t.pp == 0
+    assert t.tp * t.cp <= p.hw.gpus_per_node and p.model.heads % t.tp == 0 and t.pp <= p.model.layers
     assert p.prompts_per_step % t.dp == 0 and (p.batch_size // t.dp) % t.micro_batch == 0
     assert TrainCostModel(p.hw, p.model, p.profile.train).memory(t, plan.context_bound).fits
     assert sum(b.tp * b.instances for b in plan.buckets) == plan.rollout_gpus
@@ -531,6 +538,89 @@ def test_drift_is_followed(problem):
     decision = planner.decide(drifted, first)
     assert decision.verdict.apply and decision.verdict.gain_fraction >= 0.05
     assert decision.plan.step_time_s < decision.current.step_time_s
+
+
+def test_drain_is_the_longest_wait_of_the_batches_still_running():
+    young, old = InFlightBatch(5, 20.0, 3), InFlightBatch(4, 90.0, 1)
+    assert drain_s([young, old], 100.0) == pytest.approx(80.0)  # the young batch's stragglers
+    assert drain_s([old], 100.0) == pytest.approx(25.0)  # past the makespan: a quarter of it still
+    assert drain_s([InFlightBatch(6, 0.0, 0)], 100.0) == 0.0  # nothing running: nothing to wait for
+    assert drain_s([], 100.0) == 0.0
+
+
+def test_a_switch_whose_drain_costs_more_than_it_gains_is_not_made(problem):
+    """Agents with 30 s tools drift shorter: the new plan wins more than a restart over the
+    horizon, but less than waiting for a batch of such agents that has just started."""
+    planner = GlobalPlanner(problem, PlannerConfig(switch="drain"))
+    long = WorkloadStats.from_trajectories(synthetic(512, 7, out_median=2500, latency_median_s=30))
+    first = planner.decide(long, None).plan
+    drifted = WorkloadStats.from_trajectories(synthetic(512, 8, out_median=150, latency_median_s=30))
+    free = planner.decide(drifted, first)
+    assert free.verdict.apply and restarts_engines(diff(free.current, free.candidate))
+    gain_s = free.verdict.gain_s * planner.config.interval_steps - free.verdict.cost_s
+    slowest = planner.slowest_s(free.current, drifted)
+    assert slowest > gain_s > DRAIN_FLOOR * slowest  # the case under test
+    held = planner.decide(drifted, first, [InFlightBatch(9, 0.0, 512)])  # just started
+    assert not held.verdict.apply and held.plan == held.current
+    assert "drain" in held.verdict.reason and held.verdict.cost_s > slowest
+    nearly = planner.decide(drifted, first, [InFlightBatch(9, slowest - 1.0, 3)])  # nearly done
+    assert nearly.verdict.apply and nearly.verdict.cost_s == pytest.approx(
+        free.verdict.cost_s + DRAIN_FLOOR * slowest
+    )
+    done = planner.decide(drifted, first, [InFlightBatch(9, 0.0, 0)])  # nothing left running
+    assert done.verdict.apply and done.verdict.cost_s == free.verdict.cost_s
+    assert not restarts_engines(replace(diff(first, first), train_changed=True))  # a reshard only
+
+
+def test_a_switch_interrupts_the_batches_in_flight_when_that_is_cheaper_than_draining(problem):
+    """Interrupting costs the new engines' recompute of the context in flight, not the slowest
+    trajectory still to come: the switch the drain held back goes ahead, and the decision says
+    how to carry it out. `planner.switch` can force either."""
+    long = WorkloadStats.from_trajectories(synthetic(512, 7, out_median=2500, latency_median_s=30))
+    drifted = WorkloadStats.from_trajectories(synthetic(512, 8, out_median=150, latency_median_s=30))
+    just_started = [InFlightBatch(9, 0.0, 512, 512 * 3000)]
+    cheaper = GlobalPlanner(problem)
+    first = cheaper.decide(long, None).plan
+    dec = cheaper.decide(drifted, first, just_started)
+    redo = cheaper.recompute_s(dec.candidate, just_started)
+    assert dec.verdict.apply and dec.interrupt and "interrupting" in dec.verdict.reason
+    assert 0 < redo < cheaper.slowest_s(dec.current, drifted)
+    assert dec.verdict.cost_s == pytest.approx(reconfig_cost_s(diff(dec.current, dec.candidate)) + redo)
+    more = [InFlightBatch(9, 0.0, 512, 512 * 6000)]  # twice the context: more recompute
+    assert 1.5 * redo < cheaper.recompute_s(dec.candidate, more) <= 2 * redo
+    drain = GlobalPlanner(problem, PlannerConfig(switch="drain")).decide(drifted, first, just_started)
+    assert not drain.verdict.apply and not drain.interrupt
+    forced = GlobalPlanner(problem, PlannerConfig(switch="interrupt")).decide(drifted, first, just_started)
+    assert forced.interrupt and forced.verdict.cost_s == pytest.approx(dec.verdict.cost_s)
+
+
+def test_a_replan_keeps_the_context_bound_until_the_window_is_long_enough(problem):
+    """EARL's rule for shrinking, applied to re-plans: a window of one short step does not
+    shrink the trained context below the current plan's (it would be forced back, through a
+    drain, by the first long trajectory); a window of `down_patience` steps does."""
+    planner = GlobalPlanner(problem)
+    current = planner.plan(WorkloadStats.from_trajectories(synthetic(512, 3, out_median=3000)))
+    assert current.context_bound == problem.max_length
+    ctrl = PlanController(planner)
+    short = [synthetic(512, 20 + k, out_median=150, turns=(1, 3), step=k) for k in range(3)]
+    for k, trajs in enumerate(short):
+        ctrl.window.append(StepReport(k, trajs, 10.0, 10.0))
+        floor = ctrl.context_floor(current)
+        assert floor == (0 if k + 1 >= planner.selector.config.down_patience else current.context_bound)
+        candidate = planner.decide(WorkloadStats.from_trajectories(trajs), current, floor=floor).candidate
+        assert candidate.context_bound >= floor
+
+
+def test_the_first_window_holds_the_profiling_sample(problem):
+    """Under completion order the first steps train the groups that finished first: the
+    controller plans from them together with the profiling sample until trained steps push it out."""
+    ctrl = PlanController(GlobalPlanner(problem))
+    sample = synthetic(512, 4)
+    ctrl.initial(sample)
+    assert [r.step for r in ctrl.window] == [-1] and list(ctrl.window[0].trajectories) == sample
+    for k in range(3):
+        ctrl.window.append(StepReport(k, synthetic(64, 30 + k, step=k), 1.0, 1.0))
+    assert [r.step for r in ctrl.window] == [0, 1, 2]
 
 
 def test_a_plan_that_no_longer_fits_is_replaced_even_if_one_step_alone_would_keep_it(problem):

@@ -95,17 +95,21 @@ def _run_with_progress(grid, mapper, log: Path) -> dict:
 
 def cells_table(result: dict):
     mechs = result["mechanisms"]
-    top = result["systems"][-1]
+    top = result.get("top", result["systems"][-1])
     rows = []
     for c in result["cells"]:
         where = ", ".join(f"{k}={v}" for k, v in c["settings"].items())
         if c["error"] is not None:
-            rows.append([where, c["error"], *["-"] * (len(mechs) + 1)])
+            rows.append([where, c["error"], *["-"] * (len(mechs) + 3)])
             continue
         best = c["throughput"][c["best_static"]]
+        peer = c.get("best_peer") or ""
+        vs = c.get("libra_vs_best_peer")
         rows.append([where, f"{best:,.0f} ({c['best_static']})", *(f"{100 * c['gains'][m]:+.1f}%" for m in mechs),
-                     f"{100 * c['distance_to_limit'][top]:.0f}%"])  # fmt: skip
-    cols = ["cell", "best static tok/s", *mechs, f"{top} to limit"]
+                     f"{100 * c['distance_to_limit'][top]:.0f}%",
+                     f"{c['throughput'][peer]:,.0f} ({peer})" if peer else "-",
+                     "-" if vs is None else f"{100 * vs:+.1f}%"])  # fmt: skip
+    cols = ["cell", "best static tok/s", *mechs, f"{top} to limit", "best peer tok/s", "libra vs best peer"]
     return table(f"Gains map: {result['grid']['name']} on {result['grid']['scenario']}", cols, rows)
 
 

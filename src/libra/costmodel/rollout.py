@@ -218,6 +218,15 @@ class RolloutCostModel:
         b = self._kv_s if self._kv_s > self._attn_flop_s else self._attn_flop_s
         return a, b
 
+    def floor_coeffs(self) -> tuple[float, float]:
+        """Per-token (A, B) that no decode step of this engine undercuts: a sequence decoding alone
+        (`decode_coeffs(1)`); a speculative model lowers both (`costmodel.speculative`)."""
+        return self.decode_coeffs(1)
+
+    def fullest_batch(self) -> int:
+        """The most tokens one iteration runs: the budget, or one decode token per sequence."""
+        return max(self.max_num_batched_tokens, self.max_num_seqs)
+
     def decode_time(self, batch: int, context: float) -> float:
         """One decode iteration of `batch` sequences, each at `context` tokens."""
         return self.step_time(0, 0.0, batch, batch * context)

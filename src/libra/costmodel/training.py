@@ -7,6 +7,8 @@ to DP ranks longest-first onto the least-loaded rank, then cut into micro-batche
 - TP: four all-reduces of the micro-batch's activations per layer (two forward, two backward);
 - CP: ring exchange of K/V blocks, overlapped with attention except its latency;
 - PP: the 1F1B bubble, (pp - 1) extra micro-batch slots, plus activation sends between stages;
+  a pp that does not divide the layers gives uneven stages (Megatron's uneven first and last
+  stages), and the largest stage, ceil(layers / pp) layers, sets the time and the memory;
 - DP: reduce-scatter + all-gather of gradients (distributed optimizer), partly hidden behind the
   backward pass.
 
@@ -44,8 +46,8 @@ class TrainParallel:
                 raise ConfigError(name, getattr(self, name), "an integer >= 1")
         if self.tp * self.cp > hw.gpus_per_node:
             raise ConfigError("tp", self.tp, f"tp x cp <= gpus_per_node ({hw.gpus_per_node}) of {hw.name}")
-        if model.layers % self.pp:
-            raise ConfigError("pp", self.pp, f"a divisor of the model's {model.layers} layers")
+        if self.pp > model.layers:
+            raise ConfigError("pp", self.pp, f"at most the model's {model.layers} layers")
         if model.heads % self.tp:
             raise ConfigError("tp", self.tp, f"a divisor of the model's {model.heads} attention heads")
 
@@ -87,7 +89,8 @@ class TrainCostModel:
 
     def memory(self, par: TrainParallel, max_len: int) -> TrainMemory:
         m, e = self.model, self.eff
-        shard = m.total_params / (par.tp * par.pp)
+        stage = stage_layers(m.layers, par.pp)
+        shard = m.total_params * stage / m.layers / par.tp
         # bf16 weights; fp32 main gradients; fp32 master weights + Adam m and v sharded over DP*CP.
         weights, grads = 2 * shard, 4 * shard
         optimizer = 12 * shard / (par.dp * par.cp)
@@ -95,9 +98,9 @@ class TrainCostModel:
         tokens = par.micro_batch * seq
         if par.recompute:  # only each layer's input survives; one layer is live during recompute
             per_layer = 2 * tokens * m.hidden / par.tp
-            act = per_layer * m.layers / par.pp * par.pp + self._layer_activation(tokens, par.tp)
+            act = per_layer * stage * par.pp + self._layer_activation(tokens, par.tp)
         else:  # Korthikanti et al. with flash attention and sequence parallelism: 34 s b h / t
-            act = 34 * tokens * m.hidden / par.tp * (m.layers / par.pp) * par.pp
+            act = 34 * tokens * m.hidden / par.tp * stage * par.pp
         # 1F1B: the first stage holds pp micro-batches in flight, the (x pp) above.
         logits = 2 * tokens * m.vocab * 4 / par.tp  # fp32 logits and their gradient, vocab-parallel
         cap = self.hw.memory_bytes
@@ -129,7 +132,8 @@ class TrainCostModel:
         return TrainEstimate(total, compute, tp_comm, bubble, dp_comm, mem)
 
     def _gpu_flops(self, par: TrainParallel) -> float:
-        return self.hw.bf16_tflops * 1e12 * self.eff.mfu * par.tp * par.pp * par.cp
+        stages = self.model.layers / stage_layers(self.model.layers, par.pp)  # pp, or less when uneven
+        return self.hw.bf16_tflops * 1e12 * self.eff.mfu * par.tp * stages * par.cp
 
     def _rank_flops(self, lens: Sequence[int], par: TrainParallel) -> float:
         m = self.model
@@ -148,12 +152,13 @@ class TrainCostModel:
         size = tokens / par.cp * m.hidden * 2
         ring = 2 * (par.tp - 1) / par.tp
         per_layer = 4 * ring * size / self._link_bw(par.tp, False)
-        return per_layer * m.layers / par.pp * (1.33 if par.recompute else 1.0)
+        return per_layer * stage_layers(m.layers, par.pp) * (1.33 if par.recompute else 1.0)
 
     def _cp_comm(self, n_micro: int, par: TrainParallel) -> float:
         if par.cp == 1:
             return 0.0
-        return n_micro * self.model.layers / par.pp * 3 * (par.cp - 1) * 20e-6  # exposed ring-step latency
+        stage = stage_layers(self.model.layers, par.pp)
+        return n_micro * stage * 3 * (par.cp - 1) * 20e-6  # exposed ring-step latency
 
     def _pp_comm(self, tokens: int, n_micro: int, par: TrainParallel) -> float:
         if par.pp == 1:
@@ -166,9 +171,17 @@ class TrainCostModel:
         group = par.dp * par.cp
         if group == 1:
             return 0.0
-        grad_bytes = 2 * self.model.total_params / (par.tp * par.pp)  # bf16 gradients
+        m = self.model
+        grad_bytes = 2 * m.total_params * stage_layers(m.layers, par.pp) / m.layers / par.tp  # bf16
         cross = par.gpus > self.hw.gpus_per_node
         return 2 * (group - 1) / group * grad_bytes / self._link_bw(group, cross)
+
+
+def stage_layers(layers: int, pp: int) -> int:
+    """Layers of a pipeline's largest stage: ceil(layers / pp). Megatron spreads layers that pp
+    does not divide over uneven first and last stages; the largest stage sets the step's time and
+    the memory a GPU needs."""
+    return -(-layers // pp)
 
 
 def sequences_per_micro_batch(seq_lens: Sequence[int], max_tokens: int) -> int:

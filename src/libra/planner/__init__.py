@@ -28,16 +28,19 @@ from libra.planner.elastic import (
 )
 from libra.planner.plan import (
     BucketPlan,
+    InFlightBatch,
     Placement,
     Plan,
     PlanDiff,
     check_plan,
     completion_wait,
     diff,
+    drain_s,
     pack,
     pipeline_period,
     place,
     reconfig_cost_s,
+    restarts_engines,
 )
 from libra.planner.planner import (
     PLANNERS,
@@ -54,10 +57,10 @@ from libra.planner.stats import WorkloadStats
 from libra.planner.triggers import ApplyVerdict, PipelineSignals, Trigger, check_triggers, should_apply
 
 __all__ = [
-    "CONSUME", "PLANNERS", "ApplyVerdict", "BucketPlan", "ControlDecision", "EngineSlot", "PlanController", "PoolView", "Replan", "StepReport", "hybrid_hosts", "ElasticConfig", "ElasticController", "ElasticDecision",
+    "CONSUME", "PLANNERS", "ApplyVerdict", "BucketPlan", "InFlightBatch", "ControlDecision", "EngineSlot", "PlanController", "PoolView", "Replan", "StepReport", "hybrid_hosts", "ElasticConfig", "ElasticController", "ElasticDecision",
     "ElasticSignals", "Finished", "GlobalPlanner", "GroupQueue", "GreedyShiftPlanner", "HomogeneousPlanner", "HybridReplica",
     "JoinReplica", "JoinState", "ParallelismSelector", "ParallelismSwitch", "PipelineSignals", "Plan",
     "Placement", "PlanDecision", "PlanDiff", "PlannerConfig", "PlanningProblem", "ReleaseReplica", "Role",
     "SelectorConfig", "StalenessGate", "TransitionError", "Trigger", "WorkloadStats", "check_plan", "check_triggers",
-    "completion_wait", "diff", "make_planner", "make_pool", "pack", "phase_seconds", "pipeline_period", "place", "reconfig_cost_s", "should_apply",
+    "completion_wait", "diff", "drain_s", "restarts_engines", "make_planner", "make_pool", "pack", "phase_seconds", "pipeline_period", "place", "reconfig_cost_s", "should_apply",
 ]  # fmt: skip

@@ -9,6 +9,8 @@ transition costs) and a written-down engineering choice elsewhere.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
@@ -66,12 +68,19 @@ class PlannerConfig(BaseModel):
     rank_sample: int = Field(1024, ge=16, description="Sequences in the ranking sample of large batches")
     exact_per_count: int = Field(3, ge=1, description="Candidates per GPU count estimated on the full batch")
     # A split by length must predict a step shorter than the best single bucket's by more than the
-    # estimate's error on that comparison: it cannot see what a split costs the shared pool, and on
-    # Search-R1 a split it preferred ran at 0.993x one bucket even with oracle routing (planner.md).
+    # estimate's error on that comparison: it cannot see what a split costs the shared pool. On
+    # Search-R1 a split it preferred ran at 0.993x one bucket even with oracle routing; on R2E-Gym
+    # early in training (16 x 16) splits it predicted 12-17% faster ran 0-6% slower, with oracle
+    # routing too (planner.md, "One bucket is a layout too").
     split_margin: float = Field(
-        0.10, ge=0, lt=1, description="Least predicted gain of a bucket split over one bucket"
+        0.25, ge=0, lt=1, description="Least predicted gain of a bucket split over one bucket"
     )
-    # Applying a plan.
+    # Applying a plan. A switch that restarts engines while batches are in flight either drains
+    # them first (no new batch starts until their slowest trajectory is done) or interrupts them
+    # (they resume on the new engines and recompute their KV); the planner prices both.
+    switch: Literal["drain", "interrupt", "cheaper"] = Field(
+        "cheaper", description="How a switch treats the batches in flight: drain, interrupt, or the cheaper"
+    )
     min_gain: float = Field(0.05, ge=0, lt=1, description="Least relative step-time gain worth a switch")
     interval_steps: int = Field(10, ge=1, description="Re-plan every K steps (also the gain horizon)")
     # Pressure triggers.

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from libra.core.trajectory import Trajectory
 from libra.planner.elastic import ElasticController, ElasticDecision, ElasticSignals, HybridReplica
-from libra.planner.plan import Plan, diff, reconfig_cost_s
+from libra.planner.plan import InFlightBatch, Plan, diff, reconfig_cost_s
 from libra.planner.planner import GlobalPlanner
 from libra.planner.stats import WorkloadStats
 from libra.planner.triggers import PipelineSignals, Trigger, check_triggers
@@ -42,6 +42,9 @@ class StepReport:
     t_rollout_s: float  # the batch's rollout makespan
     rollout_pressure: float = 0.0  # waiting requests / what the engines admit, 0..1+
     stale_samples: int = 0  # finished samples too stale to train on
+    # The batches still running that a switch restarting engines would wait for; empty where the
+    # mechanism moves engines without draining batches (live, engines drain turn by turn).
+    in_flight: tuple[InFlightBatch, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +66,7 @@ class Replan:
     reconfig_s: float
     trigger: Trigger
     reason: str
+    interrupt: bool = False  # interrupt the batches in flight instead of draining them first
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +89,7 @@ class ControlDecision:
             else {
                 "trigger": rp.trigger.name.lower(),
                 "reconfig_s": rp.reconfig_s,
+                "interrupt": rp.interrupt,
                 "reason": rp.reason,
                 "instances": [b.instances for b in rp.plan.buckets],
                 "boundaries": list(rp.plan.boundaries),
@@ -120,6 +125,10 @@ class PlanController:
         """The first plan, from a profiling sample of the workload."""
         stats = WorkloadStats.from_trajectories(sample, default_tool_latency_s=self.default_tool_latency_s)
         self.last_plan_step = 0
+        # The sample stays in the window until trained steps push it out: under completion order
+        # the first steps train only the groups that finished first, the shortest of their
+        # batches, and a window of those alone would plan for a workload shorter than it is.
+        self.window.append(StepReport(-1, tuple(sample), 0.0, 0.0))
         return self.planner.decide(stats, None).plan
 
     def observe(
@@ -154,14 +163,25 @@ class PlanController:
             self.last_plan_step = report.step
         return trigger
 
+    def context_floor(self, current: Plan) -> int:
+        """The least context bound a re-plan may train for: EARL's rule for shrinking applied to
+        the planner's search. Growth is at once; a bound below the current plan's only once the
+        window holds `selector.down_patience` trained steps (the window's longest trajectory then
+        spans that many steps). Without it a plan fitted to the first short step of a run is
+        forced back as soon as a longer trajectory arrives, and each switch drains the batches in
+        flight (at R2E-Gym's start, staleness 2: 2,264 against 4,242 tok/s, docs/gaps.md)."""
+        patience = self.planner.selector.config.down_patience
+        return 0 if len(self.window) >= patience else current.context_bound
+
     def _replan(self, report: StepReport, current: Plan, elastic, trigger: Trigger) -> ControlDecision:
         window = [t for r in self.window for t in r.trajectories]
         stats = WorkloadStats.from_trajectories(window, train_time_s=report.t_train_s,
                                                 rollout_time_s=report.t_rollout_s,
                                                 default_tool_latency_s=self.default_tool_latency_s)  # fmt: skip
-        dec = self.planner.decide(stats, current)
+        dec = self.planner.decide(stats, current, report.in_flight, self.context_floor(current))
         reason = dec.verdict.reason
         if dec.plan == current:
             return ControlDecision(report.step, elastic, trigger=trigger, reason=reason)
         cost = reconfig_cost_s(diff(current, dec.plan), self.planner.elastic)
-        return ControlDecision(report.step, elastic, Replan(dec.plan, cost, trigger, reason), trigger, reason)
+        replan = Replan(dec.plan, cost, trigger, reason, dec.interrupt and dec.plan is dec.candidate)
+        return ControlDecision(report.step, elastic, replan, trigger, reason)

@@ -23,7 +23,7 @@ from dataclasses import replace
 from libra.core.errors import ConfigError, InfeasibleError
 from libra.planner.config import ElasticConfig, PlannerConfig
 from libra.planner.layouts import RolloutEvaluator
-from libra.planner.plan import Plan
+from libra.planner.plan import InFlightBatch, Plan
 from libra.planner.planner import GlobalPlanner, PlanDecision
 from libra.planner.problem import PlanningProblem
 from libra.planner.stats import WorkloadStats
@@ -50,18 +50,24 @@ class FleetPlanner(GlobalPlanner):
         super().__init__(problem, config, elastic)
         self.fleet: Plan | None = None  # the layout whose engines are dealt (set by `decide`)
 
-    def decide(self, stats: WorkloadStats, current: Plan | None) -> PlanDecision:
+    def decide(
+        self,
+        stats: WorkloadStats,
+        current: Plan | None,
+        in_flight: Sequence[InFlightBatch] = (),
+        floor: int = 0,
+    ) -> PlanDecision:
         if current is None:
             raise ConfigError(
                 "current", None, "the fleet's running layout (a fleet planner re-plans a fleet)"
             )
         self.fleet = current
         try:
-            return super().decide(stats, current)
+            return super().decide(stats, current, in_flight, floor)
         except InfeasibleError as e:  # keep the fleet as it is, and say why
             return PlanDecision(current, current, ApplyVerdict(False, 0.0, 0.0, 0.0, str(e)))
 
-    def _search(self, stats: WorkloadStats) -> Plan:
+    def _search(self, stats: WorkloadStats, floor: int = 0) -> Plan:
         fleet = self.fleet
         assert fleet is not None  # decide() sets it before the memoised search runs
         engines = sum(b.instances for b in fleet.buckets)
@@ -71,10 +77,10 @@ class FleetPlanner(GlobalPlanner):
                                   f"{self.config.min_concurrent} sequences of each bucket's max context")  # fmt: skip
         return min(found, key=lambda p: (p.step_time_s, p.t_rollout_s))
 
-    def plan(self, stats: WorkloadStats, current: Plan | None = None) -> Plan:
+    def plan(self, stats: WorkloadStats, current: Plan | None = None, floor: int = 0) -> Plan:
         # The memo key must name the fleet too: the same window dealt over another fleet differs.
         if stats.is_empty:
-            return super().plan(stats, current)
+            return super().plan(stats, current, floor)
         return self._search(stats)
 
     def _deal(self, fleet: Plan, instances: Sequence[int], stats: WorkloadStats) -> Plan | None:

@@ -230,6 +230,40 @@ def reconfig_cost_s(d: PlanDiff, costs: ElasticConfig | None = None) -> float:
     return max(engine, trainer)
 
 
+@dataclass(frozen=True, slots=True)
+class InFlightBatch:
+    """A started rollout batch with trajectories still running, as a mechanism measured it: what a
+    switch that restarts the engines must wait for when the mechanism drains batches first."""
+
+    step: int
+    age_s: float  # seconds since the batch started rolling out
+    running: int  # its trajectories not finished yet
+    context_tokens: int = 0  # the context its running trajectories hold (an interruption recomputes it)
+
+
+# A batch still running past the predicted makespan has stragglers of unknown length left (agent
+# lengths are heavy-tailed); its drain is priced at no less than this share of the makespan.
+DRAIN_FLOOR = 0.25
+
+
+def drain_s(in_flight: Sequence[InFlightBatch], makespan_s: float) -> float:
+    """Seconds until every batch in flight has finished, when a batch's slowest trajectory takes
+    `makespan_s` from its start: the largest of makespan - age over the batches still running.
+
+    Why it is priced: a mechanism that restarts engines only once the batches on them have
+    drained (the simulator) starts no new batch meanwhile, and a drain waits for the slowest
+    trajectory of every batch in flight, which under completion order no step waits for. On
+    R2E-Gym that is several step times (docs/planner.md, "Switching costs a drain").
+    """
+    left = [max(makespan_s - b.age_s, DRAIN_FLOOR * makespan_s) for b in in_flight if b.running > 0]
+    return max(left, default=0.0)
+
+
+def restarts_engines(d: PlanDiff) -> bool:
+    """Whether carrying the diff out restarts rollout engines (and so waits for a drain)."""
+    return bool(d.to_rollout_gpus or d.to_train_gpus or d.buckets_changed)
+
+
 def pack(sizes: Sequence[int], nodes: int, per_node: int) -> list[int] | None:
     """Node index for each group (TP or TP*CP GPUs that must share a node), or None if they do not fit.
 
@@ -267,8 +301,8 @@ def _check_train(plan: Plan, problem: PlanningProblem) -> list[str]:
     t, m, out = plan.train, problem.model, []
     if t.gpus != plan.train_gpus:
         out.append(f"training parallelism uses {t.gpus} GPUs, the split gives it {plan.train_gpus}")
-    if t.tp * t.cp > problem.hw.gpus_per_node or m.heads % t.tp or m.layers % t.pp:
-        out.append(f"tp={t.tp} cp={t.cp} pp={t.pp} break node/head/layer divisibility")
+    if t.tp * t.cp > problem.hw.gpus_per_node or m.heads % t.tp or t.pp > m.layers:
+        out.append(f"tp={t.tp} cp={t.cp} pp={t.pp} break node/head divisibility or exceed the layers")
     if problem.prompts_per_step % t.dp:
         out.append(f"{problem.prompts_per_step} GRPO groups do not divide over dp={t.dp}")
     elif (problem.batch_size // t.dp) % t.micro_batch:

@@ -25,7 +25,7 @@ Everything here is pure: no clocks, no I/O. The caller measures search time.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -33,7 +33,17 @@ from libra.core.errors import ConfigError, InfeasibleError
 from libra.core.registry import Registry
 from libra.planner.config import ElasticConfig, PlannerConfig, SelectorConfig
 from libra.planner.layouts import LAYOUTS, RolloutEvaluator, fill_leftover
-from libra.planner.plan import BucketPlan, Plan, check_plan, diff, pipeline_period, reconfig_cost_s
+from libra.planner.plan import (
+    BucketPlan,
+    InFlightBatch,
+    Plan,
+    check_plan,
+    diff,
+    drain_s,
+    pipeline_period,
+    reconfig_cost_s,
+    restarts_engines,
+)
 from libra.planner.problem import PlanningProblem
 from libra.planner.rollout_dp import EngineTables, fit_boundaries
 from libra.planner.selector import ParallelismSelector
@@ -52,6 +62,9 @@ class PlanDecision:
     candidate: Plan
     current: Plan | None
     verdict: ApplyVerdict
+    # Carry the switch out by interrupting the batches in flight (they resume on the new engines,
+    # recomputing their KV) rather than draining them first: the cheaper of the two (`switch_cost`).
+    interrupt: bool = False
 
     @property
     def plan(self) -> Plan:
@@ -101,8 +114,9 @@ class GlobalPlanner:
 
     # ---- search ----------------------------------------------------------------------------
 
-    def plan(self, stats: WorkloadStats, current: Plan | None = None) -> Plan:
-        """The best plan for `stats`. Empty history: keep `current` (documented fallback), or fail.
+    def plan(self, stats: WorkloadStats, current: Plan | None = None, floor: int = 0) -> Plan:
+        """The best plan for `stats`, training contexts of at least `floor` tokens. Empty history:
+        keep `current` (documented fallback), or fail.
 
         The search reads only the lengths, tokens, tool time and steps of `stats` (not measured
         stage times), so its result is memoised on them: systems of one simulation that share a
@@ -112,11 +126,12 @@ class GlobalPlanner:
                 return current
             raise ConfigError("stats", "empty history", "at least one finished trajectory to plan from")
         if not self.config.memoise:
-            return self._search(stats)
-        return _memo(self._plans, stats.with_times(None, None), PLAN_MEMO, lambda: self._search(stats))
+            return self._search(stats, floor)
+        key = (stats.with_times(None, None), floor)
+        return _memo(self._plans, key, PLAN_MEMO, lambda: self._search(stats, floor))
 
-    def _search(self, stats: WorkloadStats) -> Plan:
-        bound = self.selector.context_bound(stats.max_final)
+    def _search(self, stats: WorkloadStats, floor: int = 0) -> Plan:
+        bound = max(floor, self.selector.context_bound(stats.max_final))
         lengths = stats.batch_lengths(self.problem.batch_size)
         trains = self._train_frontier(lengths, bound)
         spread, finals = self.spread(stats), []
@@ -230,6 +245,13 @@ class GlobalPlanner:
             f"{p.max_length} tokens on the {left} GPUs left after training ({p.hw.name}, TP in {self.config.rollout_tp})"
         )
 
+    def rollout_layout(self, stats: WorkloadStats, gpus: int) -> list[BucketPlan]:
+        """The DP's rollout buckets for `gpus` GPUs alone, leftovers to the slowest bucket: the
+        layout of a system that lays its rollout out on GPUs it does not split with training
+        (a colocated system)."""
+        ev = RolloutEvaluator(self.tables, self.problem, stats)
+        return list(ev.with_times(fill_leftover(self._layout(stats).buckets(gpus), gpus, ev)))
+
     # ---- pricing and switching ------------------------------------------------------------------
 
     def evaluate(self, plan: Plan, stats: WorkloadStats) -> Plan:
@@ -272,29 +294,86 @@ class GlobalPlanner:
         )
         return replace(plan, buckets=buckets)
 
-    def decide(self, stats: WorkloadStats, current: Plan | None) -> PlanDecision:
+    def decide(
+        self,
+        stats: WorkloadStats,
+        current: Plan | None,
+        in_flight: Sequence[InFlightBatch] = (),
+        floor: int = 0,
+    ) -> PlanDecision:
         """Search, then apply the candidate only under the apply rule.
 
         The current plan is first given the bucket boundaries that suit the new statistics (free:
         they are router thresholds), so a candidate must win by what costs a restart. Sampling
         noise moves quantile boundaries every step; without this the 5% rule alone lets a
         stationary workload thrash.
+
+        `in_flight`: the batches a switch that restarts engines waits for (empty where the
+        mechanism moves engines without draining batches). The switch's cost is then the restart
+        plus the drain (`plan.drain_s`), so no switch is made whose drain costs more than its
+        gain over the planning horizon. `floor`: the least context bound the candidate trains
+        for (`PlanController.context_floor`).
         """
-        candidate = self.plan(stats, current)
+        candidate = self.plan(stats, current, floor)
         if current is None:
             return PlanDecision(candidate, None, ApplyVerdict(True, 0.0, 0.0, 0.0, "initial plan"))
         now = min(
             (self.evaluate(current, stats), self.evaluate(self.retune(current, stats), stats)),
             key=lambda p: p.step_time_s,
         )
-        cost = reconfig_cost_s(diff(now, candidate), self.elastic)
+        change = diff(now, candidate)
+        wait, interrupt, how = 0.0, False, ""
+        if in_flight and restarts_engines(change):
+            wait, interrupt, how = self.switch_cost(now, candidate, stats, in_flight)
+        cost = reconfig_cost_s(change, self.elastic) + wait
         verdict = self._verdict(now, candidate, cost)
+        if how:
+            verdict = replace(verdict, reason=f"{verdict.reason} ({how})")
         if verdict.apply and math.isfinite(now.step_time_s):  # a plan that no longer fits must go
             verdict = self._robust(now, candidate, cost, stats, verdict)
-        return PlanDecision(candidate, now, verdict)
+        return PlanDecision(candidate, now, verdict, interrupt)
+
+    def switch_cost(
+        self, now: Plan, candidate: Plan, stats: WorkloadStats, in_flight: Sequence[InFlightBatch]
+    ) -> tuple[float, bool, str]:
+        """What switching costs beyond the restart, and how: (seconds, interrupt, in words).
+
+        A drain waits for the slowest trajectory still to come (`plan.drain_s`) while no new batch
+        starts. An interruption stops the engines at once and resumes every trajectory on the
+        new ones, which first recompute the context those trajectories hold (`recompute_s`).
+        `planner.switch` picks one, or the cheaper (the default)."""
+        mode = self.config.switch
+        drain = drain_s(in_flight, self.slowest_s(now, stats)) if mode != "interrupt" else math.inf
+        redo = self.recompute_s(candidate, in_flight) if mode != "drain" else math.inf
+        if redo < drain:
+            return redo, True, f"interrupting: {redo:.0f} s of recompute included"
+        return drain, False, f"a drain of {drain:.0f} s included"
+
+    def recompute_s(self, plan: Plan, in_flight: Sequence[InFlightBatch]) -> float:
+        """Seconds `plan`'s engines take to prefill again the context the batches in flight hold,
+        each trajectory from scratch at the mean context, all engines at once (the stall an
+        interruption costs; decoding beside it only makes it longer)."""
+        running = sum(b.running for b in in_flight)
+        tokens = sum(b.context_tokens for b in in_flight)
+        if not running or not tokens:
+            return 0.0
+        ctx = max(1, tokens // running)
+        per_s = sum(b.instances / self.problem.rollout_model(b.tp).prefill_time(ctx) for b in plan.buckets)
+        return running / per_s if per_s > 0 else math.inf
+
+    def slowest_s(self, plan: Plan, stats: WorkloadStats) -> float:
+        """A batch's slowest trajectory on `plan`: the largest of the history's steps' predicted
+        makespans (a drain waits for the slowest of several batches, not a typical one)."""
+        parts = stats.by_step() or [stats]
+        return max([plan.t_rollout_s] + [self.evaluate(plan, p).t_rollout_s for p in parts])
 
     def _verdict(self, now: Plan, candidate: Plan, cost: float) -> ApplyVerdict:
-        return should_apply(now, candidate, cost, self.config.interval_steps, self.config.min_gain)
+        """The apply rule; a move from one bucket to a split by length must also clear
+        `split_margin`, the estimate's error on exactly that comparison (as in `_pick`)."""
+        least = self.config.min_gain
+        if len(candidate.buckets) > 1 and len(now.buckets) == 1:
+            least = max(least, self.config.split_margin)
+        return should_apply(now, candidate, cost, self.config.interval_steps, least)
 
     def _robust(
         self, now: Plan, candidate: Plan, cost: float, stats: WorkloadStats, verdict: ApplyVerdict
@@ -333,9 +412,9 @@ class GreedyShiftPlanner(GlobalPlanner):
     name = "greedy"
     layout = "homogeneous"
 
-    def plan(self, stats: WorkloadStats, current: Plan | None = None) -> Plan:
+    def plan(self, stats: WorkloadStats, current: Plan | None = None, floor: int = 0) -> Plan:
         if current is None or stats.is_empty:
-            return super().plan(stats, current)
+            return super().plan(stats, current, floor)
         t_train, t_roll = stats.train_time_s, stats.rollout_time_s
         if t_train is None or t_roll is None or t_train == t_roll:
             return current
@@ -355,8 +434,14 @@ class GreedyShiftPlanner(GlobalPlanner):
             target = max((g for g in trains if g <= now + shift), default=None)
         return None if target is None else self._build(trains[target], self._layout(stats), stats, bound)
 
-    def decide(self, stats: WorkloadStats, current: Plan | None) -> PlanDecision:
-        candidate = self.plan(stats, current)
+    def decide(
+        self,
+        stats: WorkloadStats,
+        current: Plan | None,
+        in_flight: Sequence[InFlightBatch] = (),
+        floor: int = 0,
+    ) -> PlanDecision:
+        candidate = self.plan(stats, current, floor)
         changed = current is None or candidate.layout_key() != current.layout_key()
         return PlanDecision(candidate, current, ApplyVerdict(changed, 0.0, 0.0, 0.0, "greedy shift"))
 

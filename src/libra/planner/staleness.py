@@ -10,6 +10,12 @@ the simulated clock and the live run. Both mechanisms ask the same two questions
 - `GroupQueue.take(step, n)`: training step s takes n whole finished groups. `consume: completion`
   takes the first n to finish, from any batch (AReaL); `consume: batch` takes exactly batch s's.
 
+The bound k is kept where generation starts: no batch starts on weights more than k steps old.
+With `consume: completion` a straggler's group is trained when it finishes, possibly many steps
+later, so the tokens a step trains can be older than k versions. `strict` keeps the bound on the
+trained tokens too: step s first takes every finished group sampled at version s - k or older
+(the batch may grow past n), and is not ready while such a group still runs (`oldest_running`).
+
 Pure: no clock and no I/O; a group is any object, carried with the weight version it was sampled at.
 """
 
@@ -29,6 +35,7 @@ class StalenessGate:
     staleness: int = 1
     consume: Consume = "completion"
     colocated: bool = False  # rollout and training take turns on the same GPUs
+    strict: bool = False  # keep the bound on trained tokens too (see the module docstring)
 
     def may_start(self, batch: int, trained: int, busy: bool = False) -> bool:
         """Whether batch `batch` may start now, with `trained` training steps done. `busy`: for a
@@ -39,6 +46,11 @@ class StalenessGate:
 
     def by_completion(self) -> bool:
         return self.consume == "completion" and not self.colocated
+
+    def overdue(self, step: int, version: int) -> bool:
+        """Whether a group sampled at `version` must be trained by step `step` under `strict`
+        (a step later, its tokens would be more than `staleness` versions old)."""
+        return self.strict and version <= step - self.staleness
 
     def queue_of(self, batch: int) -> int:
         """Where a finished group of batch `batch` waits: one queue in completion order, else its own."""
@@ -67,12 +79,27 @@ class GroupQueue(Generic[G]):
         q = self._queues.get(self.gate.queue_of(step))
         return q is not None and len(q) >= n_groups
 
-    def take(self, step: int, n_groups: int) -> Sequence[Finished[G]] | None:
-        """The `n_groups` groups training step `step` trains, or None while too few have finished."""
+    def take(
+        self, step: int, n_groups: int, oldest_running: int | None = None
+    ) -> Sequence[Finished[G]] | None:
+        """The `n_groups` groups training step `step` trains, or None while too few have finished.
+
+        With a strict gate, also None while a running group (the oldest sampled at version
+        `oldest_running`) is overdue, and every finished overdue group is taken, first."""
         if not self.ready(step, n_groups):
             return None
         q = self._queues[self.gate.queue_of(step)]
-        return [q.popleft() for _ in range(n_groups)]
+        if not self.gate.strict:
+            return [q.popleft() for _ in range(n_groups)]
+        if oldest_running is not None and self.gate.overdue(step, oldest_running):
+            return None
+        must = [f for f in q if self.gate.overdue(step, f.version)]
+        rest = [f for f in q if not self.gate.overdue(step, f.version)]
+        taken = must + rest[: max(0, n_groups - len(must))]
+        left = rest[max(0, n_groups - len(must)) :]
+        q.clear()
+        q.extend(left)
+        return taken
 
     def waiting(self) -> int:
         return sum(len(q) for q in self._queues.values())

@@ -2,7 +2,10 @@
 
 The space is small enough to enumerate but each step estimate deals the whole batch over DP
 ranks, so the search prunes before it estimates:
-- TP is a power of two inside one node that divides the attention heads; PP divides the layers;
+- TP is a power of two inside one node that divides the attention heads; PP splits the layers
+  into stages at most `MAX_STAGE_PADDING` uneven (Megatron's uneven first and last stages: 40
+  layers in 3 stages of 14, 13 and 13 are priced as 3 x 14), which lets a 40-layer model train on
+  a GPU count with a factor of 3, such as 24;
 - DP divides the GRPO groups (`prompts_per_step % dp == 0`), so every rank receives whole groups
   and the same number of samples, and the micro-batch divides the samples per rank;
 - CP is used only when the context needs it: the smallest CP at which the memory model says the
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from libra.costmodel.training import TrainCostModel, TrainEstimate, TrainParallel
+from libra.costmodel.training import TrainCostModel, TrainEstimate, TrainParallel, stage_layers
 from libra.planner.config import PlannerConfig
 from libra.planner.problem import PlanningProblem
 
@@ -56,6 +59,20 @@ def divisors(n: int, limit: int | None = None) -> list[int]:
     return [d for d in range(1, (limit or n) + 1) if n % d == 0 and d <= n]
 
 
+# The most the largest pipeline stage may exceed an even split: pp x ceil(layers / pp) <= layers
+# x (1 + this). Past it the other stages idle a tenth of each micro-batch's slot.
+MAX_STAGE_PADDING = 0.1
+
+
+def pipeline_depths(layers: int, max_pp: int) -> list[int]:
+    """PP degrees whose largest stage is within `MAX_STAGE_PADDING` of an even split."""
+    return [
+        pp
+        for pp in range(1, min(max_pp, layers) + 1)
+        if pp * stage_layers(layers, pp) <= layers * (1 + MAX_STAGE_PADDING)
+    ]
+
+
 class TrainSearch:
     """Best training configuration per GPU count, for one problem; reusable across steps."""
 
@@ -70,7 +87,7 @@ class TrainSearch:
         """(tp, pp, dp, micro_batch) that meet every divisibility rule, before memory."""
         p, c = self.problem, self.config
         tps = [t for t in c.train_tp if p.tp_allowed(t)]
-        pps = divisors(p.model.layers, min(c.max_pp, p.model.layers))
+        pps = pipeline_depths(p.model.layers, c.max_pp)
         out = []
         for dp in divisors(p.prompts_per_step):
             per_rank = p.batch_size // dp

@@ -101,6 +101,9 @@ class RouteRequest:
     current_instance: str | None = None
     true_final_tokens: int | None = None
     target_bucket: int | None = None
+    # True when asked while the trajectory waits on a tool (its next turn's context is not known
+    # yet): a mechanism that moves KV during tool calls (Heddle) places the next turn early.
+    in_tool: bool = False
 
     @property
     def level(self) -> int | None:
@@ -120,6 +123,9 @@ class RouteDecision:
     method: MigrationMethod = MigrationMethod.NONE
     predicted_final_tokens: float | None = None
     target: int | None = None
+    # Where the turn waits in its engine's queue: lower is admitted first; None is FCFS (a
+    # scheduler that ranks requests, e.g. longest predicted remaining first, sets it).
+    priority: float | None = None
 
     @property
     def chosen(self) -> int:

@@ -14,6 +14,7 @@ from libra.core.errors import ConfigError
 from libra.core.registry import Registry
 from libra.rollout.base import Bucket, MigrationCoster, Router
 from libra.rollout.cmlfq import PaperCMLFQRouter
+from libra.rollout.peers import GroupRoundRobinRouter, HeddleRouter, SeerRouter
 from libra.rollout.robust import ContextPriorRouter, RobustCMLFQRouter
 from libra.rollout.routers import (
     PARAMS_FIELD,
@@ -36,6 +37,9 @@ ROUTERS: Registry[type] = Registry(
         RoundRobinRouter,
         OracleRouter,
         ContextPriorRouter,
+        GroupRoundRobinRouter,
+        SeerRouter,
+        HeddleRouter,
     ),
 )
 

@@ -13,6 +13,15 @@
   (or receives the KV by transfer, see `submit(..., kv_ready=...)`).
 - During a tool call a trajectory's KV is `resident` (kept as an evictable cached prefix),
   `offload`ed to host memory (reloaded over PCIe when the next turn arrives), or `drop`ped.
+- Priority: requests wait in order of `Seq.priority` (lower first; FCFS among equals, and all
+  equal by default), and a request is admitted only into the token budget a step has left (vLLM
+  V1), so a scheduler that ranks requests (Seer's longest-first, Heddle's progressive priority)
+  is carried out by the queue that admits them.
+- Interruption (`interrupt` / `resume`): at the end of the iteration now running, every request
+  the engine holds is aborted and handed back with the tokens it produced, the whole KV cache is
+  dropped, and the engine stays paused until resumed. This is a weight update that interrupts
+  generation (AReaL) and the abort of a rollout that reached its target count (APRIL): aborted
+  requests recompute their KV wherever they resume.
 
 Speed: while only decodes run, the batch composition is fixed until a sequence finishes, the KV
 cache fills, or an arrival can be admitted. Step time is exactly A + B * ctx_sum (see
@@ -49,6 +58,7 @@ class SeqState(IntEnum):
     PREFILL = 1
     DECODE = 2
     DONE = 3
+    ABORTED = 4
 
 
 class Seq:
@@ -56,12 +66,14 @@ class Seq:
 
     __slots__ = ("key", "ctx", "done_tokens", "out_total", "out_left", "keep_kv", "state", "admit_step",
                  "ctx_at_admit", "finish_step", "t_submit", "t_first", "t_done", "on_first", "on_done",
-                 "order", "prefilled", "owner")  # fmt: skip
+                 "order", "prefilled", "owner", "priority")  # fmt: skip
 
     def __init__(self, key, ctx: int, out_tokens: int, on_done: Callable[[Seq], None] | None = None,
-                 keep_kv: bool = False, on_first: Callable[[Seq], None] | None = None, owner=None):  # fmt: skip
+                 keep_kv: bool = False, on_first: Callable[[Seq], None] | None = None, owner=None,
+                 priority: float = 0.0):  # fmt: skip
         self.key, self.ctx, self.out_total, self.out_left = key, ctx, out_tokens, out_tokens
         self.keep_kv, self.on_done, self.on_first, self.owner = keep_kv, on_done, on_first, owner
+        self.priority = priority  # lower is admitted first (FCFS among equals)
         self.state = SeqState.WAITING
         self.done_tokens = 0  # tokens of `ctx` whose KV is on this engine
         self.prefilled = 0  # tokens this engine actually prefilled for this seq (incl. recompute)
@@ -70,6 +82,12 @@ class Seq:
 
     def current_ctx(self, step_no: int) -> int:
         return self.ctx_at_admit + (step_no - self.admit_step)
+
+    def produced(self, step_no: int) -> int:
+        """Output tokens this submission has produced so far (at engine step `step_no`)."""
+        if self.state == SeqState.DECODE:
+            return self.out_total - (self.finish_step - step_no)
+        return self.out_total - self.out_left
 
 
 class StepPlan:
@@ -130,6 +148,11 @@ class Engine:
         self.evicted_tokens = 0
         self.healthy = True
         self._stepping = False
+        self.paused = False
+        self._on_abort: Callable[[Seq, int], None] | None = None
+        self._arriving: dict[Seq, None] = {}  # reloading from host memory: in no queue yet
+        self._prioritized = False  # whether any request had a non-default priority
+        self.aborted = 0
         # Tests set 1 to step iteration by iteration and check the closed form against it.
         self.max_segment_steps = max_segment_steps
         # Data-parallel ranks of an MoE model step together (`LockstepGroup`); None: on its own.
@@ -152,6 +175,10 @@ class Engine:
     def kv_used(self) -> int:
         return self.ctx_sum + self.kv_pref + self.cache_tokens
 
+    def busy_until(self) -> float:
+        """When the iteration now running ends (now, if idle)."""
+        return self.k.now if self._busy is None else self._busy.time
+
     def cached(self, key) -> int:
         return self.cache.get(key, 0) or self.host.get(key, 0)
 
@@ -171,13 +198,76 @@ class Engine:
             seq.done_tokens = seq.ctx - 1
         if reload:
             delay = reload * self.cost.model.kv_bytes_per_token / self.pcie_bytes_s
+            self._arriving[seq] = None
             self.k.after(delay, self._enqueue, seq)
         else:
             self._enqueue(seq)
 
     def _enqueue(self, seq: Seq) -> None:
-        self.waiting.append(seq)
+        if seq.state == SeqState.ABORTED:
+            return  # interrupted while its KV was reloading
+        self._arriving.pop(seq, None)
+        if seq.priority != 0.0:
+            self._prioritized = True
+        if self._prioritized:
+            self._insert_by_priority(seq)
+        else:
+            self.waiting.append(seq)
         self._poke()
+
+    def _insert_by_priority(self, seq: Seq) -> None:
+        """Behind every waiting request of the same or a lower priority value (FCFS among equals)."""
+        w = self.waiting
+        i = len(w)
+        while i > 0 and w[i - 1].priority > seq.priority:
+            i -= 1
+        w.insert(i, seq)
+
+    def adopt(self, key, tokens: int) -> None:
+        """A trajectory's KV arrived by transfer while it waits on a tool: keep it as its prefix."""
+        self._keep(key, tokens)
+
+    # ---- interruption (weight updates, aborted rollouts) ------------------------------------------
+
+    def interrupt(self, on_abort: Callable[[Seq, int], None]) -> None:
+        """Abort every request at the end of the iteration now running (at once if idle), drop
+        the whole KV cache and pause until `resume`. `on_abort(seq, produced)` is called once per
+        aborted request, in admission order, with the output tokens it produced. Requests
+        submitted while paused wait for `resume`."""
+        self.paused = True
+        self._on_abort = on_abort
+        if self._stepping:
+            return  # called from a step's own callbacks: the step handler aborts when it is done
+        if self._busy is None:
+            self._abort_all()
+        elif self._seg is not None:
+            self._cut_at_next_step()
+
+    def resume(self) -> None:
+        self.paused = False
+        self._poke()
+
+    def _abort_all(self) -> None:
+        on_abort, self._on_abort = self._on_abort, None
+        victims = [*self.prefilling, *self.waiting, *self._arriving]
+        victims += [e[2] for e in self.heap if _live(e)]
+        victims.sort(key=_order_of)
+        produced = [seq.produced(self.step_no) for seq in victims]
+        self.waiting.clear()
+        self.prefilling.clear()
+        self.heap.clear()
+        self.order.clear()
+        self._arriving.clear()
+        self.n_dec = self.ctx_sum = self.kv_pref = 0
+        self.cache.clear()
+        self.host.clear()
+        self.cache_tokens = 0
+        self.aborted += len(victims)
+        for seq in victims:
+            seq.state = SeqState.ABORTED
+        if on_abort is not None:
+            for seq, n in zip(victims, produced, strict=True):
+                on_abort(seq, n)
 
     def release(self, key) -> None:
         """The trajectory ended (or moved away): forget its cached prefix here."""
@@ -193,7 +283,7 @@ class Engine:
 
     def _poke(self) -> None:
         """Something changed: start work if idle, or cut a decode segment at the next step."""
-        if self._stepping:
+        if self._stepping or self.paused:
             return  # the step handler schedules the next step when it is done
         if self.group is not None:
             self.group.poke()
@@ -203,6 +293,10 @@ class Engine:
             self._cut_segment()
 
     def _schedule_next(self) -> None:
+        if self.paused:
+            if self._on_abort is not None:
+                self._abort_all()
+            return
         if self.group is not None:
             self.group.poke()
             return
@@ -390,6 +484,10 @@ class Engine:
 
     def _cut_segment(self) -> None:
         """An admissible request arrived mid-segment: stop after the step now running."""
+        self._cut_at_next_step()
+
+    def _cut_at_next_step(self) -> None:
+        """End the running decode segment after the iteration now in progress."""
         assert self._seg is not None and self._busy is not None
         t0, k, a, b, c0, n = self._seg
         qa, qb = b * n / 2, a + b * c0 - b * n / 2  # S(j) = qa j^2 + qb j
@@ -506,6 +604,10 @@ class Engine:
         if self._free() >= tokens:
             self.cache[key] = tokens
             self.cache_tokens += tokens
+
+
+def _order_of(seq: Seq) -> int:
+    return seq.order
 
 
 class LockstepGroup:

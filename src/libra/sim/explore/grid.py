@@ -61,6 +61,9 @@ class Grid(BaseModel):
     steps: int = Field(12, ge=2, le=1000, description="RL steps each cell simulates")
     seed: int = 0
     set: list[str] = Field(default_factory=list, description="overrides every cell applies first")
+    trace: str | None = Field(
+        None, description="a JSONL trajectory trace every cell replays instead of the scenario's workload"
+    )
     axes: list[Axis] = Field(min_length=1, max_length=6)
 
     @model_validator(mode="after")
@@ -96,7 +99,8 @@ class Cell:
     def command(self, grid: Grid, systems: list[str]) -> str:
         """The `libra simulate` command that runs exactly this cell."""
         sets = " ".join(f"--set {o}" for o in self.overrides)
-        return (f"libra simulate --scenario {grid.scenario} --steps {grid.steps} --seed {grid.seed} "
+        trace = f"--trace {grid.trace} " if grid.trace else ""
+        return (f"libra simulate --scenario {grid.scenario} {trace}--steps {grid.steps} --seed {grid.seed} "
                 f"--systems {','.join(systems)} {sets}").strip()  # fmt: skip
 
 

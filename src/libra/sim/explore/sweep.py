@@ -1,8 +1,14 @@
 """Sweep a grid: simulate every cell's systems, then each mechanism's gain and the distance to the limit.
 
-A cell runs the ablation ladder (`sim.rl.planned.LADDER`) and `static-optimal` through the same
-path as `libra simulate` (`load_scenario` with the cell's overrides, then `run_scenario`), so a
-cell's figures are exactly what `libra simulate` prints for the same settings.
+A cell runs the ablation ladder (`sim.rl.planned.LADDER`), `static-optimal` and the peers a team
+would pick instead (`sim.rl.peers`: AReaL, APRIL, Seer, Heddle) through the same path as `libra
+simulate` (`load_scenario` with the cell's overrides, then `run_scenario`), so a cell's figures are
+exactly what `libra simulate` prints for the same settings. Every system of a cell runs at the
+cell's staleness bound, and the cell reports each system's version lag of trained tokens (mean
+and max), so asynchronous systems are compared at an equal bound and it shows what each keeps; a
+system that needs a larger bound than the cell's (`System.min_staleness`) is left out of the cell
+and said so (`skipped`). A grid may replay a trace (`Grid.trace`) instead of the scenario's
+workload: cells built from real trajectories.
 
 What a mechanism gains in a cell:
 - `gain`: its rung over the rung below, as in the ladder (the planner's over `static-uniform`,
@@ -25,16 +31,34 @@ from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 
 from libra.sim.explore.grid import Cell, Grid
+from libra.sim.rl.peers import PEERS
 from libra.sim.rl.planned import LADDER
 
 STATIC = ("static-uniform", "static-optimal")
 # What each rung adds, by a short name for tables and plots: (mechanism, its rung, the rung below).
 MECHANISMS = tuple((r.mechanism, r.system, LADDER[i - 1].system) for i, r in enumerate(LADDER) if i)
+TOP = LADDER[-1].system  # the ladder's top rung: its distance to the limit is the map's
+LIBRA = "libra"
+PEER_SYSTEMS = tuple(cls.name for cls in PEERS)
 
 
 def cell_systems() -> list[str]:
-    """The systems every cell runs: the static configurations, then the ladder above its base."""
-    return [*STATIC, *(system for _, system, _ in MECHANISMS if system not in STATIC)]
+    """The systems every cell runs: the static configurations, the ladder above its base, the peers."""
+    return [*STATIC, *(system for _, system, _ in MECHANISMS if system not in STATIC), *PEER_SYSTEMS]
+
+
+def _runnable(names: list[str], staleness: int) -> tuple[list[str], dict[str, str]]:
+    """The systems that keep this staleness bound, and why each other one is left out."""
+    from libra.sim.rl.systems import make_system
+
+    keep, skipped = [], {}
+    for name in names:
+        system = make_system(name)
+        if staleness < system.min_staleness:
+            skipped[name] = f"needs pipeline.staleness >= {system.min_staleness}: {system.needs_staleness}"
+        else:
+            keep.append(name)
+    return keep, skipped
 
 
 @dataclass(slots=True)
@@ -50,6 +74,13 @@ class CellResult:
     gains: dict[str, float] = field(default_factory=dict)  # per mechanism, over the rung below
     vs_static: dict[str, float] = field(default_factory=dict)  # per mechanism, over the best static
     best_static: str = ""
+    # Per system: [mean, max] version lag of its trained tokens (training steps between the
+    # weights that wrote a token and the step that trains it).
+    token_lag: dict[str, list[float]] = field(default_factory=dict)
+    best_peer: str = ""  # the fastest peer in the cell
+    libra_vs_best_peer: float | None = None  # libra's throughput over the best peer's, minus one
+    libra_vs_best_static: float | None = None
+    skipped: dict[str, str] = field(default_factory=dict)  # systems left out of the cell, and why
     error: str | None = None  # a cell whose settings cannot run (e.g. a model that does not fit)
 
     def as_dict(self) -> dict:
@@ -70,19 +101,35 @@ def run_cell(grid: Grid, cell: Cell) -> CellResult:
     from libra.core.errors import LibraError
     from libra.sim.scenarios import load_scenario, run_scenario
 
-    systems = cell_systems()
-    res = CellResult(cell.index, cell.settings, cell.overrides, cell.command(grid, systems))
+    res = CellResult(cell.index, cell.settings, cell.overrides, cell.command(grid, cell_systems()))
     try:
         sc = load_scenario(grid.scenario, cell.overrides)
-        out = run_scenario(sc, systems, grid.steps, grid.seed, None, lambda label, frac: None)
+        systems, res.skipped = _runnable(cell_systems(), sc.pipeline.staleness)
+        res.command = cell.command(grid, systems)
+        options = {"trace": grid.trace} if grid.trace else {}
+        out = run_scenario(sc, systems, grid.steps, grid.seed, None, lambda label, frac: None, **options)
     except LibraError as e:  # an impossible cell is reported, not fatal to the map
         res.error = str(e)
         return res
     for name, m in out["systems"].items():
         res.throughput[name] = m["throughput_tokens_per_s"]
         res.distance_to_limit[name] = m["distance_to_limit"]
+        res.token_lag[name] = [m["mean_token_lag"], m["max_token_lag"]]
     res.best_static, res.gains, res.vs_static = gains_of(res.throughput)
+    _against_peers(res)
     return res
+
+
+def _against_peers(res: CellResult) -> None:
+    """Libra over the best peer of the cell, and over the best static configuration."""
+    peers = [p for p in PEER_SYSTEMS if p in res.throughput]
+    if peers:
+        res.best_peer = max(peers, key=lambda p: res.throughput[p])
+    if LIBRA in res.throughput:
+        mine = res.throughput[LIBRA]
+        if peers:
+            res.libra_vs_best_peer = mine / res.throughput[res.best_peer] - 1
+        res.libra_vs_best_static = mine / res.throughput[res.best_static] - 1
 
 
 Mapper = Callable[[Callable[[Grid, Cell], CellResult], Grid, list[Cell]], Iterable[CellResult]]
@@ -125,6 +172,8 @@ def sweep(
     return {
         "grid": grid.model_dump(),
         "systems": cell_systems(),
+        "top": TOP,
+        "peers": list(PEER_SYSTEMS),
         "mechanisms": [m for m, _, _ in MECHANISMS],
         "cells": [r.as_dict() for r in done],
         "best_gain": best_gain(done),

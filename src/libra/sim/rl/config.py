@@ -95,9 +95,71 @@ class PipelineCfg(_Strict):
         description="disaggregated systems: training step s takes the first GRPO groups to finish "
         "(completion, as AReaL does) or exactly the groups of batch s (batch)",
     )
+    strict_staleness: bool = Field(
+        False,
+        description="keep the staleness bound on trained tokens too: a step first trains, and waits for, "
+        "groups sampled `staleness` versions ago (libra.planner.staleness); off: the bound holds where "
+        "generation starts, and a straggler may be trained later with older tokens",
+    )
     switch_s: float = Field(20.0, ge=0, description="colocated systems: switch cost per direction")
     weight_sync_s: float | None = Field(None, ge=0, description="None: computed from model size and network")
     tool_latency_default_s: float = Field(2.0, ge=0, description="for trace turns without tool_latency_s")
+
+
+class ArealCfg(_Strict):
+    """AReaL (arXiv 2505.24298). Its staleness bound eta is `pipeline.staleness`, shared with every
+    system so that asynchronous systems are compared at one bound."""
+
+    interrupt: bool = Field(
+        True, description="weight updates interrupt the requests in flight, which recompute their KV"
+    )
+
+
+class AprilCfg(_Strict):
+    """APRIL (arXiv 2509.18521), on slime's synchronous pipeline."""
+
+    over_provision: float = Field(
+        2.0, ge=1, le=8, description="GRPO groups kept in flight per step, over its target"
+    )
+
+
+class SeerCfg(_Strict):
+    """Seer (arXiv 2511.14617), synchronous."""
+
+    chunk_tokens: int = Field(
+        8192, ge=0, le=1 << 20, description="divided rollout: output tokens per chunk; 0: off"
+    )
+    context_aware: bool = Field(True, description="probe each group, then longest estimated first; off: FCFS")
+    speculative: bool = Field(True, description="grouped speculative decoding")
+    # Stated, not derived (the simulator has no tokens): 0.5 yields about two tokens per
+    # verification at the longest draft, what suffix-tree drafting from sibling responses gives.
+    acceptance_rate: float = Field(
+        0.5, gt=0, lt=1, description="per draft token, drafts from the group's other responses"
+    )
+    max_draft: int = Field(4, ge=1, le=16, description="the longest draft; the length adapts to the batch")
+
+
+class HeddleCfg(_Strict):
+    """Heddle (arXiv 2603.28101), on a synchronous pipeline."""
+
+    priority: bool = Field(True, description="progressive priority: longest predicted remaining first")
+    migrate_in_tool: bool = Field(True, description="move a trajectory's KV while its tool runs")
+    oracle: bool = Field(
+        False, description="the ceiling of its mechanisms: predictions are the true final lengths"
+    )
+    per_trajectory_tp: bool = Field(
+        True,
+        description="engines of several TPs from the presorted DP, each trajectory on its predicted length's; off: one TP",
+    )
+
+
+class PeersCfg(_Strict):
+    """Options of the peer systems (`sim.rl.peers`), one section each; defaults are the papers'."""
+
+    areal: ArealCfg = ArealCfg()
+    april: AprilCfg = AprilCfg()
+    seer: SeerCfg = SeerCfg()
+    heddle: HeddleCfg = HeddleCfg()
 
 
 class RLScenario(_Strict):
@@ -117,6 +179,7 @@ class RLScenario(_Strict):
     elastic: ElasticConfig = ElasticConfig()
     selector: SelectorConfig = SelectorConfig()
     tail: TailConfig = TailConfig()
+    peers: PeersCfg = PeersCfg()
     trace_step: int | None = Field(None, ge=0, description="the step drawn in trace.json")
 
     def check(self, catalog: Catalog, split: bool = True) -> None:

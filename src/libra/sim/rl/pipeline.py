@@ -19,7 +19,9 @@ the moment step s's groups are all in; GPU utilisation = busy GPU-seconds / (all
 from __future__ import annotations
 
 import gc
-from collections.abc import Sequence
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
@@ -32,8 +34,11 @@ from libra.core.trace import read_trace
 from libra.core.trajectory import Trajectory
 from libra.costmodel.catalog import load_catalog
 from libra.costmodel.efficiency import Profile
+from libra.costmodel.speculative import SpecDecoding
 from libra.costmodel.training import TrainCostModel
 from libra.planner import StepReport
+from libra.planner.partial import PartialRollout
+from libra.planner.plan import InFlightBatch
 from libra.planner.staleness import Finished, GroupQueue, StalenessGate
 from libra.rollout.registry import make_router, params_for, route_params
 from libra.rollout.tail import TailLane, TailStats
@@ -41,9 +46,10 @@ from libra.sim import isolation
 from libra.sim.isolation import Progress
 from libra.sim.kernel import Kernel
 from libra.sim.rl.config import RLScenario
-from libra.sim.rl.driver import RolloutDriver, RoutingStats, make_engines
+from libra.sim.rl.driver import RolloutDriver, RoutingStats, Run, RunState, make_engines
 from libra.sim.rl.elastic_pool import ElasticPool
-from libra.sim.rl.limit import BatchFloor, Limit, StepTaken, makespan_bounds
+from libra.sim.rl.limit import BatchFloor, Limit, StepTaken, makespan_bounds, window_work
+from libra.sim.rl.partial import GroupKey, GroupStream
 from libra.sim.rl.records import InFlight, SimRecord, StepRecord
 from libra.sim.rl.systems import Setup, System, make_system
 from libra.sim.tracing import Tracer
@@ -55,7 +61,7 @@ class Batches:
 
     def __init__(self, sc: RLScenario, seed: int, trace: list[Trajectory] | None = None):
         self.trace = None
-        self._floors: dict[int, BatchFloor] = {}
+        self._floors: dict[object, dict[int, BatchFloor]] = {}
         if trace is not None:
             by_step: dict[int, list[Trajectory]] = {}
             for t in trace:
@@ -84,11 +90,15 @@ class Batches:
         suffix = f"#{cycle}" if cycle else ""
         return [replace(t, id=t.id + suffix, step=step) for t in self.trace[i]]
 
-    def floors(self, limit: Limit, steps: int) -> dict[int, BatchFloor]:
-        """Every step's floors (`sim.rl.limit`); computed once per run, before the systems fork."""
-        if not self._floors:
-            self._floors = {s: limit.batch(self.get(s)) for s in range(steps)}
-        return self._floors
+    def floors(self, limit: Limit, batches: Iterable[int]) -> dict[int, BatchFloor]:
+        """The floors (`sim.rl.limit`) of these batches under `limit`, each computed once (the
+        scenario's limit for every step before the systems fork; a system that decodes
+        speculatively, or starts later batches early, computes the rest in its own process)."""
+        done = self._floors.setdefault(limit.key, {})
+        for b in batches:
+            if b not in done:
+                done[b] = limit.batch(self.get(b))
+        return done
 
 
 class RLSim:
@@ -111,12 +121,14 @@ class RLSim:
         self.tail_stats = TailStats()
         self.retired_tokens = self.retired_preemptions = 0
         self.bucketed = False  # whether any layout of the run had more than one bucket
+        self.driver_version = 0
         self.driver = self._build_driver(self.setup)
         self.history: list[StepRecord] = []
         self.in_flight: dict[int, InFlight] = {}
         self.group_left: dict[tuple[int, str], int] = {}  # (step, prompt) -> samples still running
         self.group_done: dict[tuple[int, str], list[Trajectory]] = {}
-        self.gate = StalenessGate(sc.pipeline.staleness, sc.pipeline.consume, self.setup.colocated)
+        self.gate = StalenessGate(sc.pipeline.staleness, sc.pipeline.consume, self.setup.colocated,
+                                  sc.pipeline.strict_staleness)  # fmt: skip
         self.finished: GroupQueue[list[Trajectory]] = GroupQueue(self.gate)
         self.filled = 0  # steps whose training batch is full
         self.version: dict[int, int] = {}  # step -> training steps done when its batch started
@@ -128,10 +140,23 @@ class RLSim:
         self.engine_busy_gpu_s = 0.0
         self.progress: Progress = lambda label, frac: None
         self.pending: Setup | None = None  # a new layout waiting for the batches in flight to drain
-        self.next_batch_delay = 0.0
+        self.ready_at = 0.0  # when the engines of a new layout are up (a re-plan's restart)
+        self.train_delay = 0.0  # a training reshard the next step waits for (`_reshard`)
         self.replans = 0
         self.pool = self._make_pool() if system.elastic else None
         self._bounds: list[float] | None = None
+        self.mech = self.setup.mechanisms
+        self.submitted: dict[GroupKey, float] = {}  # when each group's first trajectory started
+        self.group_version: dict[GroupKey, int] = {}  # the weights its first trajectory started with
+        self._tags: dict[str, list] = {}  # finished, untrained trajectory -> its tokens' version tags
+        self._finish_at: dict[str, float] = {}  # finished, untrained trajectory -> when it finished
+        self.suspended: list[Run] = []  # partial rollouts: trajectories stopped with their step
+        self._sync_until = 0.0
+        self.partial: PartialRollout[list[Trajectory]] | None = None
+        self.stream = GroupStream(batches.get)
+        if self.mech.partial:
+            target = len({t.prompt_id for t in batches.get(0)})  # a step's groups (a trace's too)
+            self.partial = PartialRollout(target, self.mech.over_provision, self.gate)
 
     def _make_pool(self) -> ElasticPool:
         return ElasticPool(self.setup.plan, self.driver, self.k, self.sc.elastic)
@@ -145,9 +170,8 @@ class RLSim:
     # ---- construction -------------------------------------------------------------------------
 
     def _build_driver(self, setup: Setup) -> RolloutDriver:
-        engines = make_engines(
-            self.k, setup.instances, self.hw, self.model, self.sc, self.profile.rollout, self.tracer
-        )
+        engines = make_engines(self.k, setup.instances, self.hw, self.model, self.sc, self.profile.rollout,
+                               self.tracer, speculative=setup.mechanisms.speculative)  # fmt: skip
         bucket_of = {e.id: s.bucket for e, s in zip(engines, setup.instances, strict=True)}
         node_of = {e.id: s.node for e, s in zip(engines, setup.instances, strict=True)}
         costs = {
@@ -162,6 +186,10 @@ class RLSim:
         drv = RolloutDriver(self.k, engines, setup.buckets, bucket_of, router, node_of,
                             self.sc.pipeline.tool_latency_default_s, self.tracer)  # fmt: skip
         drv.set_caps(self.sc.rollout.instance_cap)
+        drv.chunk_tokens = setup.mechanisms.chunk_tokens
+        drv.migrate_in_tool = setup.mechanisms.migrate_in_tool
+        if self.driver_version:
+            drv.version = self.driver_version
         drv.on_traj_done = self._traj_done
         drv.stats = self.routing
         self.bucketed |= len(setup.buckets) > 1
@@ -191,12 +219,24 @@ class RLSim:
             self.in_flight[s] = InFlight(s)
             self.version[s] = self.train_done  # the weights batch s is generated with
             delay = self.sc.pipeline.switch_s if self.setup.colocated and s > 0 else 0.0
-            delay, self.next_batch_delay = delay + self.next_batch_delay, 0.0
+            delay = max(delay, self.ready_at - self.k.now)
             if self.train_done > self.weights_on_engines and not self.setup.colocated:
                 delay += self._weight_sync_s()
                 self.weights_on_engines = self.train_done
             self.tracer.step_started(s, self.k.now)
             self.k.after(delay, self._start_batch, s)
+
+    def _update_weights(self) -> None:
+        """AReaL's weight update: the new weights go to the engines now; the requests in flight
+        are aborted and resubmitted at once, recomputing their KV, and run once the sync is done."""
+        self.driver.version = self.weights_on_engines = self.train_done
+        self._sync_until = self.k.now + self._weight_sync_s()
+        self.driver.interrupt(self.driver.resubmit)
+        self.k.at(self._sync_until, self._sync_done)
+
+    def _sync_done(self) -> None:
+        if self.k.now >= self._sync_until:  # not a sync that a later update has extended
+            self.driver.resume_engines()
 
     def _weight_sync_s(self) -> float:
         if self.sc.pipeline.weight_sync_s is not None:
@@ -206,25 +246,56 @@ class RLSim:
         return self.model.weight_bytes / tp / (self.hw.inter_node_bw_gbps * 1e9 * 0.75) + 0.5
 
     def _start_batch(self, s: int) -> None:
+        b = self.in_flight[s]
+        b.t0 = self.k.now
+        self.driver.version = max(self.driver.version, self.version[s])
+        if self.partial is not None:
+            self._start_partial(b)
+            return
         trajs = self.batches.get(s)
         groups: dict[str, list[Trajectory]] = {}
         for t in trajs:
             groups.setdefault(t.prompt_id, []).append(t)
-        b = self.in_flight[s]
-        b.t0, b.groups = self.k.now, len(groups)
+        b.groups = len(groups)
         for pid, members in groups.items():
-            self.group_left[(s, pid)] = len(members)
+            self._group_started((s, pid), len(members))
         for t in trajs:
             self.driver.start(t)
 
-    def _traj_done(self, run) -> None:
+    def _group_started(self, key: GroupKey, members: int) -> None:
+        self.group_left[key] = members
+        self.submitted[key] = self.k.now
+        self.group_version[key] = self.driver.version
+
+    def _start_partial(self, b: InFlight) -> None:
+        """An over-provisioned step: the groups it carried over resume, then new ones start."""
+        assert self.partial is not None
+        b.groups = self.partial.target
+        self.driver.resume_engines()
+        carried, self.suspended = self.suspended, []
+        for run in carried:
+            self.driver.resume(run)
+        for _ in range(self.partial.room()):
+            key, members = self.stream.next()
+            self.partial.started(key, self.driver.version)
+            self._group_started(key, len(members))
+            for t in members:
+                self.driver.start(t)
+
+    def _traj_done(self, run: Run) -> None:
         t = run.traj
         key = (t.step, t.prompt_id)
+        self._tags[t.id] = run.tags
+        self._finish_at[t.id] = self.k.now
         self.group_done.setdefault(key, []).append(t)
         self.group_left[key] -= 1
         if self.group_left[key]:
             return
         del self.group_left[key]
+        if self.partial is not None:
+            self.partial.done(key, self.group_done.pop(key))
+            self._fill_partial()
+            return
         self.finished.add(t.step, self.version[t.step], self.group_done.pop(key))
         if self._fill():
             if self.pending is not None and not self.in_flight:
@@ -236,7 +307,7 @@ class RLSim:
         """Fill the next steps' batches from finished groups; whether any step was filled."""
         filled = False
         while (b := self.in_flight.get(self.filled)) is not None and b.groups is not None:
-            taken = self.finished.take(self.filled, b.groups)
+            taken = self.finished.take(self.filled, b.groups, self._oldest_running())
             if taken is None:
                 break
             self._batch_done(b, taken)
@@ -244,14 +315,57 @@ class RLSim:
             filled = True
         return filled
 
-    def _batch_done(self, b: InFlight, taken: Sequence[Finished[list[Trajectory]]]) -> None:
+    def _oldest_running(self) -> int | None:
+        """The weight version of the oldest group still running (a strict gate waits for it)."""
+        if not self.gate.strict or not self.group_left:
+            return None
+        return min(self.group_version[k] for k in self.group_left)
+
+    def _fill_partial(self) -> None:
+        """A partial-rollout step is full once its target has finished (`PartialRollout.ready`):
+        the rest of its rollout stops, kept for the next step, and the step trains."""
+        assert self.partial is not None
+        b = self.in_flight.get(self.filled)
+        if b is None or b.t0 is None or not self.partial.ready(self.filled):
+            return
+        taken = self.partial.take(self.filled)
+        end = self._stop_rollout()
+        self._batch_done(b, taken, end)
+        self.filled += 1
+        self._try_train()
+        self._try_rollout()
+
+    def _stop_rollout(self) -> float:
+        """Abort every request in flight and keep each trajectory, as it stands, for the next step;
+        the time the engines stop (each at the end of the iteration it is running)."""
+        self.driver.interrupt(self._keep)  # first: it cuts the engines' decode segments short
+        end = max([self.k.now] + [e.busy_until() for e in self.driver.engines.values()])
+        for run in list(self.driver.active.values()):
+            if run.state == RunState.TOOL:
+                self._keep(run)
+        return end
+
+    def _keep(self, run: Run) -> None:
+        self.driver.suspend(run)
+        self.suspended.append(run)
+
+    def _batch_done(
+        self, b: InFlight, taken: Sequence[Finished[list[Trajectory]]], end: float | None = None
+    ) -> None:
         s = b.step
         trajs = [t for f in taken for t in f.group]
         del self.in_flight[s]
         assert b.t0 is not None  # a batch with groups has started
-        self.done_batches[s] = StepRecord(s, b.t0, self.k.now, sum(t.generated_tokens for t in trajs),
+        lags: Counter[int] = Counter()
+        for t in trajs:
+            for version, tokens in self._tags.pop(t.id, ()):
+                lags[s - version] += tokens
+        done = sorted(self._finish_at.pop(t.id) for t in trajs)
+        tail = done[-1] - done[max(0, math.ceil(TAIL_SHARE * len(done)) - 1)] if done else 0.0
+        end = self.k.now if end is None else end
+        self.done_batches[s] = StepRecord(s, b.t0, end, sum(t.generated_tokens for t in trajs),
                                           [t.total_tokens for t in trajs], trajs,
-                                          [s - f.version for f in taken])  # fmt: skip
+                                          [s - f.version for f in taken], dict(lags), tail)  # fmt: skip
         self.driver.router.on_step_end(s)
 
     def _try_train(self) -> None:
@@ -264,6 +378,7 @@ class RLSim:
         par = self.train_par()
         dt = self.train_cost.step(par, rec.lengths).step_time_s
         delay = self.sc.pipeline.switch_s if self.setup.colocated else 0.0
+        delay, self.train_delay = delay + self.train_delay, 0.0
         rec.train_start, rec.train_time = self.k.now + delay, dt
         rec.train_gpus, rec.rollout_gpus = par.gpus, self._serving_gpus()
         rec.layout = [(b.tp, sum(1 for i in self.setup.instances if i.bucket == k), b.max_context)
@@ -276,6 +391,8 @@ class RLSim:
         self.history[s].train_end = self.k.now
         self.train_done += 1
         self.training = False
+        if self.mech.interrupt_updates and not self.setup.colocated:
+            self._update_weights()
         self.tracer.step_ended(s, self.k.now)
         self.progress(self.system.name, self.train_done / self.steps)
         if self.train_done % GC_EVERY_STEPS == 0:
@@ -293,7 +410,8 @@ class RLSim:
         if ctrl is None:
             return
         last = self.history[-1]
-        report = StepReport(last.step, last.trajs, last.train_time, last.rollout_makespan, self._pressure())
+        report = StepReport(last.step, last.trajs, last.train_time, last.rollout_makespan, self._pressure(),
+                            in_flight=self._running_batches())  # fmt: skip
         pool = None
         if self.pool is not None:
             pool = self.pool.view(
@@ -303,16 +421,55 @@ class RLSim:
         if dec.elastic is not None and self.pool is not None:
             self.pool.apply(dec.elastic)
         if dec.replan is not None:
-            self._switch(self.system.setup_for(dec.replan.plan, self.sc, self.hw, dec.replan.reconfig_s))
+            new = self.system.setup_for(dec.replan.plan, self.sc, self.hw, dec.replan.reconfig_s)
+            self._switch(new, dec.replan.interrupt)
 
-    def _switch(self, new: Setup) -> None:
+    def _running_batches(self) -> tuple[InFlightBatch, ...]:
+        """The batches a layout switch would drain (`_switch` waits for all of them), or
+        interrupt: every started batch with trajectories still running, with the context their
+        running trajectories hold, and those admitted but not yet started."""
+        now = self.k.now
+        running: dict[int, int] = {}
+        age: dict[int, float] = {}
+        for key, left in self.group_left.items():  # a batch's age is its youngest running group's
+            running[key[0]] = running.get(key[0], 0) + left
+            age[key[0]] = min(age.get(key[0], now), now - self.submitted[key])
+        tokens: dict[int, int] = {}
+        for run in self.driver.active.values():
+            tokens[run.traj.step] = tokens.get(run.traj.step, 0) + _context_of(run)
+        for s, b in self.in_flight.items():
+            if b.t0 is None:
+                running[s], age[s] = 1, 0.0
+        return tuple(InFlightBatch(s, age[s], n, tokens.get(s, 0)) for s, n in sorted(running.items()))
+
+    def _switch(self, new: Setup, interrupt: bool = False) -> None:
+        """Carry a re-plan out: new boundaries and a training reshard at once; new engines once the
+        batches in flight have drained, or at once by interrupting them (`interrupt`)."""
         if _same_layout(new, self.setup):  # only the bucket boundaries moved: router thresholds
             self.setup = replace(new, instances=self.setup.instances)
             self.driver.retune(new.buckets)
             return
+        if _same_engines(new, self.setup) and (self.pool is None or not self.pool.lent_gpus()):
+            self._reshard(new)
+            return
+        if interrupt:
+            self.pending = None  # a drain still waiting is overtaken
+            self._interrupt_switch(new)
+            return
         self.pending = new
         if not self.in_flight:
             self._apply_pending()
+
+    def _reshard(self, new: Setup) -> None:
+        """Only the training layout changes: the engines keep serving (no drain) and the trainer
+        reshards before its next step, which waits the switch's cost."""
+        self.setup = replace(new, instances=self.setup.instances)
+        self.driver.retune(new.buckets)
+        self.train_delay += new.reconfig_s
+        self.replans += 1
+        if self.pool is not None:  # replicas of the new training layout's size, on the same engines
+            old, self.pool = self.pool, self._make_pool()
+            self.pool.carry_over(old)
 
     def _pressure(self) -> float:
         engines = self.driver.engines.values()
@@ -321,30 +478,80 @@ class RLSim:
     def _apply_pending(self) -> None:
         """Every batch has drained: restart the engines in the new layout (after its cost)."""
         new, self.pending = self.pending, None
+        self._new_layout(new)
+
+    def _new_layout(self, new: Setup) -> RolloutDriver:
+        """Retire the engines and start the new layout's, which serve from `reconfig_s` on; the
+        retired driver is returned (an interrupting switch still hands its trajectories over)."""
+        old = self.driver
         self.engine_busy_gpu_s += self._engine_busy()
-        retiring = self.driver.engines.values()
+        retiring = old.engines.values()
         self.retired_tokens += sum(e.prefill_tokens + e.decode_tokens for e in retiring)
         self.retired_preemptions += sum(e.preemptions for e in retiring)
         # A new layout gets a new router: its cost model is the new engines', so nothing a router
         # learned of the old layout (queue levels, per-bucket costs) carries over.
+        self.driver_version = old.version
         self.setup, self.driver = new, self._build_driver(new)
-        self.next_batch_delay += new.reconfig_s
+        self.ready_at = self.k.now + new.reconfig_s
         self.replans += 1
         if self.pool is not None:  # the new layout's hybrid replicas; the counts run on
-            old, self.pool = self.pool, self._make_pool()
-            self.pool.carry_over(old)
+            pool, self.pool = self.pool, self._make_pool()
+            self.pool.carry_over(pool)
+        return old
+
+    def _interrupt_switch(self, new: Setup) -> None:
+        """Switch now instead of draining (AReaL's interruption, carried to a re-plan): the engines
+        abort what they run at the end of their iteration and stop; once the new layout's engines
+        are up (`reconfig_s`), every trajectory in flight goes on there, an aborted turn from the
+        tokens it had, recomputing its KV (`RolloutDriver.suspend` / `resume`)."""
+        old = self._new_layout(new)
+        old.interrupt(_ignore)
+        self.k.at(self.ready_at, self._take_over, old)
+
+    def _take_over(self, old: RolloutDriver) -> None:
+        # Turns that started on the stopped engines since (a tool returned) are aborted now.
+        old.interrupt(partial(self._adopt, old))
+        for run in list(old.active.values()):
+            if run.seq is None:  # in a tool call, or aborted
+                self._adopt(old, run)
+
+    def _adopt(self, old: RolloutDriver, run: Run) -> None:
+        old.suspend(run)
+        del old.active[run.traj.id]
+        run.engine = None  # it holds no KV anywhere now
+        self.driver.active[run.traj.id] = run
+        self.driver.resume(run)
 
     # ---- metrics ------------------------------------------------------------------------------
 
     def bounds(self) -> list[float]:
         """Each trained step's makespan lower bound (`sim.rl.limit`), computed once."""
         if self._bounds is None:
-            floors = self.batches.floors(limit_of(self.sc, self.profile), self.steps)
+            limit = limit_of(self.sc, self.profile, self.mech.speculative)
+            floors = self.batches.floors(limit, sorted({b for b, _ in self.submitted}))
             taken = [StepTaken(r.step, r.rollout_start, sorted({(t.step, t.prompt_id) for t in r.trajs}))
                      for r in self.history]  # fmt: skip
-            completion = self.sc.pipeline.consume == "completion" and not self.setup.colocated
-            self._bounds = makespan_bounds(taken, floors, self.total_gpus, completion)
+            partial = self.partial is not None
+            completion = partial or self.gate.by_completion()
+            windows = (
+                [(r.rollout_start, r.rollout_end) for r in self.history]
+                if partial and self.setup.colocated
+                else None
+            )
+            self._bounds = makespan_bounds(taken, floors, self.total_gpus, completion,
+                                           self.submitted if partial else None, windows)  # fmt: skip
         return self._bounds
+
+    def mean_bound(self) -> float:
+        """The mean of the steps' bounds; for a colocated system with partial rollouts, at least
+        the work of every trained group over the cluster, spread over the steps (`sim.rl.limit`)."""
+        bound = float(np.mean(self.bounds()))
+        if self.partial is not None and self.setup.colocated:
+            limit = limit_of(self.sc, self.profile, self.mech.speculative)
+            floors = self.batches.floors(limit, sorted({b for b, _ in self.submitted}))
+            groups = [(t.step, t.prompt_id) for r in self.history for t in r.trajs]
+            bound = max(bound, window_work(sorted(set(groups)), floors, self.total_gpus) / len(self.history))
+        return bound
 
     def _engine_busy(self) -> float:
         return sum(e.busy_s * e.tp for e in self.driver.engines.values())
@@ -356,7 +563,7 @@ class RLSim:
         busy = self.engine_busy_gpu_s + self._engine_busy() + self.train_busy_gpu_s
         engines = self.driver.engines.values()
         rollout_tokens = self.retired_tokens + sum(e.prefill_tokens + e.decode_tokens for e in engines)
-        makespan, bound = float(np.mean([r.rollout_makespan for r in h])), float(np.mean(self.bounds()))
+        makespan, bound = float(np.mean([r.rollout_makespan for r in h])), self.mean_bound()
         return {
             "throughput_tokens_per_s": gen / wall,
             "mean_step_time_s": wall / len(h),
@@ -365,6 +572,7 @@ class RLSim:
             "distance_to_limit": makespan / bound - 1 if bound > 0 else 0.0,
             "rollout_throughput_tokens_per_s": gen / sum(r.rollout_makespan for r in h),
             "mean_train_time_s": float(np.mean([r.train_time for r in h])),
+            "mean_tail_s": float(np.mean([r.tail_s for r in h])),
             "gpu_utilization": busy / (self.total_gpus * wall),
             "wall_time_s": wall,
             "generated_tokens": gen,
@@ -374,6 +582,9 @@ class RLSim:
             "replans": self.replans,
             "mean_staleness": float(np.mean([x for r in h for x in r.staleness])),
             "max_staleness": max(x for r in h for x in r.staleness),
+            **_token_lag(h),
+            **({"interrupts": self.driver_interrupts()} if self.mech.interrupt_updates else {}),
+            **({"carried_groups": self.partial.carried_groups} if self.partial is not None else {}),
             **({"elastic": self.pool.summary()} if self.pool else {}),
             **({"routing": self.routing.as_dict(rollout_tokens)} if self.bucketed else {}),
             **(
@@ -382,6 +593,9 @@ class RLSim:
                 else {}
             ),  # fmt: skip
         }
+
+    def driver_interrupts(self) -> int:
+        return self.driver.interrupts
 
     def record(self) -> SimRecord:
         """What the report needs of this run (without the trajectories: they stay with the batches)."""
@@ -404,6 +618,9 @@ class RLSim:
 
 
 GC_EVERY_STEPS = 25
+# The tail of a step (Seer's definition): its last 10% of trajectories to finish. `mean_tail_s` is
+# the time from the moment 90% of a step's trained trajectories had finished to its last one.
+TAIL_SHARE = 0.9
 
 
 @contextmanager
@@ -432,16 +649,45 @@ def _collector_paused():
             gc.enable()
 
 
-def _same_layout(a: Setup, b: Setup) -> bool:
-    key = lambda s: (s.train, s.train_gpus, s.router, sorted((i.tp, i.bucket) for i in s.instances))  # noqa: E731
+def _same_engines(a: Setup, b: Setup) -> bool:
+    """The same rollout engines (TP and bucket of each) and split: a switch needs no drain."""
+    key = lambda s: (s.train_gpus, s.router, sorted((i.tp, i.bucket) for i in s.instances))  # noqa: E731
     return key(a) == key(b)
 
 
-def limit_of(sc: RLScenario, profile: Profile) -> Limit:
-    """The scenario's limit (`sim.rl.limit`): its cluster, model and engines' settings."""
+def _same_layout(a: Setup, b: Setup) -> bool:
+    return a.train == b.train and _same_engines(a, b)
+
+
+def limit_of(sc: RLScenario, profile: Profile, speculative: SpecDecoding | None = None) -> Limit:
+    """The scenario's limit (`sim.rl.limit`): its cluster, model and engines' settings (and the
+    speculative decoder of a system that has one)."""
     cat = load_catalog()
     hw, model = cat.hardware(sc.cluster.hardware), cat.model(sc.model)
-    return Limit(hw, model, profile.rollout, sc.rollout, sc.pipeline.tool_latency_default_s)
+    return Limit(hw, model, profile.rollout, sc.rollout, sc.pipeline.tool_latency_default_s, speculative)
+
+
+def _context_of(run: Run) -> int:
+    """The context a running trajectory holds: what an interruption makes it recompute."""
+    if not run.contexts:
+        return run.traj.prompt_tokens
+    done = run.traj.turns[run.turn].output_tokens if run.state == RunState.TOOL else run.partial
+    return run.contexts[-1] + done
+
+
+def _ignore(run: Run) -> None:
+    """An aborted trajectory that stays where it is until it is handed over."""
+
+
+def _token_lag(history: list[StepRecord]) -> dict:
+    """The version lag of every trained token: how many training steps older than the step that
+    trains it the weights that wrote it are (mean over tokens, and the largest)."""
+    lags: Counter[int] = Counter()
+    for r in history:
+        lags.update(r.token_lag)
+    tokens = sum(lags.values())
+    mean = sum(lag * n for lag, n in lags.items()) / tokens if tokens else 0.0
+    return {"mean_token_lag": mean, "max_token_lag": max(lags, default=0)}
 
 
 def _coster(costs: dict, n_buckets: int):
@@ -468,8 +714,12 @@ def run(sc: RLScenario, systems: list[str] | None, steps: int | None, seed: int,
         raise ConfigError("steps", n, "an integer >= 1")
     trace_step = sc.trace_step if sc.trace_step is not None else min(2, n - 1)
     # Generated once, here, with their floors: every system's process reads the same batches.
-    batches.floors(limit_of(sc, profile or Profile()), n)
+    batches.floors(limit_of(sc, profile or Profile()), range(n))
     systems_ = [make_system(name) for name in names]  # an unknown name fails here, before anything runs
+    for system in systems_:
+        if sc.pipeline.staleness < system.min_staleness:
+            raise ConfigError("pipeline.staleness", sc.pipeline.staleness,
+                              f">= {system.min_staleness} for {system.name}: {system.needs_staleness}")  # fmt: skip
     route_params({s.router for s in systems_}, sc.rollout.router_params)  # a param no router has: error
     results, per_step, records, shared = {}, {}, {}, {}
     for name, system in zip(names, systems_, strict=True):

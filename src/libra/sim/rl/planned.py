@@ -57,6 +57,23 @@ LADDER = (
 )
 
 
+def shared_planner(shared: dict | None, name: str, sc: RLScenario, hw: HardwareSpec):
+    """The planner `name` for this scenario; systems of one run with the same planner share it
+    through the run's `System.shared` (it keeps no state of its own between decisions, only
+    memoised searches)."""
+    shared = shared if shared is not None else {}
+    key = ("planner", name, sc.planner.model_dump_json())
+    if key not in shared:
+        problem = problem_of(sc, hw, load_catalog())
+        shared[key] = make_planner(name, problem, sc.planner, elastic=sc.elastic, selector=sc.selector)
+    return shared[key]
+
+
+def profiling_sample(sc: RLScenario) -> list:
+    """The batch a system profiles before training (step 0 on a stream of its own)."""
+    return make_workload(sc.workload).generate(0, random.Random(PROFILE_SEED))
+
+
 def setup_of(plan: Plan, hw: HardwareSpec, router: str, params: dict, reconfig_s: float = 0.0) -> Setup:
     where = place(plan, hw.gpus_per_node)
     instances = [InstanceSpec(b.tp, i, node) for i, b in enumerate(plan.buckets) for node in where.engines[i]]
@@ -72,24 +89,11 @@ class PlannedSystem(System):
     replan = True
     elastic = False
 
-    def _planner(self, sc: RLScenario, hw: HardwareSpec):
-        """The planner; systems of one run with the same planner share it (it keeps no state of
-        its own between decisions, only memoised searches)."""
-        shared = self.shared if self.shared is not None else {}
-        key = ("planner", self.planner, sc.planner.model_dump_json())
-        if key not in shared:
-            problem = problem_of(sc, hw, load_catalog())
-            shared[key] = make_planner(
-                self.planner, problem, sc.planner, elastic=sc.elastic, selector=sc.selector
-            )
-        return shared[key]
-
     def setup(self, sc: RLScenario, hw: HardwareSpec) -> Setup:
         elastic = ElasticController(sc.elastic) if self.elastic else None
-        self.controller = PlanController(self._planner(sc, hw), self.replan, elastic,
-                                         sc.pipeline.tool_latency_default_s)  # fmt: skip
-        sample = make_workload(sc.workload).generate(0, random.Random(PROFILE_SEED))
-        return self.setup_for(self.controller.initial(sample), sc, hw)
+        planner = shared_planner(self.shared, self.planner, sc, hw)
+        self.controller = PlanController(planner, self.replan, elastic, sc.pipeline.tool_latency_default_s)
+        return self.setup_for(self.controller.initial(profiling_sample(sc)), sc, hw)
 
     def setup_for(self, plan: Plan, sc: RLScenario, hw: HardwareSpec, reconfig_s: float = 0.0) -> Setup:
         return setup_of(plan, hw, self.router, sc.rollout.router_params, reconfig_s)

@@ -33,6 +33,9 @@ class StepRecord:
     lengths: list[int]
     trajs: list[Trajectory]
     staleness: list[int]  # per trained group: training steps between its weights and this step
+    # trained tokens per version lag: training steps between the weights that wrote them and this step
+    token_lag: dict[int, int] = field(default_factory=dict)
+    tail_s: float = 0.0  # from the moment 90% of its trajectories had finished to the last one
     train_start: float = 0.0
     train_time: float = 0.0
     train_end: float = 0.0

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 from libra.core.errors import ConfigError
 from libra.core.specs import HardwareSpec
+from libra.costmodel.speculative import SpecDecoding
 from libra.costmodel.training import TrainParallel
 from libra.planner import PlanController
-from libra.planner.plan import Plan
+from libra.planner.plan import BucketPlan, Plan, pack
 from libra.rollout.base import Bucket
 from libra.sim.rl.config import RLScenario
 
@@ -25,6 +26,27 @@ class InstanceSpec:
     tp: int
     bucket: int
     node: int
+
+
+@dataclass(frozen=True, slots=True)
+class Mechanisms:
+    """How a system's rollout runs beyond its layout and router. Each comes from a peer's paper
+    (`sim.rl.peers`); any system may combine them, and the pipeline and the rollout driver carry
+    them out (`sim.rl.pipeline`, `sim.rl.driver`)."""
+
+    # AReaL: after every training step the new weights go to the engines at once, interrupting
+    # the requests in flight, which then recompute their KV (disaggregated systems).
+    interrupt_updates: bool = False
+    # APRIL: > 0 keeps this multiple of a step's groups in flight; the step's rollout stops once
+    # its target count of groups has finished, and the unfinished ones resume in the next step.
+    over_provision: float = 0.0
+    chunk_tokens: int = 0  # Seer's divided rollout: at most this many output tokens per submission
+    migrate_in_tool: bool = False  # Heddle: the next turn is placed, and its KV moved, during a tool call
+    speculative: SpecDecoding | None = None  # Seer: speculative decoding on every engine
+
+    @property
+    def partial(self) -> bool:
+        return self.over_provision > 0
 
 
 @dataclass(slots=True)
@@ -38,6 +60,7 @@ class Setup:
     router_params: dict = field(default_factory=dict)
     reconfig_s: float = 0.0  # what switching to this setup costs (planned systems)
     plan: object = None  # the planner's Plan behind this setup, if any
+    mechanisms: Mechanisms = field(default_factory=Mechanisms)
 
     @property
     def rollout_gpus(self) -> int:
@@ -77,6 +100,19 @@ def heterogeneous(sc: RLScenario, first_gpu: int, gpus: int, hw: HardwareSpec) -
     return out
 
 
+def packed(
+    buckets: list[BucketPlan], hw: HardwareSpec, nodes: int
+) -> tuple[list[InstanceSpec], list[Bucket]]:
+    """A bucket layout's engines placed on the cluster's nodes, and its buckets."""
+    sizes = [b.tp for b in buckets for _ in range(b.instances)]
+    where = pack(sizes, nodes, hw.gpus_per_node)
+    if where is None:
+        raise ConfigError("layout", [(b.tp, b.instances) for b in buckets], f"engines that fit {nodes} nodes")
+    bucket_of = [k for k, b in enumerate(buckets) for _ in range(b.instances)]
+    instances = [InstanceSpec(tp, k, node) for tp, k, node in zip(sizes, bucket_of, where, strict=True)]
+    return instances, [Bucket(f"b{k}-tp{b.tp}", b.tp, b.max_context) for k, b in enumerate(buckets)]
+
+
 def one_bucket(sc: RLScenario, tp: int) -> list[Bucket]:
     return [Bucket("all", tp, sc.workload.max_length)]
 
@@ -95,6 +131,10 @@ class System:
     # expensive helpers (a planner and its memoised searches) are built once per run.
     shared: dict | None = None
     router = "least-loaded"  # the router its setups name (`rollout.router_params` are checked against it)
+    # The smallest `pipeline.staleness` the system can keep (a system that trains tokens written
+    # by an older policy needs at least 1), and why; the pipeline refuses a lower bound.
+    min_staleness = 0
+    needs_staleness = ""
 
     def setup(self, sc: RLScenario, hw: HardwareSpec) -> Setup:
         raise NotImplementedError  # abstract: each system defines its layout

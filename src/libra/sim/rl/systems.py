@@ -1,9 +1,11 @@
 """The simulated systems compared by `libra simulate`, listed here by name.
 
-Static systems (`verl-colocated`, `static-uniform`, `router:NAME`) are defined in this module; the
-planner-driven ones (the ablation ladder, `planned:NAME`) in `planned.py`. `router:NAME` names the
-disaggregated heterogeneous layout with router NAME from `libra.rollout.registry`, so every router
-is a system without registering it twice; NAME may be an outside router's `pkg.module:Class`.
+Static systems (`verl-colocated`, `static-uniform`, `router:NAME`, `colocated:NAME`) are defined
+in this module; the planner-driven ones (the ablation ladder, `planned:NAME`) in `planned.py`; the
+peers a team would pick instead (`areal`, `april`, `seer`, `heddle`) in `peers.py`. `router:NAME`
+names the disaggregated heterogeneous layout with router NAME from `libra.rollout.registry`, and
+`colocated:NAME` verl-colocated with router NAME, so every router is a system without registering
+it twice; NAME may be an outside router's `pkg.module:Class`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Callable
 
 from libra.core.errors import ConfigError
 from libra.core.registry import Registry
+from libra.sim.rl.peers import PEERS
 from libra.sim.rl.planned import PLANNED, planned_with
 from libra.sim.rl.setup import (
     Setup,
@@ -28,6 +31,10 @@ class VerlColocated(System):
     """Synchronous: rollout on every GPU, then training on every GPU, switching each way."""
 
     name = "verl-colocated"
+
+    def __init__(self, router: str | None = None):
+        if router is not None:  # `colocated:ROUTER`: the same pipeline, another dispatch
+            self.router, self.name = router, f"colocated:{router}"
 
     def setup(self, sc, hw):
         total = sc.cluster.nodes * hw.gpus_per_node
@@ -67,11 +74,14 @@ class RouterSystem(System):
 
 
 SYSTEMS: Registry[type[System]] = Registry(
-    "system", "systems", (VerlColocated, StaticUniform, *PLANNED), outside=False
+    "system", "systems", (VerlColocated, StaticUniform, *PLANNED, *PEERS), outside=False
 )
 # Families of systems that differ only in the router: `PREFIX:ROUTER` for every registered router.
 SYSTEM_FAMILIES: Registry[Callable[[str], System]] = Registry(
-    "system family", "systems", {"router": RouterSystem, "planned": planned_with}, outside=False
+    "system family",
+    "systems",
+    {"router": RouterSystem, "planned": planned_with, "colocated": VerlColocated},
+    outside=False,
 )
 
 
