@@ -10,6 +10,13 @@ the simulated clock and the live run. Both mechanisms ask the same two questions
 - `GroupQueue.take(step, n)`: training step s takes n whole finished groups. `consume: completion`
   takes the first n to finish, from any batch (AReaL); `consume: batch` takes exactly batch s's.
 
+The bound holds for what is trained, not only for when a batch starts: with `consume: completion`
+a slow group of an early batch can finish after later batches' groups have filled the steps its
+own batch was meant for, and would be trained k + 2 or more steps after its weights. `take` never
+returns a group older than k (step - version > k): it sets such a group aside as expired, and the
+mechanism that owns the rollouts drains them (`drain_expired`), counts them and regenerates each
+one with the weights of the moment.
+
 Pure: no clock and no I/O; a group is any object, carried with the weight version it was sampled at.
 """
 
@@ -59,20 +66,40 @@ class GroupQueue(Generic[G]):
 
     gate: StalenessGate
     _queues: dict[int, deque[Finished[G]]] = field(default_factory=dict)
+    _expired: list[Finished[G]] = field(default_factory=list)
 
     def add(self, batch: int, version: int, group: G) -> None:
         self._queues.setdefault(self.gate.queue_of(batch), deque()).append(Finished(version, group))
 
     def ready(self, step: int, n_groups: int) -> bool:
+        self._expire(step)
         q = self._queues.get(self.gate.queue_of(step))
         return q is not None and len(q) >= n_groups
 
     def take(self, step: int, n_groups: int) -> Sequence[Finished[G]] | None:
-        """The `n_groups` groups training step `step` trains, or None while too few have finished."""
+        """The `n_groups` groups training step `step` trains, or None while too few have finished.
+        Every group it returns is at most k steps old; older ones are set aside as expired."""
         if not self.ready(step, n_groups):
             return None
         q = self._queues[self.gate.queue_of(step)]
         return [q.popleft() for _ in range(n_groups)]
+
+    def too_old(self, step: int, version: int) -> bool:
+        """Whether a group sampled at `version` is past the bound for training step `step`."""
+        return step - version > self.gate.staleness
+
+    def _expire(self, step: int) -> None:
+        for q in self._queues.values():
+            if any(self.too_old(step, f.version) for f in q):
+                keep = [f for f in q if not self.too_old(step, f.version)]
+                self._expired += [f for f in q if self.too_old(step, f.version)]
+                q.clear()
+                q.extend(keep)
+
+    def drain_expired(self) -> list[Finished[G]]:
+        """The groups set aside as too old since the last call (the caller counts and replaces them)."""
+        out, self._expired = self._expired, []
+        return out
 
     def waiting(self) -> int:
         return sum(len(q) for q in self._queues.values())

@@ -16,7 +16,11 @@ every request with its KV cache; `retract` stops stepping and sends running requ
 queue, their cache freed, to be recomputed on continue (so with new weights if new weights came in
 between); `wait` lets everything already submitted finish. Requests that arrive while paused are
 held and join at continue. New weights are copied into the live model between two steps, and
-every sampled token is tagged with the weight version that produced it.
+every sampled token is tagged with the weight version that produced it and with the version of
+the oldest weights in the KV cache it read: after an update during an `in_place` pause the two
+differ (the cache was computed by the old weights, the token by the new), and a trainer must know
+that no checkpoint holds that token's policy. `retract` recomputes the cache with the new weights
+(AReaL's interruptible generation), so every token has one version.
 
 A step that raises (a bug, or memory) fails every in-flight sequence with an error event instead
 of killing the thread, so clients get a 500 rather than a request that never answers; and if the
@@ -358,6 +362,9 @@ class EngineCore:
         return len(plan.chunks)
 
     def _execute(self, plan: StepPlan) -> list[tuple[object, SeqEvent]]:
+        for c in plan.chunks:
+            if c.start == 0:  # a fresh (or recomputed) cache: these weights compute all of it
+                c.seq.kv_version = self.weight_version
         sampling, tokens, logprobs = self.runner.execute(plan)
         for c in plan.chunks:
             c.seq.num_computed += c.n
@@ -369,7 +376,9 @@ class EngineCore:
         return events
 
     def _accept(self, seq: Sequence, token: int, lp, now: float) -> SeqEvent:
-        ev = SeqEvent(seq.index, token_ids=[token], versions=[self.weight_version])
+        ev = SeqEvent(
+            seq.index, token_ids=[token], versions=[self.weight_version], kv_versions=[seq.kv_version]
+        )
         seq.tokens.append(token)
         if seq.first_token_at is None:
             seq.first_token_at = now

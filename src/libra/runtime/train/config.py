@@ -20,6 +20,8 @@ from libra.runtime.elastic.config import ElasticRuntimeConfig
 from libra.runtime.engine.config import PRESETS
 
 CONFIGS = "libra.runtime.train.configs"
+# The loss's off-policy corrections (`grpo.Objective`): named here so the CLI validates without torch.
+Correction = Literal["none", "tis"]
 
 
 class _Strict(BaseModel):
@@ -44,8 +46,9 @@ class TaskConfig(_Strict):
 class RolloutConfig(_Strict):
     groups_per_step: int = Field(8, ge=1, le=1024, description="GRPO groups (prompts) a step trains.")
     group_size: int = Field(8, ge=2, le=64, description="Samples per prompt.")
-    temperature: float = Field(1.0, gt=0, le=2.0)
-    top_p: float = Field(1.0, gt=0, le=1.0)
+    temperature: float = Field(1.0, gt=0, le=2.0, description="Sampling temperature; the trainer scores tokens at the same one.")  # fmt: skip
+    top_p: float = Field(1.0, gt=0, le=1.0, description="Nucleus mass, in (0, 1]; the trainer applies the same.")  # fmt: skip
+    top_k: int = Field(0, ge=0, le=1_000_000, description="Keep the k most likely tokens (0: all); the trainer applies the same.")  # fmt: skip
     max_tokens: int = Field(64, ge=8, le=4096, description="Per model call.")
     agent_loop: str = Field("calc", description="A registered agent loop or pkg.module:Class.")
     max_drop_fraction: float = Field(0.5, ge=0, le=1, description="Dropped groups in a batch that stop the run.")  # fmt: skip
@@ -103,6 +106,9 @@ class TrainerConfig(_Strict):
     grad_clip: float = Field(1.0, gt=0)
     clip_low: float = Field(0.2, ge=0, le=1)
     clip_high: float = Field(0.28, ge=0, le=10)
+    dual_clip: float | None = Field(3.0, gt=1, le=1000, description="verl's clip_ratio_c: a negative advantage's token loss is at most this times |A| (null: off).")  # fmt: skip
+    correction: Correction = Field("none", description="Off-policy correction: none (PPO ratio to the engine's log-probs) or tis (truncated importance sampling).")  # fmt: skip
+    tis_cap: float = Field(2.0, ge=1, le=1000, description="With correction tis: the importance weight's cap.")  # fmt: skip
     normalize_std: bool = Field(
         True, description="Divide advantages by the group's std (GRPO); false: Dr. GRPO."
     )

@@ -27,7 +27,7 @@ from libra.runtime.launch.base import Launcher, LaunchError
 from libra.runtime.train import checkpoint as ckpt
 from libra.runtime.train import cluster as procs
 from libra.runtime.train.agent import AgentEnv, make_agent_loop
-from libra.runtime.train.chat import GatewayChat, Sampling
+from libra.runtime.train.chat import GatewayChat, sampling_of
 from libra.runtime.train.config import TrainConfig
 from libra.runtime.train.control import Publisher, PublishFailed, TrainerLost, Trainers, TrainResult
 from libra.runtime.train.fleet import LiveFleet
@@ -101,7 +101,7 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
             clock = StepClock(time.time())
             groups = await _guard(cluster, rollouts.take(step))  # rollouts and rewards
             clock.mark("rollout")
-            samples = to_samples(groups, cfg.trainer.normalize_std, cfg.trainer.negative_weight)  # advantages
+            samples = to_samples(groups, cfg.trainer.normalize_std, cfg.trainer.negative_weight, sampling_of(cfg.rollout))  # fmt: skip
             packing, selected = _select(layout, samples)  # EARL: the layout for this context range
             result = await _guard(
                 cluster, _train(cfg, trainers, pool, step, samples, packing)
@@ -176,7 +176,7 @@ def _rollouts(cfg: TrainConfig, cluster, http: aiohttp.ClientSession, step: int)
     chat = GatewayChat(cluster.gateway_url, procs.MODEL_NAME, http, r.turn_timeout_s)
     tools = SandboxTools(cluster.actions_url, http) if cfg.task.tool == "sandbox" else InProcessTools()
     tools = SlowFrom(tools, cfg.task.slow_tool_s, cfg.task.slow_tool_from)
-    env = AgentEnv(chat, tools, Sampling(r.temperature, r.top_p, r.max_tokens))
+    env = AgentEnv(chat, tools, sampling_of(r))
     gate = StalenessGate(cfg.pipeline.staleness, cfg.pipeline.consume)
     # Each resumed step draws fresh problems: the stream is seeded by the step it starts at.
     problems = ProblemStream(cfg.seed * 1_000_003 + 2 + step, cfg.task.lo, cfg.task.hi, cfg.task.ops)

@@ -27,7 +27,7 @@ from libra.runtime.engine.model import TinyTransformer, build_model
 from libra.runtime.engine.sequence import SamplingParams, SeqEvent, Sequence, TextOutput, ToolOutput
 from libra.runtime.engine.tokenizer import render_chat
 from libra.runtime.train.agent import AgentEnv, CalcLoop
-from libra.runtime.train.chat import RouteSummary, Sampling, SessionInfo, chat_body
+from libra.runtime.train.chat import RouteSummary, Sampling, SessionInfo, chat_body, sampling_of
 from libra.runtime.train.config import TrainConfig
 from libra.runtime.train.learner import Learner
 from libra.runtime.train.reducer import LocalReducer
@@ -37,7 +37,7 @@ from libra.runtime.train.task import ProblemStream, call_id
 from libra.runtime.train.tools import InProcessTools
 from libra.runtime.train.trajectory import Turn
 from libra.runtime.train.warmstart import WarmStartResult, warm_start
-from libra.runtime.train.worker import clip_of, optim_of
+from libra.runtime.train.worker import objective_of, optim_of
 
 
 class LocalChat:
@@ -81,7 +81,7 @@ class LocalChat:
         prompt = render_chat([m.to_template() for m in req.messages], [t.model_dump(exclude_none=True) for t in req.tools or ()])  # fmt: skip
         seed = self._turn_seed(s, messages)
         params = SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-                                seed=seed, logprobs=True)  # fmt: skip
+                                top_k=sampling.top_k, seed=seed, logprobs=True)  # fmt: skip
         out = ToolOutput(mode, call_id(random.Random(seed))) if mode else TextOutput()
         sink: asyncio.Queue = asyncio.Queue()
         seq = Sequence(f"r{next(self._ids)}", 0, prompt, params, out, sink, self.cfg.preset.max_model_len)
@@ -96,7 +96,8 @@ class LocalChat:
         ids = seq.tokens[len(prompt) :]
         call = (out.call_id, out.constraint.name, "".join(state.args)) if state.call else None
         return Turn(list(prompt), ids, [lp.logprob for lp in state.logprobs], [self.version] * len(ids),
-                    state.finish, "".join(state.text), call, started=t0, ended=time.time())  # fmt: skip
+                    state.finish, text="".join(state.text), tool_call=call, started=t0, ended=time.time(),
+                    forced=[lp.forced for lp in state.logprobs])  # fmt: skip
 
     async def finish(self, s: SessionInfo, final_tokens: int) -> RouteSummary:
         return RouteSummary()
@@ -127,7 +128,7 @@ async def quick_grpo(cfg: TrainConfig, on_step=None, on_sft=None) -> QuickRun:
     r, out = cfg.rollout, []
     async with LocalChat(ecfg, cfg.seed) as chat:
         chat.load(learner.model, 0)
-        env = AgentEnv(chat, InProcessTools(), Sampling(r.temperature, r.top_p, r.max_tokens))
+        env = AgentEnv(chat, InProcessTools(), sampling_of(r))
         problems = ProblemStream(cfg.seed * 1_000_003 + 2, cfg.task.lo, cfg.task.hi, cfg.task.ops)
         ro = Rollouts(
             RolloutShape(r.groups_per_step, r.group_size), StalenessGate(0), problems, CalcLoop(), env
@@ -136,9 +137,11 @@ async def quick_grpo(cfg: TrainConfig, on_step=None, on_sft=None) -> QuickRun:
         try:
             for step in range(cfg.steps):
                 taken = await ro.take(step)
-                samples = to_samples(taken, cfg.trainer.normalize_std, cfg.trainer.negative_weight)
+                samples = to_samples(
+                    taken, cfg.trainer.normalize_std, cfg.trainer.negative_weight, sampling_of(r)
+                )
                 fig = figures(taken, step, samples)
-                stats = learner.rl_step(samples, fig.model_tokens, clip_of(cfg))
+                stats = learner.rl_step(samples, fig.model_tokens, objective_of(cfg))
                 chat.load(learner.model, learner.version)
                 ro.mark_trained(step + 1)
                 rec = {"step": step, "success": fig.success, "reward": fig.reward, "kl": stats.kl_sum / max(1, stats.tokens), "logprob_diff": stats.logprob_diff_max}  # fmt: skip

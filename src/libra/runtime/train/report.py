@@ -153,7 +153,9 @@ class RunFolder:
             for g in groups:
                 for t in g.group.trajs:
                     turns = [{"prompt_ids": x.prompt_ids, "token_ids": x.token_ids, "logprobs": x.logprobs,
-                              "weight_versions": x.weight_versions, "bucket": x.bucket, "instance": x.instance}
+                              "weight_versions": x.weight_versions, "kv_versions": x.kv_versions or x.weight_versions,
+                              "forced": [int(f) for f in x.forced or [False] * len(x.token_ids)],
+                              "bucket": x.bucket, "instance": x.instance}
                              for x in t.turns]  # fmt: skip
                     f.write(json.dumps({"step": step, "id": t.id, "batch": t.batch, "reward": t.reward, "turns": turns}) + "\n")  # fmt: skip
 
