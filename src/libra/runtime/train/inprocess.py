@@ -15,6 +15,7 @@ import random
 import time
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -31,6 +32,7 @@ from libra.runtime.train.chat import RouteSummary, Sampling, SessionInfo, chat_b
 from libra.runtime.train.config import TrainConfig
 from libra.runtime.train.learner import Learner
 from libra.runtime.train.reducer import LocalReducer
+from libra.runtime.train.report import MOVING
 from libra.runtime.train.rollout import Rollouts, RolloutShape
 from libra.runtime.train.samples import figures, to_samples
 from libra.runtime.train.task import ProblemStream, call_id
@@ -117,14 +119,37 @@ class QuickRun:
     steps: list[dict]  # per RL step: step, success, reward, kl, logprob_diff
 
 
-async def quick_grpo(cfg: TrainConfig, on_step=None, on_sft=None) -> QuickRun:
-    """The warm-start (to the probe's target), then `cfg.steps` synchronous GRPO steps, with
-    `libra train`'s config, task, agent loop and learner. Synchronous (staleness 0) because this
-    engine takes new weights only while idle; the live run pipelines by `pipeline.staleness`."""
+def warm_learner(cfg: TrainConfig, cache: Path | None = None, on_sft=None) -> tuple[Learner, WarmStartResult]:
+    """A learner after `libra train`'s warm-start for `cfg`. With `cache`: loaded from that file if
+    it exists (the weights and the warm-start's record, `save_warm`), else run and written there."""
     ecfg = EngineConfig(model=cfg.engine.model, kv_cache_mb=64, seed=cfg.seed)
     learner = Learner(ecfg.preset, cfg.seed, optim_of(cfg, cfg.warmstart.lr), LocalReducer())
-    ws = warm_start(learner, cfg.warmstart, cfg.task, cfg.seed, on_step=on_sft)
+    if cache is not None and cache.exists():
+        saved = torch.load(cache, map_location="cpu", weights_only=True)
+        learner.model.load_state_dict({k: v.float() for k, v in saved["model"].items()}, strict=True)
+        ws = WarmStartResult(list(saved["losses"]), [tuple(x) for x in saved["probes"]])
+    else:
+        ws = warm_start(learner, cfg.warmstart, cfg.task, cfg.seed, on_step=on_sft)
+        if cache is not None:
+            save_warm(learner, ws, cache)
     learner.reset_optimizer(optim_of(cfg, cfg.trainer.lr))
+    return learner, ws
+
+
+def save_warm(learner: Learner, ws: WarmStartResult, path: Path) -> None:
+    """The warm-start's weights (float16 halves the file; loading casts back) and its record."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    model = {k: v.detach().half() for k, v in learner.model.state_dict().items()}
+    torch.save({"model": model, "losses": ws.losses, "probes": [list(p) for p in ws.probes]}, path)
+
+
+async def quick_grpo(cfg: TrainConfig, on_step=None, on_sft=None, warm: Path | None = None, until: float | None = None) -> QuickRun:  # fmt: skip
+    """The warm-start (to the probe's target; from the `warm` file when it exists), then
+    `cfg.steps` synchronous GRPO steps, with `libra train`'s config, task, agent loop and learner;
+    `until`: stop once the 5-step mean success reaches it. Synchronous (staleness 0) because this
+    engine takes new weights only while idle; the live run pipelines by `pipeline.staleness`."""
+    ecfg = EngineConfig(model=cfg.engine.model, kv_cache_mb=64, seed=cfg.seed)
+    learner, ws = warm_learner(cfg, warm, on_sft)
     r, out = cfg.rollout, []
     async with LocalChat(ecfg, cfg.seed) as chat:
         chat.load(learner.model, 0)
@@ -144,10 +169,15 @@ async def quick_grpo(cfg: TrainConfig, on_step=None, on_sft=None) -> QuickRun:
                 stats = learner.rl_step(samples, fig.model_tokens, objective_of(cfg))
                 chat.load(learner.model, learner.version)
                 ro.mark_trained(step + 1)
-                rec = {"step": step, "success": fig.success, "reward": fig.reward, "kl": stats.kl_sum / max(1, stats.tokens), "logprob_diff": stats.logprob_diff_max}  # fmt: skip
+                rec = {"step": step, "success": fig.success, "reward": fig.reward, "kl": stats.kl_sum / max(1, stats.tokens),
+                       "logprob_diff": stats.logprob_diff_max, "same_version_gap": stats.same_version_gap_max,
+                       "model_tokens": fig.model_tokens}  # fmt: skip
                 out.append(rec)
                 if on_step is not None:
                     on_step(rec)
+                recent = [x["success"] for x in out[-MOVING:]]
+                if until is not None and len(recent) == MOVING and sum(recent) / MOVING >= until:
+                    break
         finally:
             await ro.stop()
     return QuickRun(ws, out)
