@@ -34,6 +34,7 @@ class TrainSample(BaseModel):
 
     @property
     def n_model_tokens(self) -> int:
+        """The tokens the loss trains (the model's, less those the grammar forced)."""
         return sum(self.mask)
 
 

@@ -130,7 +130,7 @@ class WarmStartConfig(_Strict):
 
 
 class PublishConfig(_Strict):
-    pause_mode: Literal["abort", "in_place", "retract"] = Field("in_place", description="How engines pause for new weights.")  # fmt: skip
+    pause_mode: Literal["abort", "in_place", "retract"] = Field("retract", description="How engines pause for new weights: retract recomputes running requests' KV with the new weights (every token has one version); in_place keeps the old KV (tokens after the update are marked mixed); abort ends them.")  # fmt: skip
     admin_token: str | None = Field(None, description="Bearer token of the engines' control endpoints.")
 
 

@@ -166,12 +166,12 @@ async def quick_grpo(cfg: TrainConfig, on_step=None, on_sft=None, warm: Path | N
                     taken, cfg.trainer.normalize_std, cfg.trainer.negative_weight, sampling_of(r)
                 )
                 fig = figures(taken, step, samples)
-                stats = learner.rl_step(samples, fig.model_tokens, objective_of(cfg))
+                stats = learner.rl_step(samples, fig.trained_tokens, objective_of(cfg))
                 chat.load(learner.model, learner.version)
                 ro.mark_trained(step + 1)
                 rec = {"step": step, "success": fig.success, "reward": fig.reward, "kl": stats.kl_sum / max(1, stats.tokens),
                        "logprob_diff": stats.logprob_diff_max, "same_version_gap": stats.same_version_gap_max,
-                       "model_tokens": fig.model_tokens}  # fmt: skip
+                       "trained_tokens": fig.trained_tokens}  # fmt: skip
                 out.append(rec)
                 if on_step is not None:
                     on_step(rec)

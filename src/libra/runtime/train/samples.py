@@ -31,7 +31,9 @@ class RolloutFigures:
     total_tokens: int
     tool_calls: int
     tool_failures: int
-    staleness: list[int]
+    staleness: list[int]  # per group: the step minus the weight version its batch started at
+    token_staleness: dict[int, int]  # model tokens by age: the step minus the oldest weights behind each
+    trained_tokens: int  # model tokens the loss trains (not forced by the grammar)
     version_min: int
     version_max: int
     migrations: int
@@ -68,6 +70,11 @@ def sample_of(seq: Sequence, advantage: float, sampling: Sampling) -> TrainSampl
 def figures(taken: list[Finished[Group]], step: int, samples: list[TrainSample]) -> RolloutFigures:
     trajs = [t for f in taken for t in f.group.trajs]
     versions = [v for t in trajs for turn in t.turns for v in turn.weight_versions]
+    ages: dict[int, int] = {}
+    for t in trajs:
+        for turn in t.turns:
+            for v, kv in zip(turn.weight_versions, turn.kv_versions or turn.weight_versions, strict=True):
+                ages[step - min(v, kv)] = ages.get(step - min(v, kv), 0) + 1
     buckets: dict[str, int] = {}
     for t in trajs:
         for turn in t.turns:
@@ -77,11 +84,13 @@ def figures(taken: list[Finished[Group]], step: int, samples: list[TrainSample])
         reward=sum(t.reward for t in trajs) / len(trajs),
         success=sum(t.success for t in trajs) / len(trajs),
         trajectories=len(trajs),
-        model_tokens=sum(s.n_model_tokens for s in samples),
+        model_tokens=sum(len(turn.token_ids) for t in trajs for turn in t.turns),
         total_tokens=sum(len(s.ids) for s in samples),
         tool_calls=sum(len(t.tools) for t in trajs),
         tool_failures=sum(r.status != "success" for t in trajs for r in t.tools),
         staleness=[step - f.version for f in taken],
+        token_staleness=dict(sorted(ages.items())),
+        trained_tokens=sum(s.n_model_tokens for s in samples),
         version_min=min(versions, default=0),
         version_max=max(versions, default=0),
         migrations=sum(t.migrations for t in trajs),
