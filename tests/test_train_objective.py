@@ -37,7 +37,7 @@ T, TOP_P, TOP_K = 0.7, 0.9, 12
 
 def _generate(params: list[SamplingParams], tools: bool):
     """Sequences sampled by an engine with a trained-scale model (seed 3), and their events."""
-    cfg = EngineConfig(kv_cache_mb=32)
+    cfg = EngineConfig(kv_cache_mb=32, logprobs_mode="processed_logprobs")
     learner = Learner(cfg.preset, 3, OptimConfig(), LocalReducer())
     model = build_model(cfg.preset)
     model.load_state_dict(learner.model.state_dict())

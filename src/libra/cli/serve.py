@@ -148,6 +148,7 @@ def _presets() -> list[str]:
 @click.option("--admin-token", default=None, envvar="LIBRA_ADMIN_TOKEN", help="Control calls (pause, weights, flush) need 'Authorization: Bearer TOKEN' [env: LIBRA_ADMIN_TOKEN].")  # fmt: skip
 @click.option("--access-log", is_flag=True, help="Log every HTTP request.")
 @click.option("--step-log", type=click.Path(dir_okay=False), default=None, help="Append each step's composition and CPU seconds to this JSONL file (for `libra costmodel profile`).")  # fmt: skip
+@click.option("--logprobs-mode", default="raw_logprobs", show_default=True, type=click.Choice(["raw_logprobs", "processed_logprobs"]), help="Report log-probs of the model's distribution, or of the one sampled from (temperature, top_k, top_p, min_p applied), as vLLM's option.")  # fmt: skip
 @_needs_extra
 def engine(save_checkpoint: str | None, host: str, port: int, access_log: bool, **options) -> None:
     """Built-in CPU inference engine: a small torch transformer with continuous batching and a

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -80,6 +80,11 @@ class EngineConfig(BaseModel):
     # When set, every step's composition and CPU seconds are appended to this JSONL file (the
     # serving profile of `libra costmodel profile --model builtin-M --device cpu`).
     step_log: str | None = None
+    # vLLM's --logprobs-mode: what a token's reported log-probability is taken from. raw_logprobs
+    # (vLLM's default): the model's distribution; processed_logprobs: after the request's
+    # temperature, top_k, top_p and min_p, the distribution it was sampled from (what an RL
+    # trainer needs; `distribution.processed_logprobs`). Neither includes the grammar.
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
 
     @field_validator("model")
     @classmethod

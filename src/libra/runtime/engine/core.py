@@ -91,7 +91,8 @@ class EngineCore:
         self.alloc = BlockAllocator(cfg.num_blocks(), cfg.block_size)
         self.cache = KVCache(cfg.preset, cfg.num_blocks(), cfg.block_size)
         self.sched = Scheduler(self.alloc, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefill_chunk)
-        self.runner = ModelRunner(model, self.cache, cfg.max_num_seqs, cfg.blocks_per_seq())
+        processed = cfg.logprobs_mode == "processed_logprobs"
+        self.runner = ModelRunner(model, self.cache, cfg.max_num_seqs, cfg.blocks_per_seq(), processed)
         self.model = model
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, list[Sequence]] = {}

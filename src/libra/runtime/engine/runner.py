@@ -52,7 +52,7 @@ class MaskTable:
 
 
 def sample(
-    logits: Tensor, seqs: Seq[Sequence], masks: MaskTable
+    logits: Tensor, seqs: Seq[Sequence], masks: MaskTable, processed: bool = False
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """One token per row of `logits` [S, V], under each sequence's constraint and parameters."""
     sets = [s.allowed() for s in seqs]
@@ -63,7 +63,7 @@ def sample(
     if random_rows:
         picked[random_rows] = _sample_random(masked[random_rows], [seqs[i] for i in random_rows])
     tokens = picked.tolist()
-    return tokens, _logprobs(logits, tokens, seqs, [len(a) == 1 for a in sets])
+    return tokens, _logprobs(logits, tokens, seqs, [len(a) == 1 for a in sets], processed)
 
 
 def _biased(masked: Tensor, seqs: Seq[Sequence]) -> Tensor:
@@ -99,15 +99,16 @@ def _params(seqs: Seq[Sequence]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
             torch.tensor([x.top_k for x in ps]), torch.tensor([x.min_p for x in ps]))  # fmt: skip
 
 
-def _logprobs(logits: Tensor, tokens: list[int], seqs: Seq[Sequence], forced: list[bool]) -> list[TokenLogprob | None]:  # fmt: skip
-    """Log-probabilities under the policy's processed distribution (`distribution`: temperature,
-    top_k, top_p, min_p; not the constraint), for the sequences that asked for them. A token the
-    constraint chose alone (one allowed token, or none the policy keeps) is marked `forced`."""
+def _logprobs(logits: Tensor, tokens: list[int], seqs: Seq[Sequence], forced: list[bool], processed: bool) -> list[TokenLogprob | None]:  # fmt: skip
+    """Log-probabilities, for the sequences that asked for them, under the model's raw
+    distribution, or (`processed`) under the policy's processed one (`distribution`: temperature,
+    top_k, top_p, min_p; never the constraint). A token the constraint chose alone (it allowed
+    one token, or none the processed distribution keeps) is marked `forced`."""
     want = [i for i, s in enumerate(seqs) if s.params.logprobs]
     out: list[TokenLogprob | None] = [None] * len(seqs)
     if not want:
         return out
-    logp = processed_logprobs(logits[want], *_params([seqs[i] for i in want]))
+    logp = processed_logprobs(logits[want], *(_params([seqs[i] for i in want]) if processed else ()))
     chosen = logp.gather(1, torch.tensor([[tokens[i]] for i in want])).squeeze(1).tolist()
     for j, i in enumerate(want):
         k = seqs[i].params.top_logprobs
@@ -121,8 +122,9 @@ def _logprobs(logits: Tensor, tokens: list[int], seqs: Seq[Sequence], forced: li
 
 
 class ModelRunner:
-    def __init__(self, model: TinyTransformer, cache: KVCache, max_rows: int, blocks_per_seq: int):
+    def __init__(self, model: TinyTransformer, cache: KVCache, max_rows: int, blocks_per_seq: int, processed: bool = False):  # fmt: skip
         self.model, self.cache, self.bs = model, cache, cache.block_size
+        self.processed = processed  # report log-probs of the processed distribution (logprobs_mode)
         self.table = torch.full((max_rows, blocks_per_seq), NULL_BLOCK, dtype=torch.long)
         self.masks = MaskTable(model.preset.vocab_size)
         self._ar = torch.arange(max(blocks_per_seq * self.bs, 1))
@@ -134,7 +136,7 @@ class ModelRunner:
         """Run one step; returns the chunks that sampled, their tokens and their log-probs."""
         batch, sampling = self.build(plan)
         logits = self.model(batch, self.cache)
-        tokens, logprobs = sample(logits, [c.seq for c in sampling], self.masks)
+        tokens, logprobs = sample(logits, [c.seq for c in sampling], self.masks, self.processed)
         return sampling, tokens, logprobs
 
     def build(self, plan: StepPlan) -> tuple[StepBatch, list[Chunk]]:

@@ -104,7 +104,7 @@ def engine_specs(cfg: TrainConfig, logs: Path) -> list[tuple[ProcessSpec, str]]:
             args = _py("-m", "libra", "serve", "engine", "--port", "0", "--model", e.model, "--name", MODEL_NAME,
                        "--tp-label", f"tp{b.tp}", "--seed", str(cfg.seed), "--max-num-seqs", str(e.max_num_seqs),
                        "--max-num-batched-tokens", str(batched_tokens(cfg)), "--kv-cache-mb", str(e.kv_cache_mb),
-                       "--threads", str(e.threads), "--tool-rounds", "1")  # fmt: skip
+                       "--threads", str(e.threads), "--tool-rounds", "1", "--logprobs-mode", "processed_logprobs")  # fmt: skip
             if e.step_log:
                 args += ("--step-log", str(logs / f"{name}-steps.jsonl"))
             out.append((ProcessSpec(name, args, logs / f"{name}.log", cpus=1.0, gpus=0.0), b.name))

@@ -122,7 +122,9 @@ class QuickRun:
 def warm_learner(cfg: TrainConfig, cache: Path | None = None, on_sft=None) -> tuple[Learner, WarmStartResult]:
     """A learner after `libra train`'s warm-start for `cfg`. With `cache`: loaded from that file if
     it exists (the weights and the warm-start's record, `save_warm`), else run and written there."""
-    ecfg = EngineConfig(model=cfg.engine.model, kv_cache_mb=64, seed=cfg.seed)
+    ecfg = EngineConfig(
+        model=cfg.engine.model, kv_cache_mb=64, seed=cfg.seed, logprobs_mode="processed_logprobs"
+    )
     learner = Learner(ecfg.preset, cfg.seed, optim_of(cfg, cfg.warmstart.lr), LocalReducer())
     if cache is not None and cache.exists():
         saved = torch.load(cache, map_location="cpu", weights_only=True)
@@ -148,7 +150,9 @@ async def quick_grpo(cfg: TrainConfig, on_step=None, on_sft=None, warm: Path | N
     `cfg.steps` synchronous GRPO steps, with `libra train`'s config, task, agent loop and learner;
     `until`: stop once the 5-step mean success reaches it. Synchronous (staleness 0) because this
     engine takes new weights only while idle; the live run pipelines by `pipeline.staleness`."""
-    ecfg = EngineConfig(model=cfg.engine.model, kv_cache_mb=64, seed=cfg.seed)
+    ecfg = EngineConfig(
+        model=cfg.engine.model, kv_cache_mb=64, seed=cfg.seed, logprobs_mode="processed_logprobs"
+    )
     learner, ws = warm_learner(cfg, warm, on_sft)
     r, out = cfg.rollout, []
     async with LocalChat(ecfg, cfg.seed) as chat:
