@@ -1,6 +1,6 @@
 """What GRPO itself adds: the seeded in-process learning curves of `libra train`'s default config.
 
-    python benchmarks/bench_learning.py [--seed S | --seeds 0-9] [--steps N] [--jobs J]
+    python benchmarks/bench_learning.py [--seed S | --seeds 0-9] [--steps N] [--jobs J] [--out DIR]
                                         [--warm-cache DIR] [--until-goal] [--set KEY=VALUE ...]
 
 Runs `runtime.train.inprocess.quick_grpo` (the live task, agent loop, engine core, learner and
@@ -18,7 +18,8 @@ default: a shared 2-core machine), and print one JSON object: every seed's objec
 (how many reached 0.8), and the `median` and `worst` seed (the worst: never reached, or latest,
 then the lowest best 5-step mean). `--warm-cache DIR` keeps each seed's warm-start in DIR and
 reuses it (comparing RL settings on the same warm-starts); `--until-goal` stops a seed once it
-reaches 0.8 (its curve ends there).
+reaches 0.8 (its curve ends there). `--out DIR` writes each seed's object to DIR/seed-S.json and
+skips a seed whose file is there with the same settings: a long sweep can be resumed.
 """
 
 from __future__ import annotations
@@ -114,10 +115,20 @@ def seeds_of(text: str) -> list[int]:
     return out
 
 
+def settings(a: argparse.Namespace) -> dict:
+    """What a seed's result depends on besides the seed (the code aside)."""
+    return {"steps": a.steps, "overrides": a.overrides, "until_goal": a.until_goal}
+
+
 def many_seeds(a: argparse.Namespace, seeds: list[int]) -> dict:
     """Each seed in its own process (one torch thread), `a.jobs` at a time."""
 
     def run(seed: int) -> dict:
+        done = Path(a.out) / f"seed-{seed}.json" if a.out else None
+        if done is not None and done.exists():
+            rec = json.loads(done.read_text())
+            if rec.get("settings") == settings(a):
+                return rec
         cmd = [sys.executable, __file__, "--seed", str(seed), "--steps", str(a.steps), "--json"]
         cmd += [x for o in a.overrides for x in ("--set", o)]
         cmd += ["--warm-cache", a.warm_cache] if a.warm_cache else []
@@ -125,7 +136,10 @@ def many_seeds(a: argparse.Namespace, seeds: list[int]) -> dict:
         out = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if out.returncode != 0:
             return {"seed": seed, "error": out.stderr[-2000:]}
-        rec = json.loads(out.stdout.strip().splitlines()[-1])
+        rec = {**json.loads(out.stdout.strip().splitlines()[-1]), "settings": settings(a)}
+        if done is not None:
+            done.parent.mkdir(parents=True, exist_ok=True)
+            done.write_text(json.dumps(rec))
         print(f"seed {seed}: 0.8 at {rec['steps_to_success_0_8']}, best {rec['best_5step']}", file=sys.stderr, flush=True)  # fmt: skip
         return rec
 
@@ -154,6 +168,7 @@ def main() -> None:
     ap.add_argument("--seeds", default=None, help="0-9 or 0,3,5: several seeds, each in its own process")
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--out", default=None, help="Write each seed's result here; skip seeds already there.")
     ap.add_argument(
         "--warm-cache", default=None, help="Keep and reuse each seed's warm-start in this folder."
     )

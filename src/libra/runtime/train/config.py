@@ -107,12 +107,12 @@ class TrainerConfig(_Strict):
     clip_low: float = Field(0.2, ge=0, le=1)
     clip_high: float = Field(0.28, ge=0, le=10)
     dual_clip: float | None = Field(3.0, gt=1, le=1000, description="verl's clip_ratio_c: a negative advantage's token loss is at most this times |A| (null: off).")  # fmt: skip
-    correction: Correction = Field("none", description="Off-policy correction: none (PPO ratio to the engine's log-probs) or tis (truncated importance sampling).")  # fmt: skip
+    correction: Correction = Field("tis", description="Off-policy correction: none (PPO ratio to the engine's log-probs) or tis (truncated importance sampling).")  # fmt: skip
     tis_cap: float = Field(2.0, ge=1, le=1000, description="With correction tis: the importance weight's cap.")  # fmt: skip
     normalize_std: bool = Field(
         True, description="Divide advantages by the group's std (GRPO); false: Dr. GRPO."
     )
-    negative_weight: float = Field(0.25, ge=0, le=1, description="Scales below-mean samples' advantages (1: plain GRPO, 0: positive samples only); at 1 the tiny model collapsed here.")  # fmt: skip
+    negative_weight: float = Field(1.0, ge=0, le=1, description="Scales below-mean samples' advantages (1: plain GRPO, 0: positive samples only).")  # fmt: skip
     micro_batch_tokens: int = Field(8192, ge=256)
     memory_budget_mb: int = Field(512, ge=1, le=1 << 24, description="A replica's training memory; EARL's selector packs micro-batches within it.")  # fmt: skip
     context_edges: list[int] = Field([256, 512, 1024, 2048, 4096, 8192], min_length=1, description="The selector's context ranges.")  # fmt: skip
@@ -125,7 +125,7 @@ class WarmStartConfig(_Strict):
     steps: int = Field(600, ge=0, le=100_000, description="At most this many supervised steps on demonstrations before RL.")  # fmt: skip
     lr: float = Field(3e-3, gt=0, le=1)
     batch: int = Field(32, ge=1, le=4096)
-    target_success: float = Field(0.1, ge=0, le=1, description="Stop once the probe's success reaches this (0: run every step).")  # fmt: skip
+    target_success: float = Field(0.3, ge=0, le=1, description="Stop once the probe's success reaches this (0: run every step).")  # fmt: skip
     probe_every: int = Field(2, ge=1, le=100_000, description="Steps between two probes.")
 
 
