@@ -93,6 +93,7 @@ def one_seed(a: argparse.Namespace) -> dict:
         "trainer": cfg.trainer.model_dump(include={"lr", "negative_weight", "normalize_std", "correction"}),
         "warmstart_steps": run.warmstart.steps,
         "warmstart_probe": run.warmstart.success,
+        "final_probe": run.probe,
         "first_success": succ[0],
         "final_success": sum(succ[-MOVING:]) / len(succ[-MOVING:]),
         "best_5step": max(win, default=None),
@@ -133,9 +134,9 @@ def many_seeds(a: argparse.Namespace, seeds: list[int]) -> dict:
         cmd += [x for o in a.overrides for x in ("--set", o)]
         cmd += ["--warm-cache", a.warm_cache] if a.warm_cache else []
         cmd += ["--until-goal"] if a.until_goal else []
-        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)  # progress: our stderr
         if out.returncode != 0:
-            return {"seed": seed, "error": out.stderr[-2000:]}
+            return {"seed": seed, "error": f"exit {out.returncode} (its stderr is above)"}
         rec = {**json.loads(out.stdout.strip().splitlines()[-1]), "settings": settings(a)}
         if done is not None:
             done.parent.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,7 @@ from libra.runtime.train.samples import figures, to_samples
 from libra.runtime.train.task import ProblemStream, call_id
 from libra.runtime.train.tools import InProcessTools
 from libra.runtime.train.trajectory import Turn
-from libra.runtime.train.warmstart import WarmStartResult, warm_start
+from libra.runtime.train.warmstart import WarmStartResult, probe_success, warm_start
 from libra.runtime.train.worker import objective_of, optim_of
 
 
@@ -117,6 +117,7 @@ def _deliver(events: list[tuple[asyncio.Queue, SeqEvent]]) -> None:
 class QuickRun:
     warmstart: WarmStartResult
     steps: list[dict]  # per RL step: step, success, reward, kl, logprob_diff
+    probe: float | None = None  # the warm-start's probe on the weights RL left
 
 
 def warm_learner(cfg: TrainConfig, cache: Path | None = None, on_sft=None) -> tuple[Learner, WarmStartResult]:
@@ -184,4 +185,4 @@ async def quick_grpo(cfg: TrainConfig, on_step=None, on_sft=None, warm: Path | N
                     break
         finally:
             await ro.stop()
-    return QuickRun(ws, out)
+    return QuickRun(ws, out, probe_success(learner.model, cfg.task, cfg.seed))
