@@ -73,8 +73,16 @@ def test_two_replicas_join_count_and_one_leaves_exactly(tmp_path, reference):
     for slot in (0, 1):  # states are sampled at step ends: a short one may fall between two
         seen = states_seen(res, slot)
         assert "ACTIVE" in seen and seen <= {s.name for s in JoinState}
-    # The membership changed three times (two activations, one release): three epochs.
-    assert end["epoch"] == 3
+    # Each change of the members bumps the epoch once. Two activations and one release are two or
+    # three changes: two joiners that activate at the same step boundary change it once (how far
+    # apart they activate depends on the machine's pace, not on the protocol).
+    members = [tuple(row["elastic"]["active"]) for row in res.core[0].steps]
+    changes = [b for a, b in zip([()] + members, members, strict=False) if a != b]
+    assert changes[-1] == (1,) and (0, 1) in changes
+    assert end["epoch"] == len(changes) and len(changes) in (2, 3)
+    assert [row["elastic"]["epoch"] for row in res.core[0].steps] == sorted(
+        row["elastic"]["epoch"] for row in res.core[0].steps
+    )
 
 
 @pytest.mark.parametrize("point", list(KillPoint))

@@ -94,6 +94,7 @@ class ElasticStatus:
     rollbacks: int  # joins or replicas rolled back to rollout after a failure or timeout
     rejected: int  # stale or duplicate messages refused
     states: tuple[JoinState, ...] = field(default_factory=tuple)
+    active: tuple[int, ...] = ()  # the hybrid slots that count in the next step (epoch's members)
 
     @classmethod
     def from_table(cls, m: Membership, table: torch.Tensor) -> ElasticStatus:
@@ -101,12 +102,12 @@ class ElasticStatus:
         states = tuple(JoinState(int(table[s, Field.STATE])) for s in range(m.slots))
         return cls(
             m.epoch, len(m.active), col(Field.JOINS), col(Field.RELEASES), col(Field.ROLLBACKS),
-            col(Field.REJECTED), states,
+            col(Field.REJECTED), states, m.active,
         )  # fmt: skip
 
     def to_json(self) -> dict:
         return {
             "joins": self.joins, "releases": self.releases, "rollbacks": self.rollbacks,
             "hybrid_active": self.hybrid_active, "epoch": self.epoch, "rejected": self.rejected,
-            "states": [s.name for s in self.states],
+            "states": [s.name for s in self.states], "active": list(self.active),
         }  # fmt: skip

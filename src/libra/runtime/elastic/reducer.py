@@ -360,5 +360,5 @@ def _status(m: Membership, table: Tensor, was: set[int]) -> ElasticStatus:
         elif slot in was and slot not in m.active and int(table[slot, Field.OP]) != Op.REMOVE:
             states[slot], releases = JoinState.RELEASING, releases + 1
     return ElasticStatus(
-        st.epoch, st.hybrid_active, joins, releases, st.rollbacks, st.rejected, tuple(states)
+        st.epoch, st.hybrid_active, joins, releases, st.rollbacks, st.rejected, tuple(states), st.active
     )
