@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import statistics
 import subprocess
@@ -40,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import report  # noqa: E402
 from libra.runtime.train.config import TrainConfig, load_train_config  # noqa: E402
-from libra.runtime.train.inprocess import quick_grpo  # noqa: E402
+from libra.runtime.train.inprocess import quick_grpo, warm_digest  # noqa: E402
 from libra.runtime.train.report import MOVING  # noqa: E402
 
 GOAL = 0.8
@@ -57,16 +56,7 @@ def windows(succ: list[float]) -> list[float]:
 
 def warm_file(cache: str | None, cfg: TrainConfig) -> Path | None:
     """Where this config's warm-start is kept: keyed by what the warm-start depends on."""
-    if cache is None:
-        return None
-    key = {
-        "seed": cfg.seed,
-        "model": cfg.engine.model,
-        "task": cfg.task.model_dump(),
-        "ws": cfg.warmstart.model_dump(),
-    }
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    return Path(cache) / f"warm-seed{cfg.seed}-{digest}.pt"
+    return None if cache is None else Path(cache) / f"warm-seed{cfg.seed}-{warm_digest(cfg)}.pt"
 
 
 def one_seed(a: argparse.Namespace) -> dict:

@@ -10,7 +10,9 @@ concurrent trajectory's turn, as the server does.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
+import json
 import random
 import time
 import zlib
@@ -134,16 +136,22 @@ def warm_learner(cfg: TrainConfig, cache: Path | None = None, on_sft=None) -> tu
     else:
         ws = warm_start(learner, cfg.warmstart, cfg.task, cfg.seed, on_step=on_sft)
         if cache is not None:
-            save_warm(learner, ws, cache)
+            save_warm(learner, ws, cache, warm_digest(cfg))
     learner.reset_optimizer(optim_of(cfg, cfg.trainer.lr))
     return learner, ws
 
 
-def save_warm(learner: Learner, ws: WarmStartResult, path: Path) -> None:
+def warm_digest(cfg: TrainConfig) -> str:
+    """What a warm-start depends on (seed, model, task, warm-start settings), as 12 hex digits."""
+    key = {"seed": cfg.seed, "model": cfg.engine.model, "task": cfg.task.model_dump(), "ws": cfg.warmstart.model_dump()}  # fmt: skip
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def save_warm(learner: Learner, ws: WarmStartResult, path: Path, digest: str = "") -> None:
     """The warm-start's weights (float16 halves the file; loading casts back) and its record."""
     path.parent.mkdir(parents=True, exist_ok=True)
     model = {k: v.detach().half() for k, v in learner.model.state_dict().items()}
-    torch.save({"model": model, "losses": ws.losses, "probes": [list(p) for p in ws.probes]}, path)
+    torch.save({"model": model, "losses": ws.losses, "probes": [list(p) for p in ws.probes], "digest": digest}, path)  # fmt: skip
 
 
 async def quick_grpo(cfg: TrainConfig, on_step=None, on_sft=None, warm: Path | None = None, until: float | None = None) -> QuickRun:  # fmt: skip
