@@ -17,7 +17,13 @@ from collections.abc import Sequence as Seq
 import torch
 from torch import Tensor
 
-from libra.runtime.engine.distribution import LOGPROB_FLOOR, SAMPLING_EPS, kept_set, processed_logprobs
+from libra.runtime.engine.distribution import (
+    LOGPROB_FLOOR,
+    SAMPLING_EPS,
+    filters,
+    kept_set,
+    processed_logprobs,
+)
 from libra.runtime.engine.kv_cache import NULL_BLOCK, KVCache
 from libra.runtime.engine.model import PrefillChunk, StepBatch, TinyTransformer
 from libra.runtime.engine.scheduler import Chunk, StepPlan
@@ -82,9 +88,9 @@ def _sample_random(masked: Tensor, seqs: Seq[Sequence]) -> Tensor:
     uniform number comes from the sequence's own generator, over tokens sorted by probability."""
     p = _params(seqs)
     probs = torch.softmax(masked / p[0][:, None], dim=-1)
-    keep = kept_set(probs, *p[1:])
     sorted_p, order = probs.sort(dim=-1, descending=True)
-    sorted_p = sorted_p * keep.gather(1, order)
+    if filters(*p[1:]):
+        sorted_p = sorted_p * kept_set(probs, *p[1:]).gather(1, order)
     cdf = sorted_p.cumsum(dim=-1)
     u = torch.tensor([[s.rng.random()] for s in seqs], dtype=cdf.dtype) * cdf[:, -1:]
     last_kept = (sorted_p > 0).sum(dim=-1, keepdim=True) - 1
