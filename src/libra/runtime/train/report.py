@@ -97,9 +97,9 @@ def summarize(records: list[dict]) -> dict:
         "final_weight_version": records[-1]["weight_version"],
         "staleness": staleness_summary(records),
         "same_version_gap_max": max(
-            (r["loss"].get("same_version_gap_max", 0.0) for r in records), default=0.0
+            (r.get("loss", {}).get("same_version_gap_max", 0.0) for r in records), default=0.0
         ),
-        "same_version_tokens": sum(r["loss"].get("same_version_tokens", 0) for r in records),
+        "same_version_tokens": sum(r.get("loss", {}).get("same_version_tokens", 0) for r in records),
         **({"elastic": elastic_summary(records)} if any(r.get("elastic") for r in records) else {}),
     }
 
