@@ -1,14 +1,21 @@
 """The full `libra train` stack: learning curve, step time split, tokens/s, control-plane share.
 
-    python benchmarks/bench_train.py [--json] [--steps N] [--launcher local|ray] [--set KEY=VALUE ...]
+    python benchmarks/bench_train.py [--json] [--steps N] [--launcher local|ray] [--inprocess]
+                                     [--set KEY=VALUE ...]
 
 Runs `libra train` as a user does (real engines, gateway, actions service, trainer replicas) into a
 temporary folder and reads its summary.json and steps.json. With --json it prints one object with
 `first_success`, `final_success` (5-step mean at the end), `steps`, `steps_to_success_0_8` (first
 step whose 5-step mean reaches 0.8; null if never), `mean_step_s`, `control_share` (weight
 publication's share of step time), `gateway_share` (the gateway's own time as a share of each
-request's time, from its Prometheus histograms), the rollout/train/publish split, tokens/s and the
-curve itself.
+request's time, from its Prometheus histograms), the rollout/train/publish split, tokens/s, the
+curve itself, and what the pipeline did to the data: `staleness` (trained groups and model tokens
+by age in steps, and the groups that expired past the bound) and `same_version_gap_max` (the
+largest |trainer - engine| log-prob of a token sampled with the very weights the trainer held:
+the two must agree, whatever the staleness of the rest).
+
+`--inprocess` also runs the in-process loop on the same seed and config (`bench_learning.py`,
+synchronous: staleness 0) and reports its `steps_to_success_0_8` and the ratio of the two.
 """
 
 from __future__ import annotations
@@ -39,11 +46,35 @@ def gateway_share(log_dir: Path) -> float | None:
     return over / (over + up) if over + up > 0 else None
 
 
+def inprocess(a: argparse.Namespace) -> dict:
+    """The in-process loop on the same seed and settings (bench_learning.py, one JSON object)."""
+    seed = next((o.split("=", 1)[1] for o in a.overrides if o.startswith("seed=")), "0")
+    cmd = [
+        sys.executable,
+        str(Path(__file__).with_name("bench_learning.py")),
+        "--seed",
+        seed,
+        "--steps",
+        str(a.steps),
+    ]
+    for o in a.overrides:
+        cmd += ["--set", o]
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        sys.exit(f"bench_learning failed ({r.returncode}): {r.stderr[-2000:]}")
+    rec = json.loads(r.stdout.strip().splitlines()[-1])
+    return {
+        k: rec[k]
+        for k in ("steps_to_success_0_8", "first_success", "final_success", "best_5step", "warmstart_steps")
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--launcher", default="local")
+    ap.add_argument("--inprocess", action="store_true", help="Also run the in-process loop on the same seed.")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     a = ap.parse_args()
     out = Path(tempfile.mkdtemp(prefix="bench-train-"))
@@ -75,9 +106,16 @@ def main() -> None:
         "mean_publish_s": summary["mean_publish_s"],
         "tokens_per_s": summary["tokens_per_s"],
         "dropped": summary["dropped"],
+        "staleness": summary["staleness"],
+        "same_version_gap_max": summary["same_version_gap_max"],
+        "same_version_tokens": summary["same_version_tokens"],
         "curve": [round(s["success"], 3) for s in steps],
         "run": str(out),
     }
+    if a.inprocess:
+        result["inprocess"] = inprocess(a)
+        live, local = result["steps_to_success_0_8"], result["inprocess"]["steps_to_success_0_8"]
+        result["steps_ratio_vs_inprocess"] = live / local if live is not None and local else None
     if a.json:
         print(json.dumps(result))
     else:

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from libra.runtime.engine.config import PRESETS
 from libra.runtime.train.batch import TrainSample, shard
-from libra.runtime.train.grpo import Clip
+from libra.runtime.train.grpo import Objective
 from libra.runtime.train.learner import Learner, OptimConfig
 from libra.runtime.train.reducer import LocalReducer, SumAllReduce
 
@@ -31,7 +31,7 @@ def _samples(seed: int, n: int) -> list[TrainSample]:
 def _steps(learner: Learner, batches: list[list[TrainSample]], part) -> None:
     for samples in batches:
         total = sum(s.n_model_tokens for s in samples)
-        learner.rl_step(part(samples), total, Clip())
+        learner.rl_step(part(samples), total, Objective())
 
 
 def _replica(rank: int, world: int, init: str, batches, out) -> None:

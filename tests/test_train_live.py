@@ -79,6 +79,9 @@ def check_smoke(out: Path, r: subprocess.CompletedProcess, steps: int) -> None:
         assert (out / f).stat().st_size > 0, f
     check_tokens(out, recs)
     check_decisions(recs)
+    # the trainer's log-probs of the tokens sampled with its own weights are the engines'
+    assert all(x["loss"]["same_version_gap_max"] < 1e-3 for x in recs)
+    assert all(max(x["staleness"]["groups"]) <= 1 for x in recs)  # pipeline.staleness 1, kept
     check_curves(out, steps)
 
 
@@ -123,6 +126,7 @@ def check_tokens(out: Path, recs: list[dict]) -> None:
         for turn in t["turns"]:
             ids, lps, vers = turn["token_ids"], turn["logprobs"], turn["weight_versions"]
             assert ids and len(ids) == len(lps) == len(vers)
+            assert turn["kv_versions"] == vers  # pause_mode retract: a token's KV is of its own weights
             assert all(math.isfinite(x) and x <= 0 for x in lps) and all(v >= 0 for v in vers)
             v = vers[0]
             if v not in models:

@@ -161,6 +161,7 @@ def _presets() -> list[str]:
 @click.option("--max-connections-per-client", type=int, default=None, help="Open connections from one IP address [default: 4096].")  # fmt: skip
 @click.option("--access-log", is_flag=True, help="Log every HTTP request.")
 @click.option("--step-log", type=click.Path(dir_okay=False), default=None, help="Append each step's composition and CPU seconds to this JSONL file (for `libra costmodel profile`).")  # fmt: skip
+@click.option("--logprobs-mode", default="raw_logprobs", show_default=True, type=click.Choice(["raw_logprobs", "processed_logprobs"]), help="Report log-probs of the model's distribution, or of the one sampled from (temperature, top_k, top_p, min_p applied), as vLLM's option.")  # fmt: skip
 @_needs_extra
 def engine(save_checkpoint: str | None, host: str, port: int, access_log: bool, **options) -> None:
     """Libra's inference engine: continuous batching and a paged KV cache behind an

@@ -10,11 +10,14 @@ the simulated clock and the live run. Both mechanisms ask the same two questions
 - `GroupQueue.take(step, n)`: training step s takes n whole finished groups. `consume: completion`
   takes the first n to finish, from any batch (AReaL); `consume: batch` takes exactly batch s's.
 
-The bound k is kept where generation starts: no batch starts on weights more than k steps old.
-With `consume: completion` a straggler's group is trained when it finishes, possibly many steps
-later, so the tokens a step trains can be older than k versions. `strict` keeps the bound on the
-trained tokens too: step s first takes every finished group sampled at version s - k or older
-(the batch may grow past n), and is not ready while such a group still runs (`oldest_running`).
+The bound k holds for what is trained, not only for when a batch starts: with `consume:
+completion` a slow group of an early batch can finish after later batches' groups have filled the
+steps its own batch was meant for, and would be trained k + 2 or more steps after its weights.
+`take` never returns a group older than k (step - version > k): it sets such a group aside as
+expired, and the mechanism that owns the rollouts drains them (`drain_expired`), counts them and
+regenerates each one with the weights of the moment. `strict` keeps the bound by waiting instead:
+step s first takes every finished group sampled at version s - k or older (the batch may grow past
+n), and is not ready while such a group still runs (`oldest_running`); nothing then expires.
 
 Pure: no clock and no I/O; a group is any object, carried with the weight version it was sampled at.
 """
@@ -71,11 +74,13 @@ class GroupQueue(Generic[G]):
 
     gate: StalenessGate
     _queues: dict[int, deque[Finished[G]]] = field(default_factory=dict)
+    _expired: list[Finished[G]] = field(default_factory=list)
 
     def add(self, batch: int, version: int, group: G) -> None:
         self._queues.setdefault(self.gate.queue_of(batch), deque()).append(Finished(version, group))
 
     def ready(self, step: int, n_groups: int) -> bool:
+        self._expire(step)
         q = self._queues.get(self.gate.queue_of(step))
         return q is not None and len(q) >= n_groups
 
@@ -84,7 +89,8 @@ class GroupQueue(Generic[G]):
     ) -> Sequence[Finished[G]] | None:
         """The `n_groups` groups training step `step` trains, or None while too few have finished.
 
-        With a strict gate, also None while a running group (the oldest sampled at version
+        Every group it returns is at most k steps old; older ones are set aside as expired. With a
+        strict gate, also None while a running group (the oldest sampled at version
         `oldest_running`) is overdue, and every finished overdue group is taken, first."""
         if not self.ready(step, n_groups):
             return None
@@ -100,6 +106,23 @@ class GroupQueue(Generic[G]):
         q.clear()
         q.extend(left)
         return taken
+
+    def too_old(self, step: int, version: int) -> bool:
+        """Whether a group sampled at `version` is past the bound for training step `step`."""
+        return step - version > self.gate.staleness
+
+    def _expire(self, step: int) -> None:
+        for q in self._queues.values():
+            if any(self.too_old(step, f.version) for f in q):
+                keep = [f for f in q if not self.too_old(step, f.version)]
+                self._expired += [f for f in q if self.too_old(step, f.version)]
+                q.clear()
+                q.extend(keep)
+
+    def drain_expired(self) -> list[Finished[G]]:
+        """The groups set aside as too old since the last call (the caller counts and replaces them)."""
+        out, self._expired = self._expired, []
+        return out
 
     def waiting(self) -> int:
         return sum(len(q) for q in self._queues.values())

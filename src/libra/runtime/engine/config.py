@@ -72,6 +72,12 @@ class EngineConfig(HttpLimitFields, RequestCapFields):
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$")
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     _source: ModelSource = PrivateAttr()
+    # vLLM's --logprobs-mode: what a token's reported log-probability is taken from. raw_logprobs
+    # (vLLM's default): the model's distribution; processed_logprobs: after the request's
+    # temperature, top_k, top_p and min_p, the distribution it was sampled from (what an RL
+    # trainer needs; `distribution.processed_logprobs`). Neither includes the grammar.
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+
 
     @field_validator("max_num_batched_tokens")
     @classmethod

@@ -16,7 +16,11 @@ every request with its KV cache; `retract` stops stepping and sends running requ
 queue, their cache freed, to be recomputed on continue (so with new weights if new weights came in
 between); `wait` lets everything already submitted finish. Requests that arrive while paused are
 held and join at continue. New weights are copied into the live model between two steps, and
-every sampled token is tagged with the weight version that produced it.
+every sampled token is tagged with the weight version that produced it and with the version of
+the oldest weights in the KV cache it read: after an update during an `in_place` pause the two
+differ (the cache was computed by the old weights, the token by the new), and a trainer must know
+that no checkpoint holds that token's policy. `retract` recomputes the cache with the new weights
+(AReaL's interruptible generation), so every token has one version.
 
 Sleeping follows vLLM's levels: level 1 gives the KV cache back (a CPU engine has no device to
 offload its weights from, so they stay); level 2 also discards the weights (zeroed in place: their
@@ -95,7 +99,8 @@ class EngineCore:
         dtype = next(model.parameters()).dtype
         self.cache = KVCache(cfg.preset, cfg.num_blocks(), cfg.block_size, dtype, cfg.device)
         self.sched = Scheduler(self.alloc, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefill_chunk)
-        self.runner = ModelRunner(model, self.cache, cfg.max_num_seqs, cfg.blocks_per_seq())
+        processed = cfg.logprobs_mode == "processed_logprobs"
+        self.runner = ModelRunner(model, self.cache, cfg.max_num_seqs, cfg.blocks_per_seq(), processed)
         self.model = model
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, list[Sequence]] = {}
@@ -387,6 +392,9 @@ class EngineCore:
         return len(plan.chunks)
 
     def _execute(self, plan: StepPlan) -> list[tuple[object, SeqEvent]]:
+        for c in plan.chunks:
+            if c.start == 0:  # a fresh (or recomputed) cache: these weights compute all of it
+                c.seq.kv_version = self.weight_version
         sampling, tokens, logprobs = self.runner.execute(plan)
         for c in plan.chunks:
             c.seq.num_computed += c.n
@@ -398,7 +406,9 @@ class EngineCore:
         return events
 
     def _accept(self, seq: Sequence, token: int, lp, now: float) -> SeqEvent:
-        ev = SeqEvent(seq.index, token_ids=[token], versions=[self.weight_version])
+        ev = SeqEvent(
+            seq.index, token_ids=[token], versions=[self.weight_version], kv_versions=[seq.kv_version]
+        )
         seq.tokens.append(token)
         if seq.first_token_at is None:
             seq.first_token_at = now

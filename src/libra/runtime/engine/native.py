@@ -35,6 +35,7 @@ from libra.runtime.engine.protocol import (
     last_version,
     parse,
     refuse_unless_neutral,
+    token_fields,
     token_text,
 )
 from libra.runtime.engine.sequence import FinishReason, SamplingParams, TextOutput
@@ -200,8 +201,8 @@ class GenerateFormat:
                 meta["output_top_logprobs"] = [
                     [_entry(v, t, as_text) for t, v in lp.top] for lp in state.logprobs
                 ]
-        if len(set(state.versions)) > 1:
-            meta["output_token_weight_versions"] = state.versions
+        extra = token_fields(state.versions, state.kv_versions, state.logprobs)
+        meta.update({f"output_{k}": v for k, v in extra.items()})
         out = {"text": "".join(state.text), "output_ids": state.token_ids, "meta_info": meta}
         return {**out, "index": state.index} if self.batched else out
 

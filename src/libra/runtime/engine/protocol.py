@@ -426,6 +426,7 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)
+    kv_versions: list[str] = field(default_factory=list)
     finish: str | None = None
     matched: int | str | None = None
     prompt_tokens: int = 0
@@ -440,6 +441,7 @@ class ChoiceState:
         self.logprobs += ev.logprobs
         self.token_ids += ev.token_ids
         self.versions += ev.versions
+        self.kv_versions += ev.kv_versions
         if ev.finish:
             self.finish, self.matched = ev.finish, ev.matched
             self.prompt_tokens, self.completion_tokens = ev.prompt_tokens, ev.completion_tokens
@@ -457,10 +459,23 @@ class ChoiceState:
         """`token_ids` (and each token's weight version when they differ), as asked."""
         if not opts.token_ids:
             return {}
-        out: dict = {"token_ids": self.token_ids}
-        if len(set(self.versions)) > 1:
-            out["token_weight_versions"] = self.versions
-        return out
+        return {"token_ids": self.token_ids, **token_fields(self.versions, self.kv_versions, self.logprobs)}
+
+
+def token_fields(versions: list[str], kv_versions: list[str], logprobs: list[TokenLogprob]) -> dict:
+    """What an RL trainer needs beyond the ids, each field only when it says something:
+    `token_weight_versions` when the tokens' weight versions differ (an update came mid-request);
+    `token_kv_versions` when a token was computed over a KV cache of older weights than its own (an
+    update during a pause `in_place`: that token's policy is a mix no checkpoint holds); and
+    `token_forced` (1 where the constraint alone chose the token) when any was."""
+    out: dict = {}
+    if len(set(versions)) > 1:
+        out["token_weight_versions"] = versions
+    if kv_versions != versions:
+        out["token_kv_versions"] = kv_versions
+    if any(lp.forced for lp in logprobs):
+        out["token_forced"] = [int(lp.forced) for lp in logprobs]
+    return out
 
 
 def tool_call(call: tuple[str, str], arguments: str, index: int | None = None) -> dict:

@@ -17,6 +17,13 @@ from collections.abc import Sequence as Seq
 import torch
 from torch import Tensor
 
+from libra.runtime.engine.distribution import (
+    LOGPROB_FLOOR,
+    SAMPLING_EPS,
+    filters,
+    kept_set,
+    processed_logprobs,
+)
 from libra.runtime.engine.kv_cache import NULL_BLOCK, KVCache
 from libra.runtime.engine.model import PrefillChunk, StepBatch
 from libra.runtime.engine.scheduler import Chunk, StepPlan
@@ -56,18 +63,14 @@ class MaskTable:
         return i
 
 
-# Below this temperature sampling is greedy, as in vLLM: dividing logits by 1e-300 overflows to
-# inf, and softmax of inf is NaN.
-SAMPLING_EPS = 1e-5
-
-
 def sample(
-    logits: Tensor, seqs: Seq[Sequence], masks: MaskTable
+    logits: Tensor, seqs: Seq[Sequence], masks: MaskTable, processed: bool = False
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """One token per row of `logits` [S, V], under each sequence's constraint and parameters.
     Sampling runs on the CPU in float32 whatever device and dtype the model ran in."""
     logits = logits.float().cpu()
-    allowed = masks.rows([s.allowed() for s in seqs])
+    sets = [s.allowed() for s in seqs]
+    allowed = masks.rows(sets)
     masked = logits.clone() if allowed is None else logits.masked_fill(~allowed, float("-inf"))
     masked = _biased(masked, seqs)
     picked = masked.argmax(dim=-1)
@@ -75,7 +78,7 @@ def sample(
     if random_rows:
         picked[random_rows] = _sample_random(masked[random_rows], [seqs[i] for i in random_rows])
     tokens = picked.tolist()
-    return tokens, _logprobs(logits, tokens, seqs)
+    return tokens, _logprobs(logits, tokens, seqs, [a is not None and len(a) == 1 for a in sets], processed)
 
 
 def _biased(masked: Tensor, seqs: Seq[Sequence]) -> Tensor:
@@ -89,15 +92,14 @@ def _biased(masked: Tensor, seqs: Seq[Sequence]) -> Tensor:
 
 
 def _sample_random(masked: Tensor, seqs: Seq[Sequence]) -> Tensor:
-    temps = torch.tensor([s.params.temperature for s in seqs])
-    top_p = torch.tensor([s.params.top_p for s in seqs])
-    probs = torch.softmax(masked / temps[:, None], dim=-1)
+    """Draw from each row's constrained distribution, narrowed by its top_k, top_p and min_p (as
+    vLLM does: the constraint first, so a narrow nucleus never leaves nothing to sample). The
+    uniform number comes from the sequence's own generator, over tokens sorted by probability."""
+    p = _params(seqs)
+    probs = torch.softmax(masked / p[0][:, None], dim=-1)
     sorted_p, order = probs.sort(dim=-1, descending=True)
-    cum = sorted_p.cumsum(dim=-1)
-    keep = (cum - sorted_p) < top_p[:, None]  # the nucleus
-    _keep_top_k_and_min_p(keep, sorted_p, seqs)
-    keep[:, 0] = True  # the top token always stays, even for a top_p that rounds to 0 in float32
-    sorted_p = sorted_p * keep
+    if filters(*p[1:]):
+        sorted_p = sorted_p * kept_set(probs, *p[1:]).gather(1, order)
     cdf = sorted_p.cumsum(dim=-1)
     u = torch.tensor([[s.rng.random()] for s in seqs], dtype=cdf.dtype) * cdf[:, -1:]
     last_kept = (sorted_p > 0).sum(dim=-1, keepdim=True) - 1
@@ -105,32 +107,32 @@ def _sample_random(masked: Tensor, seqs: Seq[Sequence]) -> Tensor:
     return order.gather(1, pick).squeeze(1)
 
 
-def _keep_top_k_and_min_p(keep: Tensor, sorted_p: Tensor, seqs: Seq[Sequence]) -> None:
-    """Narrow `keep` (over probabilities sorted high to low) to each row's `top_k` most likely
-    tokens and to those at least `min_p` times as likely as the most likely one."""
-    if any(s.params.top_k for s in seqs):
-        k = torch.tensor([s.params.top_k or sorted_p.shape[1] for s in seqs])
-        keep &= torch.arange(sorted_p.shape[1])[None, :] < k[:, None]
-    if any(s.params.min_p for s in seqs):
-        min_p = torch.tensor([s.params.min_p for s in seqs], dtype=sorted_p.dtype)
-        keep &= sorted_p >= min_p[:, None] * sorted_p[:, :1]
+def _params(seqs: Seq[Sequence]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Each row's temperature, top_p, top_k and min_p."""
+    ps = [s.params for s in seqs]
+    return (torch.tensor([x.temperature for x in ps]), torch.tensor([x.top_p for x in ps]),
+            torch.tensor([x.top_k for x in ps]), torch.tensor([x.min_p for x in ps]))  # fmt: skip
 
 
-def _logprobs(logits: Tensor, tokens: list[int], seqs: Seq[Sequence]) -> list[TokenLogprob | None]:
-    """Log-probabilities under the model's raw distribution, for sequences that asked for them."""
+def _logprobs(logits: Tensor, tokens: list[int], seqs: Seq[Sequence], forced: list[bool], processed: bool) -> list[TokenLogprob | None]:  # fmt: skip
+    """Log-probabilities, for the sequences that asked for them, under the model's raw
+    distribution, or (`processed`) under the policy's processed one (`distribution`: temperature,
+    top_k, top_p, min_p; never the constraint). A token the constraint chose alone (it allowed
+    one token, or none the processed distribution keeps) is marked `forced`."""
     want = [i for i, s in enumerate(seqs) if s.params.logprobs]
     out: list[TokenLogprob | None] = [None] * len(seqs)
     if not want:
         return out
-    logp = torch.log_softmax(logits[want].float(), dim=-1)
+    logp = processed_logprobs(logits[want], *(_params([seqs[i] for i in want]) if processed else ()))
     chosen = logp.gather(1, torch.tensor([[tokens[i]] for i in want])).squeeze(1).tolist()
     for j, i in enumerate(want):
         k = seqs[i].params.top_logprobs
         top = ()
         if k:
             vals, idx = logp[j].topk(k)
-            top = tuple(zip(idx.tolist(), vals.tolist(), strict=True))
-        out[i] = TokenLogprob(tokens[i], chosen[j], top)
+            top = tuple(zip(idx.tolist(), [max(v, LOGPROB_FLOOR) for v in vals.tolist()], strict=True))
+        lp = chosen[j]
+        out[i] = TokenLogprob(tokens[i], max(lp, LOGPROB_FLOOR), top, forced[i] or lp == float("-inf"))
     return out
 
 
@@ -145,11 +147,12 @@ def _to_device(b: StepBatch, device: str) -> StepBatch:
 
 
 class ModelRunner:
-    def __init__(self, model, cache: KVCache, max_rows: int, blocks_per_seq: int):
+    def __init__(self, model, cache: KVCache, max_rows: int, blocks_per_seq: int, processed: bool = False):
         """`model`: the built-in `TinyTransformer` or a checkpoint's `LlamaFamily` (the same
         `forward(StepBatch, KVCache)`); the step's tensors go to the cache's device."""
         self.model, self.cache, self.bs = model, cache, cache.block_size
         self.device = cache.device
+        self.processed = processed  # report log-probs of the processed distribution (logprobs_mode)
         self.table = torch.full((max_rows, blocks_per_seq), NULL_BLOCK, dtype=torch.long)
         self.masks = MaskTable(model.preset.vocab_size)
         self._ar = torch.arange(max(blocks_per_seq * self.bs, 1))
@@ -161,7 +164,7 @@ class ModelRunner:
         """Run one step; returns the chunks that sampled, their tokens and their log-probs."""
         batch, sampling = self.build(plan)
         logits = self.model(batch, self.cache)
-        tokens, logprobs = sample(logits, [c.seq for c in sampling], self.masks)
+        tokens, logprobs = sample(logits, [c.seq for c in sampling], self.masks, self.processed)
         return sampling, tokens, logprobs
 
     def build(self, plan: StepPlan) -> tuple[StepBatch, list[Chunk]]:

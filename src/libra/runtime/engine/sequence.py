@@ -49,9 +49,13 @@ class SamplingParams:
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
+    """A sampled token's log-probability under the policy's processed distribution
+    (`distribution.processed_logprobs`); `forced`: the constraint chose it, not the policy."""
+
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    forced: bool = False
 
 
 @dataclass(slots=True)
@@ -65,6 +69,7 @@ class SeqEvent:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # the tokens sampled, in order
     versions: list[str] = field(default_factory=list)  # the weight version of each of them
+    kv_versions: list[str] = field(default_factory=list)  # the oldest weights in the KV each one read
     finish: str | None = None
     matched: int | str | None = None  # what ended it: the end token's id, the stop string, an abort's reason
     prompt_tokens: int = 0
@@ -290,7 +295,7 @@ class Sequence:
     __slots__ = (
         "rid", "index", "sink", "tokens", "n_prompt", "num_computed", "status", "blocks", "row",
         "synced", "params", "output", "rng", "max_model_len", "arrived", "first_token_at",
-        "finish_reason",
+        "finish_reason", "kv_version",
     )  # fmt: skip
 
     def __init__(self, rid: str, index: int, prompt: list[int], params: SamplingParams,
@@ -301,6 +306,7 @@ class Sequence:
         self.params, self.output, self.max_model_len = params, output, max_model_len
         self.rng = random.Random(params.seed)
         self.arrived, self.first_token_at, self.finish_reason = arrived, None, None
+        self.kv_version = ""  # the weight version its KV cache was first computed with (set at prefill)
 
     @property
     def n_generated(self) -> int:

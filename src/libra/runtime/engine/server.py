@@ -121,10 +121,7 @@ class ChatFormat:
     def _ids(self, ev: SeqEvent) -> dict:
         if not self.opts.token_ids:
             return {}
-        out: dict = {"token_ids": ev.token_ids}
-        if len(set(ev.versions)) > 1:
-            out["token_weight_versions"] = ev.versions
-        return out
+        return {"token_ids": ev.token_ids, **p.token_fields(ev.versions, ev.kv_versions, ev.logprobs)}
 
     def body(self, states: list[p.ChoiceState]) -> dict:
         version = p.last_version(states, self.version())
@@ -194,7 +191,7 @@ def merge(events: list[SeqEvent]) -> list[SeqEvent]:
     for ev in events:
         m = out.get(ev.index)
         if m is None:  # a copy, merged into below
-            out[ev.index] = replace(ev, logprobs=list(ev.logprobs), token_ids=list(ev.token_ids), versions=list(ev.versions))  # fmt: skip
+            out[ev.index] = replace(ev, logprobs=list(ev.logprobs), token_ids=list(ev.token_ids), versions=list(ev.versions), kv_versions=list(ev.kv_versions))  # fmt: skip
             continue
         m.text += ev.text
         m.tool_call = m.tool_call or ev.tool_call
@@ -202,6 +199,7 @@ def merge(events: list[SeqEvent]) -> list[SeqEvent]:
         m.logprobs += ev.logprobs
         m.token_ids += ev.token_ids
         m.versions += ev.versions
+        m.kv_versions += ev.kv_versions
         m.finish, m.error, m.matched = ev.finish or m.finish, ev.error or m.error, ev.matched or m.matched
         m.prompt_tokens, m.completion_tokens = ev.prompt_tokens or m.prompt_tokens, ev.completion_tokens or m.completion_tokens  # fmt: skip
     return list(out.values())

@@ -20,6 +20,7 @@ from typing import Protocol
 
 import aiohttp
 
+from libra.runtime.train.config import RolloutConfig
 from libra.runtime.train.trajectory import DropReason, Turn
 
 
@@ -28,6 +29,12 @@ class Sampling:
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int = 64
+    top_k: int = 0  # 0: every token
+
+
+def sampling_of(r: RolloutConfig) -> Sampling:
+    """The rollout's sampling parameters (the trainer scores every token under the same ones)."""
+    return Sampling(r.temperature, r.top_p, r.max_tokens, r.top_k)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +71,7 @@ def chat_body(model: str, messages: list[dict], tools: list[dict], sampling: Sam
         "tools": tools,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
+        **({"top_k": sampling.top_k} if sampling.top_k else {}),
         "max_tokens": sampling.max_tokens,
         "logprobs": True,
         "return_token_ids": True,
@@ -83,6 +91,8 @@ def parse_choice(data: dict) -> Turn:
     lps = [float(e["logprob"]) for e in (choice.get("logprobs") or {}).get("content") or []]
     version = version_number(data.get("weight_version"))
     versions = choice.get("token_weight_versions")
+    kv = choice.get("token_kv_versions")
+    forced = choice.get("token_forced")
     msg = choice.get("message") or {}
     call = None
     if msg.get("tool_calls"):
@@ -94,6 +104,8 @@ def parse_choice(data: dict) -> Turn:
         logprobs=lps,
         weight_versions=[version_number(v) for v in versions] if versions else [version] * len(ids),
         finish_reason=str(choice.get("finish_reason")),
+        kv_versions=[version_number(v) for v in kv] if kv else None,
+        forced=[bool(f) for f in forced] if forced else None,
         text=msg.get("content") or "",
         tool_call=call,
         raw=msg.get("raw_content"),

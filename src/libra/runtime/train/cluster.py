@@ -115,7 +115,8 @@ def engine_specs(cfg: TrainConfig, logs: Path) -> list[tuple[ProcessSpec, str]]:
             args = _py("-m", "libra", "serve", "engine", "--port", "0", "--model", e.model, "--name", MODEL_NAME,
                        "--tp-label", f"tp{b.tp}", "--seed", str(cfg.seed), "--max-num-seqs", str(e.max_num_seqs),
                        "--max-num-batched-tokens", str(batched_tokens(cfg)), "--kv-cache-mb", str(e.kv_cache_mb),
-                       "--threads", str(e.threads), "--tool-rounds", "1")  # fmt: skip
+                       "--threads", str(e.threads), "--tool-rounds", "1",
+                       "--logprobs-mode", "processed_logprobs")  # fmt: skip
             if e.max_model_len is not None:
                 args += ("--max-model-len", str(e.max_model_len))
             if e.step_log:

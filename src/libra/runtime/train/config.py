@@ -20,6 +20,8 @@ from libra.runtime.elastic.config import ElasticRuntimeConfig
 from libra.runtime.engine.sources import resolve
 
 CONFIGS = "libra.runtime.train.configs"
+# The loss's off-policy corrections (`grpo.Objective`): named here so the CLI validates without torch.
+Correction = Literal["none", "tis"]
 
 
 class _Strict(BaseModel):
@@ -48,8 +50,9 @@ class TaskConfig(_Strict):
 class RolloutConfig(_Strict):
     groups_per_step: int = Field(8, ge=1, le=1024, description="GRPO groups (prompts) a step trains.")
     group_size: int = Field(8, ge=2, le=64, description="Samples per prompt.")
-    temperature: float = Field(1.0, gt=0, le=2.0)
-    top_p: float = Field(1.0, gt=0, le=1.0)
+    temperature: float = Field(1.0, gt=0, le=2.0, description="Sampling temperature; the trainer scores tokens at the same one.")  # fmt: skip
+    top_p: float = Field(1.0, gt=0, le=1.0, description="Nucleus mass, in (0, 1]; the trainer applies the same.")  # fmt: skip
+    top_k: int = Field(0, ge=0, le=1_000_000, description="Keep the k most likely tokens (0: all); the trainer applies the same.")  # fmt: skip
     max_tokens: int = Field(64, ge=8, le=4096, description="Per model call.")
     agent_loop: str = Field("calc", description="A registered agent loop or pkg.module:Class.")
     max_drop_fraction: float = Field(0.5, ge=0, le=1, description="Dropped groups in a batch that stop the run.")  # fmt: skip
@@ -118,10 +121,13 @@ class TrainerConfig(_Strict):
     grad_clip: float = Field(1.0, gt=0)
     clip_low: float = Field(0.2, ge=0, le=1)
     clip_high: float = Field(0.28, ge=0, le=10)
+    dual_clip: float | None = Field(3.0, gt=1, le=1000, description="verl's clip_ratio_c: a negative advantage's token loss is at most this times |A| (null: off).")  # fmt: skip
+    correction: Correction = Field("tis", description="Off-policy correction: none (PPO ratio to the engine's log-probs) or tis (truncated importance sampling).")  # fmt: skip
+    tis_cap: float = Field(2.0, ge=1, le=1000, description="With correction tis: the importance weight's cap.")  # fmt: skip
     normalize_std: bool = Field(
         True, description="Divide advantages by the group's std (GRPO); false: Dr. GRPO."
     )
-    negative_weight: float = Field(0.25, ge=0, le=1, description="Scales below-mean samples' advantages (1: plain GRPO, 0: positive samples only); at 1 the tiny model collapsed here.")  # fmt: skip
+    negative_weight: float = Field(0.25, ge=0, le=1, description="Scales below-mean samples' advantages (1: plain GRPO, 0: positive samples only); docs/train.md compares 1 and 0.25 over seeds.")  # fmt: skip
     micro_batch_tokens: int = Field(8192, ge=256)
     memory_budget_mb: int = Field(512, ge=1, le=1 << 24, description="A replica's training memory; EARL's selector packs micro-batches within it.")  # fmt: skip
     context_edges: list[int] = Field([256, 512, 1024, 2048, 4096, 8192], min_length=1, description="The selector's context ranges.")  # fmt: skip
@@ -137,12 +143,12 @@ class WarmStartConfig(_Strict):
     steps: int = Field(600, ge=0, le=100_000, description="At most this many supervised steps on demonstrations before RL.")  # fmt: skip
     lr: float = Field(3e-3, gt=0, le=1)
     batch: int = Field(32, ge=1, le=4096)
-    target_success: float = Field(0.1, ge=0, le=1, description="Stop once the probe's success reaches this (0: run every step).")  # fmt: skip
+    target_success: float = Field(0.3, ge=0, le=1, description="Stop once the probe's success reaches this (0: run every step).")  # fmt: skip
     probe_every: int = Field(2, ge=1, le=100_000, description="Steps between two probes.")
 
 
 class PublishConfig(_Strict):
-    pause_mode: Literal["abort", "in_place", "retract"] = Field("in_place", description="How engines pause for new weights.")  # fmt: skip
+    pause_mode: Literal["abort", "in_place", "retract"] = Field("retract", description="How engines pause for new weights: retract recomputes running requests' KV with the new weights (every token has one version); in_place keeps the old KV (tokens after the update are marked mixed); abort ends them.")  # fmt: skip
     admin_token: str | None = Field(None, description="Bearer token of the engines' control endpoints.")
 
 

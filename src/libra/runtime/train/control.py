@@ -5,9 +5,12 @@ answers; a replica that does not answer is a dead replica, and the run stops wit
 `TrainerLost`, naming the checkpoint to resume from.
 
 `publish` is weight publication through the gateway's control broadcast: pause every engine
-(SGLang's modes: `in_place` keeps in-flight requests paused where they are), load the checkpoint's
-`model.pt` (`update_weights_from_disk`, the engines' own model class, no conversion), resume.
-Tokens sampled after the update carry the new `weight_version`. Continue is sent even when the
+(SGLang's modes: `retract`, the default, sends in-flight requests back to the queue and recomputes
+their KV with the new weights on resume, as AReaL's interruptible generation does; `in_place`
+keeps them paused with the KV of the old weights), load the checkpoint's `model.pt`
+(`update_weights_from_disk`, the engines' own model class, no conversion), resume. Tokens sampled
+after the update carry the new `weight_version`, and with `in_place` the older version of the KV
+they read (`token_kv_versions`), so the trainer never takes them for the new weights' own. Continue is sent even when the
 update fails, so engines are never left paused.
 """
 

@@ -28,7 +28,7 @@ from libra.runtime.launch.base import Launcher, LaunchError
 from libra.runtime.train import checkpoint as ckpt
 from libra.runtime.train import cluster as procs
 from libra.runtime.train.agent import AgentEnv, make_agent_loop
-from libra.runtime.train.chat import GatewayChat, Sampling
+from libra.runtime.train.chat import GatewayChat, sampling_of
 from libra.runtime.train.config import TrainConfig
 from libra.runtime.train.control import (
     Publisher,
@@ -119,7 +119,7 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
             clock = StepClock(time.time())
             groups = await _guard(cluster, rollouts.take(step))  # rollouts and rewards
             clock.mark("rollout")
-            samples = to_samples(groups, cfg.trainer.normalize_std, cfg.trainer.negative_weight)  # advantages
+            samples = to_samples(groups, cfg.trainer.normalize_std, cfg.trainer.negative_weight, sampling_of(cfg.rollout))  # fmt: skip
             packing, selected = _select(layout, samples)  # EARL: the layout for this context range
             result = await _guard(
                 cluster, _train(cfg, trainers, pool, step, samples, packing)
@@ -197,7 +197,7 @@ def _env(cfg: TrainConfig, cluster, http: aiohttp.ClientSession) -> AgentEnv:
     chat = GatewayChat(cluster.gateway_url, procs.MODEL_NAME, http, r.turn_timeout_s, cfg.publish.admin_token)
     tools = SandboxTools(cluster.actions_url, http) if cfg.task.tool == "sandbox" else InProcessTools()
     tools = SlowFrom(tools, cfg.task.slow_tool_s, cfg.task.slow_tool_from)
-    return AgentEnv(chat, tools, Sampling(r.temperature, r.top_p, r.max_tokens))
+    return AgentEnv(chat, tools, sampling_of(r))
 
 
 async def base_success(cfg: TrainConfig, env: AgentEnv) -> dict:

@@ -38,7 +38,7 @@ from libra.runtime.train.batch import TrainSample, sample_tokens
 from libra.runtime.train.config import TrainConfig
 from libra.runtime.train.learner import Learner
 from libra.runtime.train.reducer import LocalReducer
-from libra.runtime.train.worker import HOST, clip_of, optim_of
+from libra.runtime.train.worker import HOST, objective_of, optim_of
 
 
 class StepFeed:
@@ -67,7 +67,7 @@ class StepFeed:
 
     def backward(self, model, step: int, indices: list[int]) -> None:
         samples, total = self._get(step)
-        self.learner.accumulate([samples[i] for i in indices], total, clip_of(self.cfg))
+        self.learner.accumulate([samples[i] for i in indices], total, objective_of(self.cfg))
 
 
 def _update(learner: Learner):

@@ -22,9 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from libra.runtime.engine.config import ModelPreset
-from libra.runtime.engine.model import TRAIN_EMBED_STD, TinyTransformer, token_logprobs
-from libra.runtime.train.batch import TrainSample, micro_batches, pad
-from libra.runtime.train.grpo import Clip, policy_loss
+from libra.runtime.engine.distribution import sampled_logprobs
+from libra.runtime.engine.model import TRAIN_EMBED_STD, TinyTransformer
+from libra.runtime.train.batch import Padded, TrainSample, micro_batches, pad
+from libra.runtime.train.grpo import Objective, policy_loss
 from libra.runtime.train.reducer import Reducer
 
 
@@ -45,9 +46,14 @@ class StepStats:
     tokens: int = 0
     samples: int = 0
     clipped: float = 0.0
+    dual_clipped: float = 0.0
     ratio_sum: float = 0.0
     kl_sum: float = 0.0
     logprob_diff_max: float = 0.0
+    same_version_gap_max: float = 0.0  # |trainer - engine| log-prob of tokens of these weights
+    same_version_tokens: int = 0
+    is_weight_sum: float = 0.0
+    is_truncated: float = 0.0
     grad_norm: float = 0.0
 
     def as_dict(self) -> dict:
@@ -78,29 +84,41 @@ class Learner:
         self.optim_cfg = optim or self.optim_cfg
         self.opt = self._new_optimizer()
 
-    def rl_step(self, samples: list[TrainSample], global_tokens: int, clip: Clip) -> StepStats:
+    def rl_step(self, samples: list[TrainSample], global_tokens: int, obj: Objective) -> StepStats:
         self.opt.zero_grad(set_to_none=False)
-        st = self.accumulate(samples, global_tokens, clip)
+        st = self.accumulate(samples, global_tokens, obj)
         st.grad_norm = self._apply()
         self.step, self.version = self.step + 1, self.version + 1
         return st
 
-    def accumulate(self, samples: list[TrainSample], global_tokens: int, clip: Clip) -> StepStats:
+    def accumulate(self, samples: list[TrainSample], global_tokens: int, obj: Objective) -> StepStats:
         """Add these samples' GRPO gradients (loss over the step's global tokens) to the model's;
         no reduction, no update (an elastic partner also calls it for a replica's missing share)."""
         st = StepStats(samples=len(samples))
         for mb in micro_batches(samples, self.optim_cfg.micro_batch_tokens):
             b = pad(mb).to(self.device)
-            new = token_logprobs(self.model, b.tokens)
-            parts = policy_loss(new, b.old, b.adv, b.mask, clip, global_tokens)
+            new = self.sampled_logprobs(b, b.mask > 0)
+            same = b.versions == self.version  # sampled with the weights this step starts from
+            parts = policy_loss(new, b.old, b.adv, b.mask, obj, global_tokens, same)
             parts.loss.backward()
             st.loss += parts.loss.item()
             st.tokens += int(b.mask.sum().item())
             st.clipped += parts.clipped
+            st.dual_clipped += parts.dual_clipped
             st.ratio_sum += parts.ratio
             st.kl_sum += parts.kl
             st.logprob_diff_max = max(st.logprob_diff_max, parts.logprob_diff)
+            st.same_version_gap_max = max(st.same_version_gap_max, parts.same_version_gap)
+            st.same_version_tokens += parts.same_version_tokens
+            st.is_weight_sum += parts.is_weight
+            st.is_truncated += parts.is_truncated
         return st
+
+    def sampled_logprobs(self, b: Padded, where: torch.Tensor) -> torch.Tensor:
+        """[B, T - 1]: each token's log-prob under the processed distribution it was sampled from
+        (its sample's temperature, top_p, top_k), where `where` is true; 0 elsewhere."""
+        logits = self.model.forward_train(b.tokens[:, :-1])
+        return sampled_logprobs(logits, b.tokens[:, 1:], where, b.temperature, b.top_p, b.top_k)
 
     def sft_step(self, batch: list[tuple[list[int], list[int]]], global_tokens: int) -> float:
         """Cross-entropy on the masked tokens of (ids, mask) demonstrations; returns this
@@ -134,10 +152,11 @@ class Learner:
         return float(norm)
 
     def logprobs(self, samples: list[TrainSample]) -> list[list[float]]:
-        """The current model's log-prob of every token (position 0 gets 0.0), without gradients."""
+        """The current model's log-prob of every token (position 0 gets 0.0) under each sample's
+        processed distribution, without gradients."""
         with torch.no_grad():
             b = pad(samples).to(self.device)
-            lp = token_logprobs(self.model, b.tokens)
+            lp = self.sampled_logprobs(b, torch.ones_like(b.mask, dtype=torch.bool))
         return [[0.0, *lp[i, : len(s.ids) - 1].tolist()] for i, s in enumerate(samples)]
 
     # ---- checkpoints -------------------------------------------------------------------------------

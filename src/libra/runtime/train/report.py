@@ -80,7 +80,8 @@ def summarize(records: list[dict]) -> dict:
         return {"steps": 0}
     succ = [r["success"] for r in records]
     avg = moving(succ)
-    reach = next((r["step"] for r, a in zip(records, avg, strict=True) if a >= 0.8), None)
+    # the first step whose full 5-step window (steps s-4..s) averages 0.8
+    reach = next((r["step"] for i, (r, a) in enumerate(zip(records, avg, strict=True)) if a >= 0.8 and i >= MOVING - 1), None)  # fmt: skip
     step_s = sum(r["step_time_s"] for r in records)
     pub = sum(r["publish_s"] for r in records)
     return {
@@ -98,7 +99,32 @@ def summarize(records: list[dict]) -> dict:
         "trained": sum(r["trained"] for r in records),
         "dropped": sum(r["dropped"]["trajectories"] for r in records),
         "final_weight_version": records[-1]["weight_version"],
+        "staleness": staleness_summary(records),
+        "same_version_gap_max": max(
+            (r.get("loss", {}).get("same_version_gap_max", 0.0) for r in records), default=0.0
+        ),
+        "same_version_tokens": sum(r.get("loss", {}).get("same_version_tokens", 0) for r in records),
         **({"elastic": elastic_summary(records)} if any(r.get("elastic") for r in records) else {}),
+    }
+
+
+def staleness_summary(records: list[dict]) -> dict:
+    """Over the run: trained groups and model tokens by age (steps between the weights that
+    sampled them and the step that trained them; a token's oldest weights, its KV cache's
+    included), and the groups that expired past the bound (replaced, never trained)."""
+    groups: dict[int, int] = {}
+    tokens: dict[int, int] = {}
+    for r in records:  # steps.json of an earlier version (a resumed run) may lack these keys
+        st = r.get("staleness", {})
+        for age in st.get("groups", []):
+            groups[age] = groups.get(age, 0) + 1
+        for age, n in st.get("tokens", {}).items():
+            tokens[int(age)] = tokens.get(int(age), 0) + n
+    expired = sum(r.get("staleness", {}).get("expired_groups", 0) for r in records)
+    return {
+        "groups": dict(sorted(groups.items())),
+        "tokens": dict(sorted(tokens.items())),
+        "expired_groups": expired,
     }
 
 
@@ -180,7 +206,9 @@ class RunFolder:
             for g in groups:
                 for t in g.group.trajs:
                     turns = [{"prompt_ids": x.prompt_ids, "token_ids": x.token_ids, "logprobs": x.logprobs,
-                              "weight_versions": x.weight_versions, "bucket": x.bucket, "instance": x.instance}
+                              "weight_versions": x.weight_versions, "kv_versions": x.kv_versions or x.weight_versions,
+                              "forced": [int(f) for f in x.forced or [False] * len(x.token_ids)],
+                              "bucket": x.bucket, "instance": x.instance}
                              for x in t.turns]  # fmt: skip
                     f.write(json.dumps({"step": step, "id": t.id, "batch": t.batch, "reward": t.reward, "turns": turns}) + "\n")  # fmt: skip
 

@@ -6,6 +6,11 @@ groups at once; each finished group goes into the shared `GroupQueue` with the w
 batch started at, and training step s takes whole groups from it (`consume: completion` takes the
 first to finish, `batch` exactly batch s's). This is the simulator's rule, in the same code.
 
+The bound holds for what is trained: a group that would be trained more than k steps after the
+weights it was sampled with (a slow group under `consume: completion`) is set aside by the queue;
+it is counted as dropped with reason `stale` and the batch samples a replacement group with the
+weights of the moment.
+
 A group is trained whole or not at all: when one of its trajectories is dropped (an engine error
 the gateway could not fail over, a token mismatch, a tool the service failed), the whole group is
 dropped, every member counted with its reason, and the batch samples a replacement group, so a
@@ -50,6 +55,7 @@ class DropLog:
     reasons: Counter = field(default_factory=Counter)
     details: list[str] = field(default_factory=list)
     trajectories: int = 0
+    stale_groups: int = 0
 
     def add(self, group: Group) -> None:
         for t in group.trajs:
@@ -59,8 +65,8 @@ class DropLog:
         self.trajectories += len(group.trajs)
 
     def take(self) -> DropLog:
-        out = DropLog(self.reasons, self.details, self.trajectories)
-        self.reasons, self.details, self.trajectories = Counter(), [], 0
+        out = DropLog(self.reasons, self.details, self.trajectories, self.stale_groups)
+        self.reasons, self.details, self.trajectories, self.stale_groups = Counter(), [], 0, 0
         return out
 
 
@@ -96,6 +102,7 @@ class Rollouts:
         while True:
             self._raise_if_failed()
             got = self.queue.take(step, self.shape.groups_per_step)
+            self._replace_expired(step)
             if got is not None:
                 return list(got)
             self._changed.clear()
@@ -139,6 +146,17 @@ class Rollouts:
         if not task.cancelled() and task.exception() is not None and self._error is None:
             self._error = task.exception()
         self._poke()
+
+    def _replace_expired(self, step: int) -> None:
+        """Count every group the queue set aside as too old and sample a replacement for each,
+        with the weights of now (the replacement joins the same queue)."""
+        for f in self.queue.drain_expired():
+            why = f"sampled at weight version {f.version}, trained at step {step}: older than pipeline.staleness={self.gate.staleness}"  # fmt: skip
+            for t in f.group.trajs:
+                t.drop(DropReason.STALE, why)
+            self.drops.add(f.group)
+            self.drops.stale_groups += 1
+            self._spawn(self._group_until_whole(f.group.batch, f.group.index, self.trained))
 
     async def _batch(self, b: int, version: int) -> None:
         budget = int(self.shape.max_drop_fraction * self.shape.groups_per_step)

@@ -31,6 +31,7 @@ import random
 import re
 from dataclasses import dataclass
 
+from libra.runtime.engine.constraints import ToolCallGrammar, Utf8Text
 from libra.runtime.engine.tokenizer import (
     ChatMessage,
     Special,
@@ -157,6 +158,29 @@ class ProblemStream:
 def call_id(rng: random.Random) -> str:
     """An id of the engine's shape (`call_` and 24 hex digits), drawn from `rng`."""
     return "call_" + "".join(rng.choice("0123456789abcdef") for _ in range(24))
+
+
+def demonstration_allowed(ids: list[int], mask: list[int], max_tokens: int = 64) -> list[frozenset[int] | None]:  # fmt: skip
+    """For each token of a demonstration (`ids`, `mask`): what the engine's grammar allows there
+    when the model samples it (the tool call's grammar in the first turn, UTF-8 text in the
+    second), None where the model samples nothing. A set of one is a token the grammar forces."""
+    out: list[frozenset[int] | None] = [None] * len(ids)
+    grammar, turn, n = None, 0, 0
+    for t, (tok, m) in enumerate(zip(ids, mask, strict=True)):
+        if not m:
+            grammar = None
+            continue
+        if grammar is None:  # a run of model tokens: one turn
+            grammar = (
+                ToolCallGrammar({TOOL_NAME: TOOL_SCHEMA["function"]["parameters"]})
+                if turn == 0
+                else Utf8Text()
+            )
+            turn, n = turn + 1, 0
+        out[t] = grammar.allowed(max_tokens - n)
+        grammar.advance(tok)
+        n += 1
+    return out
 
 
 def demonstration(problem: Problem, call_id: str = "call_0") -> tuple[list[int], list[int]]:

@@ -2,8 +2,10 @@
 trains it.
 
 Per turn the engine reports the prompt it ran (token ids, as its own template rendered the
-conversation), the ids it sampled, their log-probabilities and the weight version of each sampled
-token. The trajectory is the last turn's prompt plus its sampled ids; every earlier turn must be
+conversation), the ids it sampled, their log-probabilities under the policy's processed
+distribution (`engine.distribution`), the weight version of each sampled token, the version of the
+oldest weights in the KV cache it read (older after an update during an `in_place` pause: such a
+token has no single version), and which tokens the engine's grammar forced. The trajectory is the last turn's prompt plus its sampled ids; every earlier turn must be
 a prefix of it, and the tokens between one turn's sampled ids and the next turn's (the template's
 end token, the tool's output, the next role marker) get loss mask 0: the model is trained on
 what it sampled, never on tool output. A turn whose prompt does not extend what came before is a
@@ -32,6 +34,8 @@ class Turn:
     logprobs: list[float]
     weight_versions: list[int]  # per sampled token
     finish_reason: str
+    kv_versions: list[int] | None = None  # per sampled token; None: the same as weight_versions
+    forced: list[bool] | None = None  # per sampled token: the grammar chose it; None: none was
     text: str = ""  # the answer text (a text turn)
     tool_call: tuple[str, str, str] | None = None  # (call id, name, arguments JSON)
     raw: str | None = None  # a checkpoint model's call as it wrote it (the engine's raw_content)
@@ -57,6 +61,7 @@ class DropReason:
     MISMATCH = "token_mismatch"  # a turn's prompt did not extend the previous turn
     TOOL = "tool_error"  # the actions service failed the call (not the tool's own error text)
     GROUP = "group_member_dropped"  # its GRPO group lost a member, so the whole group is dropped
+    STALE = "stale"  # its group finished more than pipeline.staleness steps after its weights
 
 
 @dataclass(slots=True)
@@ -95,12 +100,19 @@ class Trajectory:
 @dataclass(slots=True)
 class Sequence:
     """A trajectory as the trainer sees it: ids, a loss mask and the behaviour log-probabilities,
-    aligned so that position t of `mask`/`logprobs`/`versions` describes token `ids[t]`."""
+    aligned so that position t of `mask`/`logprobs`/`versions` describes token `ids[t]`.
+
+    `mask` is 1 on the tokens the model sampled; `forced` marks those the grammar chose alone
+    (the loss leaves them out); `versions` is a sampled token's weight version, and `kv_versions`
+    the oldest weights in the cache it read (equal unless an in-place update came mid-turn); -1 on
+    tokens the model did not sample."""
 
     ids: list[int]
     mask: list[int]
     logprobs: list[float]
     versions: list[int]
+    kv_versions: list[int] = field(default_factory=list)
+    forced: list[bool] = field(default_factory=list)
 
     @property
     def n_model_tokens(self) -> int:
@@ -117,6 +129,7 @@ def assemble(turns: list[Turn]) -> Sequence:
         raise TokenMismatch("no turns")
     ids = list(turns[0].prompt_ids)
     mask, lps, vers = [0] * len(ids), [0.0] * len(ids), [-1] * len(ids)
+    kv, forced = [-1] * len(ids), [False] * len(ids)
     for k, t in enumerate(turns):
         if t.prompt_ids[: len(ids)] != ids:
             at = next(
@@ -127,8 +140,14 @@ def assemble(turns: list[Turn]) -> Sequence:
         gap = t.prompt_ids[len(ids) :]
         if len(t.logprobs) != len(t.token_ids) or len(t.weight_versions) != len(t.token_ids):
             raise TokenMismatch(f"turn {k}: {len(t.token_ids)} ids, {len(t.logprobs)} logprobs, {len(t.weight_versions)} versions")  # fmt: skip
+        n = len(t.token_ids)
+        tkv, tforced = t.kv_versions or t.weight_versions, t.forced or [False] * n
+        if len(tkv) != n or len(tforced) != n:
+            raise TokenMismatch(f"turn {k}: {n} ids, {len(tkv)} KV versions, {len(tforced)} forced flags")
         ids += gap + t.token_ids
-        mask += [0] * len(gap) + [1] * len(t.token_ids)
+        mask += [0] * len(gap) + [1] * n
         lps += [0.0] * len(gap) + list(t.logprobs)
         vers += [-1] * len(gap) + list(t.weight_versions)
-    return Sequence(ids, mask, lps, vers)
+        kv += [-1] * len(gap) + list(tkv)
+        forced += [False] * len(gap) + list(tforced)
+    return Sequence(ids, mask, lps, vers, kv, forced)

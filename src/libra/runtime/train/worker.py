@@ -45,7 +45,7 @@ from libra.runtime.serving import bind, serve_until_signalled
 from libra.runtime.train import checkpoint as ckpt
 from libra.runtime.train.batch import TrainSample, sample_tokens
 from libra.runtime.train.config import TrainConfig
-from libra.runtime.train.grpo import Clip
+from libra.runtime.train.grpo import Objective
 from libra.runtime.train.learner import Learner, OptimConfig
 from libra.runtime.train.lora import adapter_state, has_lora
 from libra.runtime.train.models import train_model
@@ -60,8 +60,9 @@ def optim_of(cfg: TrainConfig, lr: float) -> OptimConfig:
     return OptimConfig(lr, t.betas, t.weight_decay, t.grad_clip, t.micro_batch_tokens)
 
 
-def clip_of(cfg: TrainConfig) -> Clip:
-    return Clip(cfg.trainer.clip_low, cfg.trainer.clip_high)
+def objective_of(cfg: TrainConfig) -> Objective:
+    t = cfg.trainer
+    return Objective(t.clip_low, t.clip_high, t.dual_clip, t.correction, t.tis_cap)
 
 
 class Replica:
@@ -107,7 +108,7 @@ class Replica:
             self.learner.optim_cfg = replace(self.learner.optim_cfg, micro_batch_tokens=int(body["micro_batch_tokens"]))  # fmt: skip
         if self.cfg.elastic.enabled:
             samples = self._elastic_share(int(body["step"]), samples, body.get("release") or [])
-        stats = self.learner.rl_step(samples, self.global_tokens, clip_of(self.cfg))
+        stats = self.learner.rl_step(samples, self.global_tokens, objective_of(self.cfg))
         path = self._save(self.learner.step, self.learner.version, with_optimizer=True)
         self.m_step.observe(time.perf_counter() - t0)
         self.m_tokens.inc(stats.tokens)
@@ -134,7 +135,9 @@ class Replica:
 
     def _recompute(self, indices: list[int]) -> None:
         """An ACTIVE hybrid replica's gradients did not come: its share is computed here."""
-        self.learner.accumulate([self.samples[i] for i in indices], self.global_tokens, clip_of(self.cfg))
+        self.learner.accumulate(
+            [self.samples[i] for i in indices], self.global_tokens, objective_of(self.cfg)
+        )
 
     def _save(self, step: int, version: int, with_optimizer: bool) -> str | None:
         if self.rank != 0:

@@ -6,7 +6,11 @@ finished (its weights are at most k steps old), so up to k+1 batches are in flig
 batch overlaps the tail of the last one. Training step s takes as many whole GRPO groups as batch s
 has: by default the first groups to finish (`pipeline.consume: completion`, as AReaL does), so a
 straggler's group is trained by a later step instead of holding its own step up; with `batch`,
-exactly the groups of batch s. Training step s starts once its groups are in and step s-1 has
+exactly the groups of batch s. The bound holds for what is trained: a group that finishes more than
+k steps after its weights (a straggler under `consume: completion`) is set aside by the shared
+`GroupQueue`, counted (`expired_groups`) and replaced by a fresh group (a group of a batch no step
+draws, `Batches.spare`, as the live run samples a new problem) started with the weights of the
+moment. Training step s starts once its groups are in and step s-1 has
 finished. A batch that starts with newer weights than the engines hold first waits for the weight
 sync. Colocated systems alternate on all GPUs (rollout, switch, train, switch), one whole batch at a
 time.
@@ -55,6 +59,9 @@ from libra.sim.rl.systems import Setup, System, make_system
 from libra.sim.tracing import Tracer
 from libra.sim.workloads import make_workload, step_rng
 
+SPARE_STEP = 1_000_000  # spare groups come from the batches of these steps, which no run reaches
+SPARE = "~spare"  # marks a spare group's prompt id
+
 
 class Batches:
     """Where each step's trajectories come from: a workload generator or a replayed trace."""
@@ -89,6 +96,15 @@ class Batches:
         cycle, i = divmod(step, len(self.trace))
         suffix = f"#{cycle}" if cycle else ""
         return [replace(t, id=t.id + suffix, step=step) for t in self.trace[i]]
+
+    def spare(self, k: int, step: int) -> list[Trajectory]:
+        """The k-th spare group, to replace a group of batch `step` that grew too old to train: the
+        first group of a batch no step draws (fresh lengths and ids), relabelled as batch `step`'s."""
+        b = SPARE_STEP + k
+        batch = self.get(b) if self.trace is not None else self.workload.generate(b, step_rng(self.seed, b))
+        first = [t for t in batch if t.prompt_id == batch[0].prompt_id]
+        pid = f"{first[0].prompt_id}{SPARE}"
+        return [replace(t, id=f"{t.id}{SPARE}", prompt_id=pid, step=step) for t in first]
 
     def floors(self, limit: Limit, batches: Iterable[int]) -> dict[int, BatchFloor]:
         """The floors (`sim.rl.limit`) of these batches under `limit`, each computed once (the
@@ -132,6 +148,9 @@ class RLSim:
         self.finished: GroupQueue[list[Trajectory]] = GroupQueue(self.gate)
         self.filled = 0  # steps whose training batch is full
         self.version: dict[int, int] = {}  # step -> training steps done when its batch started
+        self.rerun: dict[GroupKey, int] = {}  # a spare group in flight -> the version it started with
+        self.expired_groups = 0  # groups set aside as older than the staleness bound and replaced
+        self.expired_at: dict[int, int] = {}  # step -> groups that expired when it took its groups
         self.done_batches: dict[int, StepRecord] = {}
         self.rollout_started = self.train_done = 0
         self.training = False
@@ -210,7 +229,11 @@ class RLSim:
     def _may_roll(self, s: int) -> bool:
         if s >= self.steps or self.pending is not None:
             return False
-        return self.gate.may_start(s, self.train_done, busy=self.training or bool(self.in_flight))
+        return self.gate.may_start(s, self.train_done, busy=self.training or not self._drained())
+
+    def _drained(self) -> bool:
+        """No batch and no re-run group in flight."""
+        return not self.in_flight and not self.rerun
 
     def _try_rollout(self) -> None:
         while self._may_roll(self.rollout_started):
@@ -296,9 +319,10 @@ class RLSim:
             self.partial.done(key, self.group_done.pop(key))
             self._fill_partial()
             return
-        self.finished.add(t.step, self.version[t.step], self.group_done.pop(key))
+        version = self.rerun.pop(key) if key in self.rerun else self.version[t.step]
+        self.finished.add(t.step, version, self.group_done.pop(key))
         if self._fill():
-            if self.pending is not None and not self.in_flight:
+            if self.pending is not None and self._drained():
                 self._apply_pending()
             self._try_train()
             self._try_rollout()
@@ -308,6 +332,7 @@ class RLSim:
         filled = False
         while (b := self.in_flight.get(self.filled)) is not None and b.groups is not None:
             taken = self.finished.take(self.filled, b.groups, self._oldest_running())
+            self._replace(self.filled, self.finished.drain_expired())
             if taken is None:
                 break
             self._batch_done(b, taken)
@@ -348,6 +373,20 @@ class RLSim:
     def _keep(self, run: Run) -> None:
         self.driver.suspend(run)
         self.suspended.append(run)
+
+    def _replace(self, step: int, expired: list[Finished[list[Trajectory]]]) -> None:
+        """Each group too old to train at `step` is replaced by a spare group, started now with the
+        weights of now."""
+        if expired:
+            self.expired_at[step] = self.expired_at.get(step, 0) + len(expired)
+        for f in expired:
+            spare = self.batches.spare(self.expired_groups, f.group[0].step)
+            key = (spare[0].step, spare[0].prompt_id)
+            self.expired_groups += 1
+            self.rerun[key] = self.group_version[key] = self.train_done
+            self.group_left[key] = len(spare)
+            for t in spare:
+                self.driver.start(t)
 
     def _batch_done(
         self, b: InFlight, taken: Sequence[Finished[list[Trajectory]]], end: float | None = None
@@ -457,7 +496,7 @@ class RLSim:
             self._interrupt_switch(new)
             return
         self.pending = new
-        if not self.in_flight:
+        if self._drained():
             self._apply_pending()
 
     def _reshard(self, new: Setup) -> None:
@@ -529,7 +568,10 @@ class RLSim:
         if self._bounds is None:
             limit = limit_of(self.sc, self.profile, self.mech.speculative)
             floors = self.batches.floors(limit, sorted({b for b, _ in self.submitted}))
-            taken = [StepTaken(r.step, r.rollout_start, sorted({(t.step, t.prompt_id) for t in r.trajs}))
+            # Spare groups (replacements of expired ones) are left out: the floors are the batches'
+            # own, and fewer groups counted keeps each bound a lower bound.
+            taken = [StepTaken(r.step, r.rollout_start, sorted({(t.step, t.prompt_id) for t in r.trajs
+                                                               if not t.prompt_id.endswith(SPARE)}))
                      for r in self.history]  # fmt: skip
             partial = self.partial is not None
             completion = partial or self.gate.by_completion()
@@ -585,6 +627,7 @@ class RLSim:
             **_token_lag(h),
             **({"interrupts": self.driver_interrupts()} if self.mech.interrupt_updates else {}),
             **({"carried_groups": self.partial.carried_groups} if self.partial is not None else {}),
+            "expired_groups": self.expired_groups,
             **({"elastic": self.pool.summary()} if self.pool else {}),
             **({"routing": self.routing.as_dict(rollout_tokens)} if self.bucketed else {}),
             **(
@@ -608,7 +651,7 @@ class RLSim:
             out.append({"step": r.step, "step_time_s": r.train_end - prev,
                         "throughput_tokens_per_s": r.generated_tokens / max(1e-9, r.train_end - prev),
                         "rollout_makespan_s": r.rollout_makespan, "makespan_lower_bound_s": bound,
-                        "train_time_s": r.train_time,
+                        "train_time_s": r.train_time, "expired_groups": self.expired_at.get(r.step, 0),
                         "mean_length": float(np.mean(r.lengths)), "p90_length": float(np.percentile(r.lengths, 90)),
                         "staleness_mean": float(np.mean(r.staleness)) if r.staleness else 0.0,
                         "staleness_max": max(r.staleness, default=0),
