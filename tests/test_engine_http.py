@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, wait_for
 from tests.engine_fixtures import engine, engine_factory  # noqa: F401
 
 WEATHER = {
@@ -384,8 +384,10 @@ def test_openai_client_sees_typed_errors(client):
 # ---- load, batching and cancellation -----------------------------------------------------------
 
 
-def test_64_concurrent_requests_all_complete_and_batch(engine):  # noqa: F811
-    """A quarter each: plain, long prompt, tool call (default budget), streamed."""
+def concurrent_requests(engine, n: int) -> None:  # noqa: F811
+    """`n` requests at once, a quarter each: plain, long prompt, tool call (default budget), streamed.
+    The engine is paused while they arrive, so all of them wait together and start in one batch
+    (whatever the machine's pace); every one completes."""
 
     async def one(c: openai.AsyncOpenAI, i: int):
         msgs = [{"role": "user", "content": f"request {i} " + ("long " * 60 if i % 4 == 1 else "")}]
@@ -398,12 +400,19 @@ def test_64_concurrent_requests_all_complete_and_batch(engine):  # noqa: F811
 
     async def main():
         async with openai.AsyncOpenAI(
-            base_url=engine.base_url, api_key="unused", max_retries=0, timeout=120
+            base_url=engine.base_url, api_key="unused", max_retries=0, timeout=600
         ) as c:
-            return await asyncio.gather(*(one(c, i) for i in range(64)))
+            calls = [asyncio.create_task(one(c, i)) for i in range(n)]
+            await asyncio.to_thread(wait_for, lambda: engine.get("/health")["waiting"] == n, "all queued")
+            assert (await asyncio.to_thread(post, engine, "/continue_generation", {}))[0] == 200
+            return await asyncio.gather(*calls)
 
     before = metric(engine.metrics(), "libra_engine_generation_tokens_total")
-    results = asyncio.run(main())
+    assert post(engine, "/pause_generation", {"mode": "in_place"})[0] == 200
+    try:
+        results = asyncio.run(main())
+    finally:
+        post(engine, "/continue_generation", {})
     generated = 0
     for i, r in enumerate(results):
         if i % 4 == 3:
@@ -425,6 +434,11 @@ def test_64_concurrent_requests_all_complete_and_batch(engine):  # noqa: F811
     )
     assert metric(text, "libra_engine_generation_tokens_total") - before >= generated
     assert engine.get("/health")["running"] == 0
+
+
+def test_concurrent_requests_all_complete_and_batch(engine):  # noqa: F811
+    """16 at once (64, the engine's max_num_seqs, in benchmarks/bench_live_scale.py)."""
+    concurrent_requests(engine, 16)
 
 
 @pytest.mark.parametrize("stream", [True, False])
