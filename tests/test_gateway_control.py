@@ -31,7 +31,7 @@ from tests.conftest import wait_for
 from tests.engine_fixtures import start_engine
 from tests.test_engine_control import free_port, versions_of
 from tests.test_engine_tokens import assert_close, reference_logprobs
-from tests.test_gateway_fixtures import backend_arg, gateway_factory  # noqa: F401
+from tests.test_gateway_fixtures import backend_arg, gateway_factory, start_gateway  # noqa: F401
 
 TOKEN = "admin-secret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -53,10 +53,29 @@ def models():
     return {seed: build_model(EngineConfig().preset, seed=seed) for seed in (0, 5, 7)}
 
 
-@pytest.fixture
-def gw(engines, gateway_factory):  # noqa: F811
+@pytest.fixture(scope="module")
+def shared_gw(engines, tmp_path_factory):
     args = [a for i, e in enumerate(engines) for a in backend_arg(e.url, "b", 1, 8192, name=f"e{i}")]
-    return gateway_factory(*args, "--set", f"admin_token={TOKEN}", "--router", "least-loaded")
+    g = start_gateway(*args, "--set", f"admin_token={TOKEN}", "--router", "least-loaded", log_dir=tmp_path_factory.mktemp("gw"))  # fmt: skip
+    yield g
+    g.stop()
+
+
+@pytest.fixture
+def gw(shared_gw, engines, models, tmp_path):
+    """The module's gateway over its three engines, back in the starting state before each test
+    (through the gateway's own broadcast): every engine generating, its KV cache resident, seed-0
+    weights at version "0", nothing running."""
+    for path in ("/continue_generation", "/resume_memory_occupation"):
+        assert broadcast(shared_gw, path)[0] == 200
+    ckpt = save_checkpoint(models[0], tmp_path / "v0.pt")
+    status, out = broadcast(shared_gw, "/update_weights_from_disk", {"model_path": str(ckpt), "weight_version": "0"})  # fmt: skip
+    assert status == 200 and out["ok"], out
+    assert (
+        engine_state(engines, "paused") == [None] * 3 and engine_state(engines, "weight_version") == ["0"] * 3
+    )
+    assert engine_state(engines, "running") == [0] * 3 and not any(engine_state(engines, "sleeping"))
+    return shared_gw
 
 
 class Call(threading.Thread):
