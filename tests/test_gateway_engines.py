@@ -107,7 +107,7 @@ def test_failing_sessions_move_to_the_larger_bucket_exactly_as_the_router_predic
 
     async def drive():
         async with openai.AsyncOpenAI(
-            base_url=gw.base_url, api_key="x", max_retries=0, timeout=120
+            base_url=gw.base_url, api_key="x", max_retries=0, timeout=600
         ) as client:
             return await asyncio.gather(*(agent_session(client, sid, r) for sid, r in plans.items()))
 
@@ -143,7 +143,7 @@ def test_an_engine_killed_mid_run_loses_no_session(engines, engine_factory, gate
 
     async def drive():
         async with openai.AsyncOpenAI(
-            base_url=gw.base_url, api_key="x", max_retries=0, timeout=120
+            base_url=gw.base_url, api_key="x", max_retries=0, timeout=600
         ) as client:
             tasks = [
                 asyncio.create_task(agent_session(client, sid, returns, answer_tokens=100)) for sid in sids
@@ -203,7 +203,7 @@ def test_a_client_that_leaves_mid_stream_frees_the_engine(engines, gateway_facto
     gw = gateway_factory(*backend_arg(short.url, "short", 1, SHORT), *backend_arg(long_.url, "long", 2, LONG))
     aborted = engine_metric(short.metrics(), 'libra_engine_sequences_finished_total{reason="abort"}')
     finished = engine_metric(short.metrics(), 'libra_engine_sequences_finished_total{reason="length"}')
-    with openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0, timeout=60) as client:
+    with openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0, timeout=600) as client:
         stream = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "Write a long story."}], max_tokens=8000,
             stream=True, extra_body={"ignore_eos": True}, user="leaver",

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from libra.rollout.routers import LeastLoadedRouter
-from tests.engine_fixtures import ProcessControl
+from tests.engine_fixtures import HANG_S, ProcessControl
 
 LISTENING = re.compile(r"listening on (http://[^\s:]+:(\d+))")
 
@@ -44,7 +44,7 @@ class Proc(ProcessControl):
 
     # ---- plain HTTP, for what the openai client does not cover ----------------------------------
 
-    def request(self, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None, url: str | None = None, timeout: float = 30) -> tuple[int, dict, dict]:  # fmt: skip
+    def request(self, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None, url: str | None = None, timeout: float = HANG_S) -> tuple[int, dict, dict]:  # fmt: skip
         data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
         req = urllib.request.Request((url or self.url) + path, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})})  # fmt: skip
         try:
@@ -62,7 +62,7 @@ class Proc(ProcessControl):
         return status, data
 
     def metrics(self) -> str:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=HANG_S) as r:
             return r.read().decode()
 
 
@@ -84,7 +84,7 @@ def metric(text: str, name: str, **labels: str) -> float:
     return total
 
 
-def start(cmd: list[str], log_dir: Path, n_urls: int = 1, timeout: float = 60.0) -> Proc:
+def start(cmd: list[str], log_dir: Path, n_urls: int = 1, timeout: float = HANG_S) -> Proc:
     log_path = log_dir / f"proc-{time.monotonic_ns()}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

@@ -494,7 +494,7 @@ def test_requests_wait_for_an_instance_to_come_back(instant_factory, gateway_fac
 
 async def _drive_sessions(url: str, n: int) -> list[tuple[int, ...]]:
     conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=120)) as http:
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as http:
 
         async def one(i: int) -> tuple[int, ...]:
             sid, msgs, statuses = f"many-{i}", [{"role": "user", "content": f"task {i}"}], []
@@ -542,7 +542,7 @@ def test_concurrent_sessions_complete(instant_factory, gateway_factory):  # noqa
 
 
 async def _first_turns_at_once(url: str, n: int) -> list[int]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
 
         async def one(i: int) -> int:
             body = {

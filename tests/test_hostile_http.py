@@ -23,14 +23,14 @@ import pytest
 import torch
 
 from libra.runtime.sandbox.client import ServiceProcess
-from tests.engine_fixtures import start_engine
+from tests.engine_fixtures import HANG_S, start_engine
 from tests.test_actions_service import PATIENT_S, unavailable
 from tests.test_actions_service import sandbox_available as _sandbox
 from tests.test_gateway_fixtures import backend_arg, start_gateway
 
 TOKEN = "hostile-admin"
 RSS_GROWTH_MB = 100
-T = 60.0  # a bound that only stops a hung service from hanging the suite, never a measurement
+T = HANG_S  # a bound that only stops a hung service from hanging the suite, never a measurement
 
 
 def rss_mb(pid: int) -> float:
