@@ -3,7 +3,7 @@
 It exists to time the gateway itself. Put a router in front of a real engine and the engine's
 milliseconds of generation drown the router's microseconds; put it in front of this backend and
 what is measured is the router. The benchmark uses it for both the Libra gateway and
-`sglang-router`, and tests use it where they need many sessions quickly (1000 concurrent ones)
+`sglang-router`, and tests use it where they need many sessions quickly (hundreds at once)
 rather than real tokens.
 
 It speaks enough of the API to be a faithful stand-in:
