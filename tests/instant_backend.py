@@ -3,7 +3,7 @@
 It exists to time the gateway itself. Put a router in front of a real engine and the engine's
 milliseconds of generation drown the router's microseconds; put it in front of this backend and
 what is measured is the router. The benchmark uses it for both the Libra gateway and
-`sglang-router`, and tests use it where they need many sessions quickly (1000 concurrent ones)
+`sglang-router`, and tests use it where they need many sessions quickly (hundreds at once)
 rather than real tokens.
 
 It speaks enough of the API to be a faithful stand-in:
@@ -19,7 +19,12 @@ It speaks enough of the API to be a faithful stand-in:
   (`/health_generate`, `/get_model_info`, `/get_server_info`);
 - `GET /stats`: how many requests it answered (and, with a delay, the most it held at once), and
   the last `X-Request-Id` it was sent, so tests can count and check what reached the backends;
-- `--delay-ms` holds every answer that long (to make requests overlap in tests);
+- `--delay-ms` holds every answer that long;
+- a gate, to make requests overlap in tests whatever the machine's pace: with `--hold-until N` the
+  first requests wait until N of them are held together, then all go on (the gate stays open);
+  `POST /gate {"open": false}` closes it again (requests wait until `{"open": true}`), and `/stats`
+  says how many wait (`held`). A held request goes on after HOLD_LIMIT_S whatever happens, so a
+  test that expects more requests than come fails on its assertion instead of hanging;
 - `--exit-mid-stream` makes the process crash after the first event of a chat stream, so tests
   can see a backend die halfway through a response.
 
@@ -43,6 +48,7 @@ from aiohttp import web
 from libra.runtime.serving import serve_until_signalled
 
 CHARS_PER_TOKEN = 4
+HOLD_LIMIT_S = 600.0  # only stops a test whose requests never all arrive from hanging the suite
 
 
 def _tokens(chars: int) -> int:
@@ -106,7 +112,7 @@ def _tool_to_call(data: dict, rounds: int) -> str | None:
 
 
 class InstantBackend:
-    def __init__(self, model: str, reply: str, delay_s: float, tool_rounds: int, max_context: int, exit_mid_stream: bool = False):  # fmt: skip
+    def __init__(self, model: str, reply: str, delay_s: float, tool_rounds: int, max_context: int, exit_mid_stream: bool = False, hold_until: int = 0):  # fmt: skip
         self.model, self.reply, self.delay_s, self.exit_mid_stream = model, reply, delay_s, exit_mid_stream
         self.tool_rounds, self.max_context = tool_rounds, max_context
         self.ids = itertools.count()
@@ -116,9 +122,13 @@ class InstantBackend:
             "generate": 0,
             "inflight": 0,
             "peak_inflight": 0,
+            "held": 0,
             "last_request_id": None,
         }
         self.created = int(time.time())
+        self.hold_until, self.gate = hold_until, asyncio.Event()
+        if hold_until == 0:
+            self.gate.set()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 2**20)
@@ -131,7 +141,22 @@ class InstantBackend:
         app.router.add_get("/get_model_info", self.model_info)
         app.router.add_get("/get_server_info", self.server_info)
         app.router.add_get("/stats", self.stats)
+        app.router.add_post("/gate", self.set_gate)
         return app
+
+    async def _wait_at_gate(self) -> None:
+        if self.gate.is_set():
+            return
+        c = self.counts
+        c["held"] += 1
+        if self.hold_until and c["held"] >= self.hold_until:
+            self.gate.set()
+        try:
+            await asyncio.wait_for(self.gate.wait(), HOLD_LIMIT_S)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            c["held"] -= 1
 
     async def _parse(self, request: web.Request) -> dict | web.Response:
         try:
@@ -143,14 +168,15 @@ class InstantBackend:
         self.counts["last_request_id"] = request.headers.get("X-Request-Id")
         if request.path != "/generate" and data.get("model") != self.model:
             return _error(404, f"model {data.get('model')!r} does not exist; this backend serves {self.model!r}", "model", "model_not_found")  # fmt: skip
-        if self.delay_s:
-            c = self.counts
-            c["inflight"] += 1
-            c["peak_inflight"] = max(c["peak_inflight"], c["inflight"])
-            try:
+        c = self.counts
+        c["inflight"] += 1
+        c["peak_inflight"] = max(c["peak_inflight"], c["inflight"])
+        try:
+            await self._wait_at_gate()
+            if self.delay_s:
                 await asyncio.sleep(self.delay_s)
-            finally:
-                c["inflight"] -= 1
+        finally:
+            c["inflight"] -= 1
         return data
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -280,6 +306,26 @@ class InstantBackend:
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response(self.counts)
 
+    async def set_gate(self, request: web.Request) -> web.Response:
+        data = await self._parse_gate(request)
+        if isinstance(data, web.Response):
+            return data
+        if data["open"]:
+            self.gate.set()
+        else:
+            self.hold_until = 0  # closed by hand: opened by hand
+            self.gate.clear()
+        return web.json_response({"open": self.gate.is_set(), "held": self.counts["held"]})
+
+    async def _parse_gate(self, request: web.Request) -> dict | web.Response:
+        try:
+            data = json.loads(await request.read())
+        except ValueError:
+            return _error(400, "request body is not valid JSON", code="invalid_json")
+        if not isinstance(data, dict) or not isinstance(data.get("open"), bool):
+            return _error(400, "'open' must be true or false", "open", "invalid_value")
+        return data
+
 
 def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
@@ -302,9 +348,10 @@ async def _serve(backend: InstantBackend, socks: list[socket.socket]) -> None:
 @click.option("--reply", default="Done.", show_default=True, help="The text every answer holds.")
 @click.option("--delay-ms", default=0.0, show_default=True, type=click.FloatRange(min=0), help="Hold every answer this long.")  # fmt: skip
 @click.option("--tool-rounds", default=1, show_default=True, type=click.IntRange(min=0), help="Tool calls an 'auto' turn makes before answering.")  # fmt: skip
+@click.option("--hold-until", default=0, show_default=True, type=click.IntRange(min=0), help="Hold the first requests until this many are held together (0: no gate).")  # fmt: skip
 @click.option("--exit-mid-stream", is_flag=True, help="Crash (exit at once) after the first event of a chat stream, to test failures.")  # fmt: skip
 @click.option("--max-context", default=32768, show_default=True, type=click.IntRange(min=1), help="Reported in /v1/models.")  # fmt: skip
-def main(host: str, ports: tuple[int, ...], model: str, reply: str, delay_ms: float, tool_rounds: int, exit_mid_stream: bool, max_context: int) -> None:  # fmt: skip
+def main(host: str, ports: tuple[int, ...], model: str, reply: str, delay_ms: float, tool_rounds: int, hold_until: int, exit_mid_stream: bool, max_context: int) -> None:  # fmt: skip
     """A minimal, instant OpenAI-compatible backend (for benchmarks and tests)."""
     try:
         socks = [socket.create_server((host, p), backlog=4096) for p in ports]
@@ -312,7 +359,9 @@ def main(host: str, ports: tuple[int, ...], model: str, reply: str, delay_ms: fl
         raise click.BadParameter(
             f"cannot listen on {host}:{ports} ({e.strerror})", param_hint="--port"
         ) from None
-    backend = InstantBackend(model, reply, delay_ms / 1000.0, tool_rounds, max_context, exit_mid_stream)
+    backend = InstantBackend(
+        model, reply, delay_ms / 1000.0, tool_rounds, max_context, exit_mid_stream, hold_until
+    )
     asyncio.run(_serve(backend, socks))
 
 

@@ -1,6 +1,9 @@
 """The hostile suite: real attacks on the real sandbox service, each contained and reported with the
 right status, the service still serving, and no process of any sandbox uid left afterwards.
-Then 500 concurrent /run_code requests: every one answered, none lost."""
+Then a burst of concurrent /run_code requests, and two services side by side: every one answered,
+none lost, each its own. The module's two services (cgroups on and off) start together; the bursts
+are sized to queue on any machine (more requests than cores), and their long forms (500, and
+300 + 300) are `benchmarks/bench_live_scale.py`, which runs the same functions."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -59,26 +63,36 @@ HOSTILE = {
 }
 
 
+HOSTILE_CONFIG = {"warm_pool": 2, "sandbox": {"memory_mb": 512, "max_memory_mb": 512, "nproc": 64,
+                                              "output_limit_bytes": 64_000, "disk_mb": 64}}  # fmt: skip
+# The same service with cgroups off: what a host without cgroup delegation gets.
+FALLBACK_CONFIG = {"warm_pool": 1, "sandbox": {"memory_mb": 256, "max_memory_mb": 512, "nproc": 64,
+                                               "disk_mb": 64, "cgroups": "off", "uid_count": 64}}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def service(tmp_path_factory):
+def services(tmp_path_factory):
+    """The module's two services, started at once (they are independent; each takes its own uids)."""
     unavailable(sandbox_available())
-    cfg = tmp_path_factory.mktemp("hostile") / "actions.yaml"
-    cfg.write_text(
-        json.dumps(
-            {
-                "warm_pool": 2,
-                "sandbox": {
-                    "memory_mb": 512,
-                    "max_memory_mb": 512,
-                    "nproc": 64,
-                    "output_limit_bytes": 64_000,
-                    "disk_mb": 64,
-                },
-            }
-        )
-    )
-    with ServiceProcess(str(cfg)) as svc:
-        yield svc
+    folder = tmp_path_factory.mktemp("hostile")
+    started: dict[str, ServiceProcess] = {}
+
+    def start(name: str, config: dict) -> None:
+        (folder / f"{name}.yaml").write_text(json.dumps(config))
+        started[name] = ServiceProcess(str(folder / f"{name}.yaml")).__enter__()
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(start, ("service", "fallback"), (HOSTILE_CONFIG, FALLBACK_CONFIG)))
+        yield started
+    finally:
+        for svc in started.values():
+            svc.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def service(services):
+    return services["service"]
 
 
 def run_all(
@@ -271,14 +285,9 @@ def test_disk_and_cores_are_bounded(service):
 
 
 @pytest.fixture(scope="module")
-def fallback(tmp_path_factory):
-    """The same service with cgroups off: what a host without cgroup delegation gets."""
-    unavailable(sandbox_available())
-    cfg = tmp_path_factory.mktemp("fallback") / "actions.yaml"
-    cfg.write_text(json.dumps({"warm_pool": 1, "sandbox": {"memory_mb": 256, "max_memory_mb": 512, "nproc": 64,
-                                                           "disk_mb": 64, "cgroups": "off", "uid_count": 64}}))  # fmt: skip
-    with ServiceProcess(str(cfg)) as svc:
-        yield svc
+def fallback(services):
+    """The service with cgroups off (FALLBACK_CONFIG)."""
+    return services["fallback"]
 
 
 @needs_sandbox
@@ -312,64 +321,90 @@ def test_without_cgroups_the_fallbacks_still_contain(fallback):
     assert_healthy(fallback.url)
 
 
-@needs_sandbox
-def test_500_concurrent_requests_are_all_answered(service):
+def concurrent_programs(url: str, n: int) -> list[tuple[int, dict]]:
+    """`n` /run_code requests sent at once, program i printing i * 3; (status, body) in order."""
+
     async def main():
-        limits = httpx.Limits(max_connections=500, max_keepalive_connections=500)
-        async with httpx.AsyncClient(base_url=service.url, timeout=PATIENT_S, limits=limits) as c:
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+        async with httpx.AsyncClient(base_url=url, timeout=PATIENT_S, limits=limits) as c:
+            body = {"language": "python"}
             rs = await asyncio.gather(
-                *[
-                    c.post("/run_code", json={"language": "python", "code": f"print({i} * 3)"})
-                    for i in range(500)
-                ]
+                *[c.post("/run_code", json=body | {"code": f"print({i} * 3)"}) for i in range(n)]
             )
             return [(r.status_code, r.json()) for r in rs]
 
-    results = asyncio.run(main())
-    assert len(results) == 500
+    return asyncio.run(main())
+
+
+def assert_every_one_answered(url: str, results: list[tuple[int, dict]], n: int) -> None:
+    assert len(results) == n
     for i, (code, body) in enumerate(results):
         assert code == 200 and body["status"] == "Success", body
         assert body["run_result"]["stdout"] == f"{i * 3}\n"  # each answer is its own request's
-    metrics = api.get(f"{service.url}/metrics").text
+    metrics = api.get(f"{url}/metrics").text
     assert "libra_actions_queue_length 0.0" in metrics
-    assert settle(service.url) == []
+    assert settle(url) == []
+
+
+def burst_size(url: str) -> int:
+    """Four requests per core the service runs actions on (at least 16): every burst queues deep
+    on any machine (500 at once is the benchmark's, benchmarks/bench_live_scale.py)."""
+    return max(16, 4 * api.get(f"{url}/health").json()["cores"])
 
 
 @needs_sandbox
-def test_two_services_side_by_side_never_touch_each_others_sandboxes(tmp_path):
+def test_concurrent_requests_are_all_answered(service):
+    n = burst_size(service.url)
+    assert_every_one_answered(service.url, concurrent_programs(service.url, n), n)
+
+
+SIDE_BY_SIDE_CODE = "import time, sys\ntime.sleep(0.05)\nprint(int(sys.stdin.read()) * 7)"
+
+
+def side_by_side(urls: list[str], n: int) -> list[list[dict]]:
+    """`n` programs on each service at once (service k's program i reads k * 1000 + i)."""
+
+    async def burst(url: str, tag: int):
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+        async with httpx.AsyncClient(base_url=url, timeout=PATIENT_S, limits=limits) as c:
+            body = {"language": "python", "code": SIDE_BY_SIDE_CODE}
+            rs = await asyncio.gather(
+                *[c.post("/run_code", json=body | {"stdin": f"{tag + i}"}) for i in range(n)]
+            )
+            return [r.json() for r in rs]
+
+    async def both():
+        return await asyncio.gather(*(burst(url, 1000 * k) for k, url in enumerate(urls)))
+
+    return asyncio.run(both())
+
+
+def assert_each_its_own(results: list[list[dict]], n: int) -> None:
+    for k, bodies in enumerate(results):
+        bad = [x for x in bodies if x["status"] != "Success"]
+        assert not bad, bad[:3]
+        assert [x["run_result"]["stdout"] for x in bodies] == [f"{(1000 * k + i) * 7}\n" for i in range(n)]
+
+
+@needs_sandbox
+def test_two_services_side_by_side_never_touch_each_others_sandboxes(service, tmp_path):
     """Each service owns its uid range (a lock per block of uids), so the leftovers one kills after
-    a run are never the other's programs: 300 + 300 correct programs, all answered correctly. A
-    service told to use a range another one holds refuses to start, naming the holder."""
+    a run are never the other's programs: a burst on each at once (each program outlives some of
+    the other service's clean-ups), all answered correctly (300 + 300 in the benchmark). A service
+    told to use a range another one holds refuses to start, naming the holder."""
     cfg = tmp_path / "actions.yaml"
     cfg.write_text(json.dumps({"warm_pool": 2, "sandbox": {"uid_count": 128}}))
-    with ServiceProcess(str(cfg)) as a, ServiceProcess(str(cfg)) as b:
-        ra, rb = uid_range(a.url), uid_range(b.url)
+    with ServiceProcess(str(cfg)) as b:
+        ra, rb = uid_range(service.url), uid_range(b.url)
         assert not set(ra) & set(rb), (ra, rb)
-
-        async def burst(url: str, tag: int):
-            limits = httpx.Limits(max_connections=300, max_keepalive_connections=300)
-            async with httpx.AsyncClient(base_url=url, timeout=PATIENT_S, limits=limits) as c:
-                code = "import time, sys\ntime.sleep(0.05)\nprint(int(sys.stdin.read()) * 7)"
-                return await asyncio.gather(
-                    *[
-                        c.post("/run_code", json={"language": "python", "code": code, "stdin": f"{tag + i}"})
-                        for i in range(300)
-                    ]
-                )
-
-        async def both():
-            return await asyncio.gather(burst(a.url, 0), burst(b.url, 1000))
-
-        for tag, results in zip((0, 1000), asyncio.run(both()), strict=True):
-            bodies = [r.json() for r in results]
-            bad = [x for x in bodies if x["status"] != "Success"]
-            assert not bad, bad[:3]
-            assert [x["run_result"]["stdout"] for x in bodies] == [f"{(tag + i) * 7}\n" for i in range(300)]
+        n = burst_size(service.url)
+        assert_each_its_own(side_by_side([service.url, b.url], n), n)
         r = subprocess.run([sys.executable, "-m", "libra", "serve", "actions", "--port", "0",
-                            "--set", f"sandbox.uid_base={ra.start}"],
+                            "--set", f"sandbox.uid_base={rb.start}"],
                            capture_output=True, text=True, timeout=PATIENT_S)  # fmt: skip
         assert r.returncode == 2 and "sandbox.uid_base" in r.stderr and "held by pid" in r.stderr, r.stderr
         assert "Traceback" not in r.stderr
+    assert settle(service.url) == []
 
 
 @needs_sandbox

@@ -407,12 +407,13 @@ def test_http_tool_respects_concurrency_and_tokens_per_period(service, judge):
 @needs_sandbox
 def test_reward_functions_use_the_real_tools(service):
     async def main():
+        # One runner process each (parallel=1): sharding over cores is the runner test's, above.
         async with ActionsClient(service.url) as c:
             good = await unit_test_reward(c, "def f(x):\n    return 2 * x\n",
                                           "from solution import f\ndef test_a():\n    assert f(2) == 4\n"
-                                          "def test_b():\n    assert f(0) == 1\n")  # fmt: skip
+                                          "def test_b():\n    assert f(0) == 1\n", parallel=1)  # fmt: skip
             crash = await unit_test_reward(
-                c, "import sys; sys.exit(1)", "from solution import f\ndef test_a(): pass\n"
+                c, "import sys; sys.exit(1)", "from solution import f\ndef test_a(): pass\n", parallel=1
             )
             judged = await judge_reward(c, "judge", {"answer": "abcde"})
             return good, crash, judged

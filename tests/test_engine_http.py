@@ -9,7 +9,6 @@ import concurrent.futures
 import json
 import re
 import socket
-import time
 import urllib.error
 import urllib.request
 
@@ -18,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, wait_for
 from tests.engine_fixtures import engine, engine_factory  # noqa: F401
 
 WEATHER = {
@@ -49,11 +48,11 @@ USER = {"role": "user", "content": "What is the weather in Oslo?"}
 
 @pytest.fixture(scope="module")
 def client(engine):  # noqa: F811
-    with openai.OpenAI(base_url=engine.base_url, api_key="unused", max_retries=0, timeout=60) as c:
+    with openai.OpenAI(base_url=engine.base_url, api_key="unused", max_retries=0, timeout=600) as c:
         yield c
 
 
-def post(engine, path: str, body: bytes | dict, timeout: float = 30) -> tuple[int, dict]:  # noqa: F811
+def post(engine, path: str, body: bytes | dict, timeout: float = 300) -> tuple[int, dict]:  # noqa: F811
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(engine.url + path, data=data, headers={"Content-Type": "application/json"})
     try:
@@ -368,7 +367,7 @@ def test_oversize_body_unknown_route_and_wrong_method(engine):  # noqa: F811
     code, err = post(engine, "/v1/nothing", {})
     assert code == 404 and err["error"]["message"]
     with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(engine.url + "/v1/chat/completions", timeout=10)
+        urllib.request.urlopen(engine.url + "/v1/chat/completions", timeout=300)
     assert e.value.code == 405 and json.loads(e.value.read())["error"]["message"]
     assert engine.get("/health")["status"] == "ok"
 
@@ -384,8 +383,10 @@ def test_openai_client_sees_typed_errors(client):
 # ---- load, batching and cancellation -----------------------------------------------------------
 
 
-def test_64_concurrent_requests_all_complete_and_batch(engine):  # noqa: F811
-    """A quarter each: plain, long prompt, tool call (default budget), streamed."""
+def concurrent_requests(engine, n: int) -> None:  # noqa: F811
+    """`n` requests at once, a quarter each: plain, long prompt, tool call (default budget), streamed.
+    The engine is paused while they arrive, so all of them wait together and start in one batch
+    (whatever the machine's pace); every one completes."""
 
     async def one(c: openai.AsyncOpenAI, i: int):
         msgs = [{"role": "user", "content": f"request {i} " + ("long " * 60 if i % 4 == 1 else "")}]
@@ -398,12 +399,19 @@ def test_64_concurrent_requests_all_complete_and_batch(engine):  # noqa: F811
 
     async def main():
         async with openai.AsyncOpenAI(
-            base_url=engine.base_url, api_key="unused", max_retries=0, timeout=120
+            base_url=engine.base_url, api_key="unused", max_retries=0, timeout=600
         ) as c:
-            return await asyncio.gather(*(one(c, i) for i in range(64)))
+            calls = [asyncio.create_task(one(c, i)) for i in range(n)]
+            await asyncio.to_thread(wait_for, lambda: engine.get("/health")["waiting"] == n, "all queued")
+            assert (await asyncio.to_thread(post, engine, "/continue_generation", {}))[0] == 200
+            return await asyncio.gather(*calls)
 
     before = metric(engine.metrics(), "libra_engine_generation_tokens_total")
-    results = asyncio.run(main())
+    assert post(engine, "/pause_generation", {"mode": "in_place"})[0] == 200
+    try:
+        results = asyncio.run(main())
+    finally:
+        post(engine, "/continue_generation", {})
     generated = 0
     for i, r in enumerate(results):
         if i % 4 == 3:
@@ -427,23 +435,24 @@ def test_64_concurrent_requests_all_complete_and_batch(engine):  # noqa: F811
     assert engine.get("/health")["running"] == 0
 
 
+def test_concurrent_requests_all_complete_and_batch(engine):  # noqa: F811
+    """16 at once (64, the engine's max_num_seqs, in benchmarks/bench_live_scale.py)."""
+    concurrent_requests(engine, 16)
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_aborts_the_sequence(engine, stream):  # noqa: F811
     body = json.dumps(
         {"model": "tiny", "messages": [USER], "max_tokens": 7000, "stream": stream, "ignore_eos": True}
     )
     aborted = metric(engine.metrics(), 'libra_engine_sequences_finished_total{reason="abort"}')
-    with socket.create_connection(("127.0.0.1", engine.port), timeout=30) as s:
+    with socket.create_connection(("127.0.0.1", engine.port), timeout=300) as s:
         head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"  # fmt: skip
         s.sendall(head.encode() + body.encode())
-        deadline = time.monotonic() + 20
-        while not engine.get("/health")["running"] and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for(lambda: engine.get("/health")["running"] > 0, "the request running")
         assert engine.get("/health")["running"] == 1
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and engine.get("/health")["running"]:
-        time.sleep(0.05)
-    assert engine.get("/health")["running"] == 0, "the sequence kept running after its client left"
+    # 7000 tokens would keep it running for minutes: only the abort ends it before the limit.
+    wait_for(lambda: engine.get("/health")["running"] == 0, "the sequence stopped after its client left")
     assert metric(engine.metrics(), 'libra_engine_sequences_finished_total{reason="abort"}') == aborted + 1
 
 
@@ -479,10 +488,8 @@ def test_checkpoint_save_and_load_through_the_cli(engine_factory, engine, tmp_pa
     # SIGTERM gets a JSON 503 (after a 5 s grace) and the process exits 0.
     endless = {**ask, "max_tokens": 8000, "ignore_eos": True}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(post, loaded, "/v1/chat/completions", endless, 60)
-        deadline = time.monotonic() + 20
-        while not loaded.get("/health")["running"] and time.monotonic() < deadline:
-            time.sleep(0.02)
+        pending = pool.submit(post, loaded, "/v1/chat/completions", endless, 600)
+        wait_for(lambda: loaded.get("/health")["running"] > 0, "the request running")
         assert loaded.stop() == 0, "SIGTERM should shut the engine down cleanly"
         code, err = pending.result()
     assert code == 503 and "shutting down" in err["error"]["message"]
@@ -502,10 +509,10 @@ def test_checkpoint_save_and_load_through_the_cli(engine_factory, engine, tmp_pa
     ],
 )
 def test_bad_options_are_one_line_and_exit_2(args, words):
-    r = run_cli("serve", "engine", "--port", "0", *args, timeout=60)
+    r = run_cli("serve", "engine", "--port", "0", *args, timeout=300)
     assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_busy_port_is_a_clear_error(engine):  # noqa: F811
-    r = run_cli("serve", "engine", "--port", str(engine.port), timeout=60)
+    r = run_cli("serve", "engine", "--port", str(engine.port), timeout=300)
     assert r.returncode == 2 and "--port" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -20,7 +20,6 @@ import os
 import pickle
 import subprocess
 import sys
-import time
 import types
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +36,8 @@ from libra.runtime.engine.config import EngineConfig
 from libra.runtime.engine.model import build_model, save_checkpoint
 from libra.runtime.engine.tokenizer import decode, encode, render_prompt
 from libra.runtime.sandbox.client import ServiceProcess
-from tests.engine_fixtures import start_engine
+from tests.conftest import wait_for
+from tests.engine_fixtures import HANG_S, start_engine
 from tests.test_actions_service import sandbox_available, unavailable
 from tests.test_engine_control import free_port
 from tests.test_engine_tokens import assert_close, reference_logprobs
@@ -104,7 +104,7 @@ def models():
     return {seed: build_model(EngineConfig().preset, seed=seed) for seed in (0, 5, 7)}
 
 
-http = httpx.Client(timeout=120.0)
+http = httpx.Client(timeout=HANG_S)
 
 
 def sessions(stack, sid: str) -> tuple[int, dict]:
@@ -134,7 +134,7 @@ class Trainer:
     def quit(self) -> None:
         if self.proc.poll() is None:
             self.command("quit")
-            self.proc.wait(timeout=60)
+            self.proc.wait(timeout=HANG_S)
 
 
 def while_trainer(call, trainer: Trainer, line: str, word: str):
@@ -144,7 +144,7 @@ def while_trainer(call, trainer: Trainer, line: str, word: str):
         fut = pool.submit(call)
         trainer.command(line)
         trainer.expect(word)
-        return fut.result(timeout=120)
+        return fut.result(timeout=HANG_S)
 
 
 def manifest(seed: int, models) -> dict:
@@ -208,7 +208,7 @@ def test_slime_external_engine_rollout_and_abort(stack):
     # sglang_engine.py `_register_to_router`: POST router/workers, raise_for_status
     http.post(gw + "/workers", json={"url": gw, "worker_type": "regular"}).raise_for_status()
     # sglang_engine.py `_wait_server_healthy` / `health_generate`
-    http.get(gw + "/health_generate", timeout=30).raise_for_status()
+    http.get(gw + "/health_generate").raise_for_status()
     # a rollout: sglang_rollout.py `generate`
     prompt = render_prompt("slime rollout")
     out, headers = slime_generate(gw, prompt)
@@ -218,9 +218,7 @@ def test_slime_external_engine_rollout_and_abort(stack):
     # server_control.py `abort_servers_until_idle` on each worker URL
     with ThreadPoolExecutor(2) as pool:
         running = [pool.submit(slime_generate, gw, render_prompt(f"long {i}"), 4000) for i in range(2)]
-        deadline = time.monotonic() + 60
-        while busy(stack) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: busy(stack) >= 2, "both rollouts running")
         assert busy(stack) == 2
         urls = [w["url"] for w in http.get(gw + "/workers").json()["workers"]]
         assert sorted(urls) == sorted(e.url for e in stack.engines.values())
@@ -228,7 +226,7 @@ def test_slime_external_engine_rollout_and_abort(stack):
             http.post(url + "/abort_request", json={"abort_all": True})  # `_abort_server_once`
             assert slime_num_requests(http.get(url + "/v1/loads?include=core").json()) == 0
         for fut in running:  # each comes back with what it had
-            assert fut.result(timeout=60)[0]["meta_info"]["finish_reason"]["type"] == "abort"
+            assert fut.result(timeout=HANG_S)[0]["meta_info"]["finish_reason"]["type"] == "abort"
     assert slime_num_requests(http.get(gw + "/v1/loads").json()) == 0
 
 
@@ -549,16 +547,14 @@ def test_sleep_level_2_serves_nothing_until_every_weight_is_back(stack, models, 
     assert http.post(e.url + "/wake_up").status_code == 200 and e.get("/health")["sleeping"] is False
     with ThreadPoolExecutor(1) as pool:
         held = pool.submit(http.post, e.url + "/generate", json={"input_ids": [4, 2], "return_logprob": True, "sampling_params": {"max_new_tokens": 3, "temperature": 0}})  # fmt: skip
-        deadline = time.monotonic() + 30
-        while e.get("/health")["waiting"] < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: e.get("/health")["waiting"] >= 1, "the request held")
         assert e.get("/health")["waiting"] == 1 and not held.done()
         path = save_checkpoint(models[0], tmp_path / "back.pt")
         r = http.post(
             e.url + "/update_weights_from_disk", json={"model_path": str(path), "weight_version": "9"}
         )
         assert r.json()["weights_missing"] == 0 and r.json()["released"] == 1
-        out = held.result(timeout=60).json()
+        out = held.result(timeout=HANG_S).json()
     assert out["meta_info"]["weight_version"] == "9"
     assert_close([x[0] for x in out["meta_info"]["output_token_logprobs"]], reference_logprobs(models[0], [4, 2], out["output_ids"]))  # fmt: skip
 
@@ -571,13 +567,12 @@ def test_bad_group_and_rpc_input_is_a_4xx_or_a_bounded_timeout_and_serving_conti
     base = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "group_name": "bad"}
     r = http.post(gw + "/init_weights_update_group", json={**base, "world_size": 5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "world_size"
-    # a rank that never joins (no trainer at rank 0): each engine gives up after timeout_s
-    t0 = time.monotonic()
+    # a rank that never joins (no trainer at rank 0): each engine gives up after timeout_s, and
+    # answers (a hang would end in the client's own limit, HANG_S, with no answer)
     r = http.post(gw + "/init_weights_update_group", json={**base, "world_size": 3, "timeout_s": 1})
     assert r.status_code == 400 and all(
         "could not join group" in a["message"] for a in r.json()["results"].values()
     )
-    assert time.monotonic() - t0 < 60  # bounded (by timeout_s), not a hang
     r = http.post(
         gw + "/collective_rpc", json={"method": "update_weights_nccl", "kwargs": {"update_info": {}}}
     )

@@ -31,7 +31,7 @@ from tests.conftest import wait_for
 from tests.engine_fixtures import start_engine
 from tests.test_engine_control import free_port, versions_of
 from tests.test_engine_tokens import assert_close, reference_logprobs
-from tests.test_gateway_fixtures import backend_arg, gateway_factory  # noqa: F401
+from tests.test_gateway_fixtures import backend_arg, gateway_factory, start_gateway  # noqa: F401
 
 TOKEN = "admin-secret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -53,10 +53,29 @@ def models():
     return {seed: build_model(EngineConfig().preset, seed=seed) for seed in (0, 5, 7)}
 
 
-@pytest.fixture
-def gw(engines, gateway_factory):  # noqa: F811
+@pytest.fixture(scope="module")
+def shared_gw(engines, tmp_path_factory):
     args = [a for i, e in enumerate(engines) for a in backend_arg(e.url, "b", 1, 8192, name=f"e{i}")]
-    return gateway_factory(*args, "--set", f"admin_token={TOKEN}", "--router", "least-loaded")
+    g = start_gateway(*args, "--set", f"admin_token={TOKEN}", "--router", "least-loaded", log_dir=tmp_path_factory.mktemp("gw"))  # fmt: skip
+    yield g
+    g.stop()
+
+
+@pytest.fixture
+def gw(shared_gw, engines, models, tmp_path):
+    """The module's gateway over its three engines, back in the starting state before each test
+    (through the gateway's own broadcast): every engine generating, its KV cache resident, seed-0
+    weights at version "0", nothing running."""
+    for path in ("/continue_generation", "/resume_memory_occupation"):
+        assert broadcast(shared_gw, path)[0] == 200
+    ckpt = save_checkpoint(models[0], tmp_path / "v0.pt")
+    status, out = broadcast(shared_gw, "/update_weights_from_disk", {"model_path": str(ckpt), "weight_version": "0"})  # fmt: skip
+    assert status == 200 and out["ok"], out
+    assert (
+        engine_state(engines, "paused") == [None] * 3 and engine_state(engines, "weight_version") == ["0"] * 3
+    )
+    assert engine_state(engines, "running") == [0] * 3 and not any(engine_state(engines, "sleeping"))
+    return shared_gw
 
 
 class Call(threading.Thread):
@@ -73,7 +92,7 @@ class Call(threading.Thread):
         self.start()
 
     def run(self) -> None:
-        with urllib.request.urlopen(self.req, timeout=180) as r:
+        with urllib.request.urlopen(self.req, timeout=300) as r:
             self.engine = r.headers["X-Libra-Instance"]
             for line in r:
                 if line.startswith(b"data: {"):
@@ -84,7 +103,7 @@ class Call(threading.Thread):
         self.started.set()
 
     def result(self) -> dict:
-        self.join(180)
+        self.join(300)
         assert not self.is_alive() and self.answers == 1 and self.out is not None
         return self.out
 
@@ -92,13 +111,13 @@ class Call(threading.Thread):
 def in_flight(gw, n_tokens: int = 300) -> list[Call]:
     calls = [Call(gw.url, f"k{i}-{time.monotonic_ns()}", n_tokens) for i in range(3)]
     for c in calls:
-        assert c.started.wait(60)
+        assert c.started.wait(300)
     return calls
 
 
 def broadcast(gw, path: str, body: dict | None = None, method: str = "POST", headers: dict = AUTH) -> tuple[int, dict]:  # fmt: skip
     status, out, _ = gw.request(
-        method, path, body if method == "POST" else None, headers=headers, timeout=180
+        method, path, body if method == "POST" else None, headers=headers, timeout=300
     )
     return status, out
 
@@ -218,7 +237,7 @@ def test_vllm_dialect_backends_get_vllm_calls(engines, gateway_factory):  # noqa
     finally:
         e_body = json.dumps({"group_name": "weight_update_group"}).encode()
         req = urllib.request.Request(e.url + "/destroy_weights_update_group", data=e_body, headers={**AUTH, "Content-Type": "application/json"})  # fmt: skip
-        urllib.request.urlopen(req, timeout=30).read()
+        urllib.request.urlopen(req, timeout=300).read()
         group.close()
     assert e.get("/health")["weight_version"] == version  # vLLM's update carries no version
 
@@ -229,7 +248,7 @@ def test_token_ids_pass_through_the_gateway_to_the_official_client(gw, models, t
     assert broadcast(gw, "/update_weights_from_disk", {"model_path": str(path), "weight_version": "tok"})[1][
         "ok"
     ]
-    with openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0, timeout=60) as client:
+    with openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0, timeout=600) as client:
         r = client.completions.create(model="tiny", prompt=[1, 72, 105], max_tokens=12, logprobs=0, seed=4,
                                       extra_body={"return_token_ids": True, "trajectory_id": "sky-tok"})  # fmt: skip
     c = r.choices[0]

@@ -20,7 +20,9 @@ from libra.rollout.base import Bucket, FinishedTrajectory, InstanceView
 from libra.rollout.registry import make_router
 from libra.rollout.tool_state import classify
 from libra.rollout.tree import state_key
+from tests.conftest import wait_for
 from tests.engine_fixtures import engine_factory, start_engine  # noqa: F401
+from tests.test_engine_http import metric as engine_metric
 from tests.test_gateway_fixtures import backend_arg, gateway_factory, metric  # noqa: F401
 from tests.test_gateway_http import replay_offline
 
@@ -105,7 +107,7 @@ def test_failing_sessions_move_to_the_larger_bucket_exactly_as_the_router_predic
 
     async def drive():
         async with openai.AsyncOpenAI(
-            base_url=gw.base_url, api_key="x", max_retries=0, timeout=120
+            base_url=gw.base_url, api_key="x", max_retries=0, timeout=600
         ) as client:
             return await asyncio.gather(*(agent_session(client, sid, r) for sid, r in plans.items()))
 
@@ -132,26 +134,25 @@ def test_failing_sessions_move_to_the_larger_bucket_exactly_as_the_router_predic
 
 
 def test_an_engine_killed_mid_run_loses_no_session(engines, engine_factory, gateway_factory):  # noqa: F811
-    long_ = engines[1]
-    with ThreadPoolExecutor(2) as pool:
-        a, b = pool.map(lambda _: engine_factory(), range(2))
+    b, long_ = engines  # the module's engines take the other short slot and the long bucket
+    a = engine_factory()  # the victim
     gw = gateway_factory(*backend_arg(a.url, "short", 1, SHORT, name="a"), *backend_arg(b.url, "short", 1, SHORT, name="b"),
                          *backend_arg(long_.url, "long", 2, LONG, name="long"), "--router", "cmlfq-paper")  # fmt: skip
-    sids = [f"kill-{i}" for i in range(12)]
+    sids = [f"kill-{i}" for i in range(SESSIONS)]
     returns = [OK, FAIL, OK]
 
     async def drive():
         async with openai.AsyncOpenAI(
-            base_url=gw.base_url, api_key="x", max_retries=0, timeout=120
+            base_url=gw.base_url, api_key="x", max_retries=0, timeout=600
         ) as client:
             tasks = [
                 asyncio.create_task(agent_session(client, sid, returns, answer_tokens=100)) for sid in sids
             ]
-            await asyncio.to_thread(kill_when_busy, gw, a)
+            await asyncio.to_thread(kill_when_busy, gw, a, after_turns=2 * SESSIONS, total_turns=4 * SESSIONS)
             return await asyncio.gather(*tasks)
 
     routes = asyncio.run(drive())
-    assert len(routes) == 12 and all(len(r) == 4 for r in routes)  # every session, every turn answered
+    assert len(routes) == SESSIONS and all(len(r) == 4 for r in routes)  # every session, every turn answered
     instances = {i["id"]: i for i in gw.get("/admin/instances")[1]["instances"]}
     assert instances["a"]["health"] == "down" and instances["b"]["routable"]
     turns_total = moved = 0
@@ -165,15 +166,24 @@ def test_an_engine_killed_mid_run_loses_no_session(engines, engine_factory, gate
         assert set(served) <= {"a", "b"} and "a" not in served[served.index("b") :] if "b" in served else True
         moved += served[0] == "a" and served[-1] == "b"
     assert moved >= 1
-    assert turns_total == 48
+    assert turns_total == 4 * SESSIONS
     text = gw.metrics()
-    assert metric(text, "libra_gateway_requests_total", endpoint="/v1/chat/completions", status="200") == 48
+    assert (
+        metric(text, "libra_gateway_requests_total", endpoint="/v1/chat/completions", status="200")
+        == 4 * SESSIONS
+    )
     assert metric(text, "libra_gateway_retries_total") >= 1
     assert metric(text, "libra_gateway_requests_total", endpoint="/v1/chat/completions", status="502") == 0
 
 
-def kill_when_busy(gw, victim, after_turns: int = 24, timeout: float = 90.0) -> None:
-    """SIGKILL `victim` mid-run: once `after_turns` turns were answered, while it has requests in flight."""
+# Sessions in the kill test: enough that each short engine serves several at once (each has four
+# turns, the last a 100-token answer, so the victim is busy for many polls of kill_when_busy).
+SESSIONS = 8
+
+
+def kill_when_busy(gw, victim, after_turns: int, total_turns: int, timeout: float = 600.0) -> None:
+    """SIGKILL `victim` mid-run: once `after_turns` turns were answered, while it has requests in
+    flight. Fails at once if the run ends first (the timeout only stops a hung run)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         done = metric(
@@ -183,14 +193,17 @@ def kill_when_busy(gw, victim, after_turns: int = 24, timeout: float = 90.0) -> 
         if done >= after_turns and inst["outstanding"] >= 2:
             victim.kill()
             return
+        assert done < total_turns, "instance a never had requests in flight late enough in the run"
         time.sleep(0.01)
-    raise AssertionError("instance a never had requests in flight late enough in the run")
+    raise AssertionError("the sessions never got far enough to kill instance a")
 
 
 def test_a_client_that_leaves_mid_stream_frees_the_engine(engines, gateway_factory):  # noqa: F811
     short, long_ = engines
     gw = gateway_factory(*backend_arg(short.url, "short", 1, SHORT), *backend_arg(long_.url, "long", 2, LONG))
-    with openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0, timeout=60) as client:
+    aborted = engine_metric(short.metrics(), 'libra_engine_sequences_finished_total{reason="abort"}')
+    finished = engine_metric(short.metrics(), 'libra_engine_sequences_finished_total{reason="length"}')
+    with openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0, timeout=600) as client:
         stream = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "Write a long story."}], max_tokens=8000,
             stream=True, extra_body={"ignore_eos": True}, user="leaver",
@@ -198,11 +211,16 @@ def test_a_client_that_leaves_mid_stream_frees_the_engine(engines, gateway_facto
         first = [next(iter(stream)) for _ in range(3)]
         assert first[0].choices[0].delta.role == "assistant"
         stream.close()
-    # 8000 tokens take far longer than this to generate on a CPU: only an abort frees it in time.
-    deadline = time.monotonic() + 8
-    while time.monotonic() < deadline:
+
+    def idle() -> bool:
         busy = sum(i["outstanding"] for i in gw.get("/admin/instances")[1]["instances"])
-        if busy == 0 and short.get("/health")["running"] == 0:
-            break
-        time.sleep(0.05)
-    assert busy == 0 and short.get("/health")["running"] == 0  # the generation was aborted, not left running
+        return busy == 0 and short.get("/health")["running"] == 0
+
+    wait_for(idle, "the engine freed")
+    # The generation was aborted, not left to run its 8000 tokens: the engine counts it as such.
+    assert (
+        engine_metric(short.metrics(), 'libra_engine_sequences_finished_total{reason="abort"}') == aborted + 1
+    )
+    assert (
+        engine_metric(short.metrics(), 'libra_engine_sequences_finished_total{reason="length"}') == finished
+    )

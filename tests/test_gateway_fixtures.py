@@ -16,13 +16,15 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from libra.rollout.routers import LeastLoadedRouter
-from tests.engine_fixtures import ProcessControl
+from tests.conftest import wait_for
+from tests.engine_fixtures import HANG_S, ProcessControl
 
 LISTENING = re.compile(r"listening on (http://[^\s:]+:(\d+))")
 
@@ -44,7 +46,7 @@ class Proc(ProcessControl):
 
     # ---- plain HTTP, for what the openai client does not cover ----------------------------------
 
-    def request(self, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None, url: str | None = None, timeout: float = 30) -> tuple[int, dict, dict]:  # fmt: skip
+    def request(self, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None, url: str | None = None, timeout: float = HANG_S) -> tuple[int, dict, dict]:  # fmt: skip
         data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
         req = urllib.request.Request((url or self.url) + path, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})})  # fmt: skip
         try:
@@ -62,7 +64,7 @@ class Proc(ProcessControl):
         return status, data
 
     def metrics(self) -> str:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=HANG_S) as r:
             return r.read().decode()
 
 
@@ -84,7 +86,7 @@ def metric(text: str, name: str, **labels: str) -> float:
     return total
 
 
-def start(cmd: list[str], log_dir: Path, n_urls: int = 1, timeout: float = 60.0) -> Proc:
+def start(cmd: list[str], log_dir: Path, n_urls: int = 1, timeout: float = HANG_S) -> Proc:
     log_path = log_dir / f"proc-{time.monotonic_ns()}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -198,3 +200,29 @@ def test_instant_backend_speaks_to_the_openai_client(instant_factory):
         assert text == "hello world" and chunks[-1].usage.completion_tokens == 3
         assert c.completions.create(model="m", prompt="abc").choices[0].text == "hello world"
         assert [m.id for m in c.models.list().data] == ["m"]
+
+
+def test_instant_backend_gate_holds_requests_until_enough_wait_or_it_is_opened(instant_factory):
+    """The gate the gateway tests use instead of delays: the first requests wait until N are held
+    together (then all go on), and a gate closed by hand holds every request until it is opened."""
+    be = instant_factory("--model", "m", "--hold-until", "2")
+    body = {"model": "m", "prompt": "x"}
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(be.post, "/v1/completions", body)
+        wait_for(lambda: be.get("/stats")[1]["held"] == 1, "the first request held")
+        assert not first.done()  # held until a second one arrives
+        second = pool.submit(be.post, "/v1/completions", body)
+        assert first.result()[0] == second.result()[0] == 200
+        assert (
+            be.get("/stats")[1]["peak_inflight"] == 2 and be.post("/v1/completions", body)[0] == 200
+        )  # open now
+        assert be.post("/gate", {"open": False}) == (200, {"open": False, "held": 0})
+        third = pool.submit(be.post, "/v1/completions", body)
+        wait_for(lambda: be.get("/stats")[1]["held"] == 1, "the request held by the closed gate")
+        assert not third.done()
+        assert be.post("/gate", {"open": True})[0] == 200 and third.result()[0] == 200
+    assert be.get("/stats")[1] | {"last_request_id": None} == {
+        "chat": 0, "completions": 4, "generate": 0, "inflight": 0, "peak_inflight": 2, "held": 0,
+        "last_request_id": None}  # fmt: skip
+    status, err = be.post("/gate", {"open": "yes"})
+    assert status == 400 and err["error"]["param"] == "open"

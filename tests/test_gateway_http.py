@@ -2,7 +2,7 @@
 
 Instant backends answer at once, so these tests exercise the gateway's own behaviour quickly:
 bad requests, streaming, sessions, the admin API, failover, the causal tree (learning, saving,
-reloading), and 1000 concurrent sessions. The end-to-end tests with real token generation (the
+reloading), and 200 concurrent sessions. The end-to-end tests with real token generation (the
 built-in engine, the `openai` client) are in test_gateway_engines.py.
 """
 
@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from libra.rollout.base import Bucket, FinishedTrajectory, InstanceView, RouteRequest
 from libra.rollout.registry import make_router
 from libra.rollout.tree import CausalTree, state_from_key
+from tests.conftest import wait_for
 from tests.test_gateway_fixtures import (  # noqa: F401
     backend_arg,
     gateway_factory,
@@ -321,8 +322,8 @@ def feed_offline(router, trajectory: dict) -> None:
     router.on_finish(FinishedTrajectory("x", t["prompt_id"], t["step"], path, tuple(t["turn_contexts"]), t["final_tokens"]))  # fmt: skip
 
 
-def test_tree_learns_from_finished_sessions_survives_a_restart_and_routes_like_the_router(instant_factory, gateway_factory, tmp_path):  # noqa: F811  # fmt: skip
-    be = instant_factory(ports=2)
+def test_tree_learns_from_finished_sessions_survives_a_restart_and_routes_like_the_router(backends, gateway_factory, tmp_path):  # noqa: F811  # fmt: skip
+    be = backends
     tree_path = tmp_path / "tree.json"
     args = [*backend_arg(be.urls[0], "short", 1, SHORT), *backend_arg(be.urls[1], "long", 2, LONG), "--tree-path", str(tree_path)]  # fmt: skip
     gw = gateway_factory(*args)
@@ -358,14 +359,12 @@ def test_tree_learns_from_finished_sessions_survives_a_restart_and_routes_like_t
     assert status == 200 and info["samples"] == 9 and CausalTree.load(tree_path).root.count == 9
 
 
-def test_idle_sessions_end_and_feed_the_tree(instant_factory, gateway_factory, tmp_path):  # noqa: F811
-    be = instant_factory()
+def test_idle_sessions_end_and_feed_the_tree(backends, gateway_factory, tmp_path):  # noqa: F811
+    be = backends
     gw = gateway_factory(*backend_arg(be.url, "only", 1, SHORT), "--tree-path", str(tmp_path / "t.json"),
                          "--set", "sessions.idle_timeout_s=0.3")  # fmt: skip
     run_session(gw, "idle-1", "S", None)
-    deadline = time.monotonic() + 10
-    while gw.get("/sessions/idle-1")[0] == 200 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_for(lambda: gw.get("/sessions/idle-1")[0] != 200, "the idle session ended")
     assert gw.get("/sessions/idle-1")[0] == 404
     assert gw.get("/admin/tree")[1]["samples"] == 1
     assert metric(gw.metrics(), "libra_gateway_sessions_finished_total", reason="idle") == 1
@@ -374,9 +373,9 @@ def test_idle_sessions_end_and_feed_the_tree(instant_factory, gateway_factory, t
 # ---- the admin API -------------------------------------------------------------------------------------
 
 
-def test_admin_add_drain_resume_remove(instant_factory, gateway_factory):  # noqa: F811
-    a, b = instant_factory(ports=2).urls
-    slow = instant_factory("--delay-ms", "1500")
+def test_admin_add_drain_resume_remove(backends, instant_factory, gateway_factory):  # noqa: F811
+    a, b = backends.urls
+    slow = instant_factory()  # its gate holds a request in flight while the test removes it
     gw = gateway_factory(
         *backend_arg(a, "short", 1, SHORT, name="a"), *backend_arg(b, "long", 2, LONG, name="b")
     )
@@ -397,26 +396,27 @@ def test_admin_add_drain_resume_remove(instant_factory, gateway_factory):  # noq
     assert gw.get("/sessions/adm")[1]["turns"][-1]["migrated"] is True
     assert gw.post("/admin/instances/a/resume")[1]["state"] == "active"
     # Removing an instance with a request in flight needs force; the request still completes.
+    assert slow.post("/gate", {"open": False})[0] == 200
     result = {}
     t = threading.Thread(target=lambda: result.update(r=chat(gw, "adm", conversation("SS"))))
     t.start()
-    deadline = time.monotonic() + 10
-    while gw.get("/admin/instances")[1]["instances"][2]["outstanding"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for(lambda: slow.get("/stats")[1]["held"] == 1, "the turn held by instance c")
+    assert gw.get("/admin/instances")[1]["instances"][2]["outstanding"] == 1
     status, busy = gw.request("DELETE", "/admin/instances/c")[:2]
     assert status == 409 and busy["error"]["code"] == "instance_busy"
     assert gw.request("DELETE", "/admin/instances/c?force=true")[0] == 200
-    t.join(timeout=30)
+    assert slow.post("/gate", {"open": True})[0] == 200
+    t.join(timeout=300)
     assert result["r"][0] == 200 and result["r"][2]["X-Libra-Instance"] == "c"
     assert [i["id"] for i in gw.get("/admin/instances")[1]["instances"]] == ["a", "b"]
     assert gw.request("DELETE", "/admin/instances/c")[0] == 404
     assert chat(gw, "adm", conversation("SSS"))[2]["X-Libra-Instance"] == "a"
 
 
-def test_admin_buckets_move_the_boundaries_and_refuse_what_an_engine_cannot_hold(instant_factory, gateway_factory):  # noqa: F811  # fmt: skip
+def test_admin_buckets_move_the_boundaries_and_refuse_what_an_engine_cannot_hold(backends, gateway_factory):  # noqa: F811  # fmt: skip
     """A planner's boundary refit (`libra train`'s re-plan): the thresholds move, the engines stay;
     a bad body is a 400 naming the field; a boundary past an engine's max_model_len is a 409."""
-    a, b = instant_factory(ports=2).urls
+    a, b = backends.urls
     gw = gateway_factory(
         *backend_arg(a, "short", 1, SHORT, name="a"), *backend_arg(b, "long", 2, LONG, name="b")
     )
@@ -448,10 +448,11 @@ def test_admin_buckets_move_the_boundaries_and_refuse_what_an_engine_cannot_hold
 # ---- failures ---------------------------------------------------------------------------------------
 
 
-def test_a_dead_instance_is_taken_out_and_its_session_continues(instant_factory, gateway_factory):  # noqa: F811
-    a, b, c = instant_factory(), instant_factory(), instant_factory()
+def test_a_dead_instance_is_taken_out_and_its_session_continues(backends, instant_factory, gateway_factory):  # noqa: F811  # fmt: skip
+    a, b = instant_factory(), instant_factory()  # each killed on its own; c is the module's
+    c, c_before = backends.urls[1], backends.get("/stats")[1]["chat"]
     gw = gateway_factory(*backend_arg(a.url, "short", 1, SHORT, name="a"), *backend_arg(b.url, "short", 1, SHORT, name="b"),
-                         *backend_arg(c.url, "long", 2, LONG, name="c"), "--set", "health.interval_s=60")  # fmt: skip
+                         *backend_arg(c, "long", 2, LONG, name="c"), "--set", "health.interval_s=60")  # fmt: skip
     assert chat(gw, "f", conversation(""))[2]["X-Libra-Instance"] == "a"
     a.kill()  # the health check will not run for a minute: the request itself finds out
     status, _, headers = chat(gw, "f", conversation("S"))
@@ -467,7 +468,7 @@ def test_a_dead_instance_is_taken_out_and_its_session_continues(instant_factory,
     text = gw.metrics()
     assert metric(text, "libra_gateway_retries_total") == 2
     assert metric(text, "libra_gateway_migrations_total", reason="failover") == 2
-    assert c.get("/stats")[1]["chat"] == 1
+    assert backends.get("/stats")[1]["chat"] - c_before == 1
 
 
 def test_requests_wait_for_an_instance_to_come_back(instant_factory, gateway_factory):  # noqa: F811
@@ -475,19 +476,17 @@ def test_requests_wait_for_an_instance_to_come_back(instant_factory, gateway_fac
     port = be.url.rsplit(":", 1)[1]
     gw = gateway_factory(*backend_arg(be.url, "only", 1, SHORT), "--set", "health.interval_s=0.1", "--set", "no_instance_wait_s=0.3")  # fmt: skip
     be.kill()
-    deadline = time.monotonic() + 10
-    while gw.get("/health")[0] == 200 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: gw.get("/health")[0] != 200, "the dead backend taken out")
     status, body, _ = chat(gw, "w", conversation(""))
     assert status == 503 and body["error"]["code"] == "no_healthy_instance"
-    gw2 = gateway_factory(*backend_arg(be.url, "only", 1, SHORT), "--set", "health.interval_s=0.1", "--set", "no_instance_wait_s=30")  # fmt: skip
+    gw2 = gateway_factory(*backend_arg(be.url, "only", 1, SHORT), "--set", "health.interval_s=0.1", "--set", "no_instance_wait_s=600")  # fmt: skip
     result = {}
     t = threading.Thread(target=lambda: result.update(r=chat(gw2, "w", conversation(""))))
     t.start()
-    time.sleep(0.5)
+    wait_for(lambda: gw2.get("/sessions/w")[0] == 200, "the turn reached the gateway")
     assert t.is_alive()  # kept, not dropped
     instant_factory("--port", port)
-    t.join(timeout=30)
+    t.join(timeout=600)
     assert result["r"][0] == 200
 
 
@@ -496,7 +495,7 @@ def test_requests_wait_for_an_instance_to_come_back(instant_factory, gateway_fac
 
 async def _drive_sessions(url: str, n: int) -> list[tuple[int, ...]]:
     conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=120)) as http:
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as http:
 
         async def one(i: int) -> tuple[int, ...]:
             sid, msgs, statuses = f"many-{i}", [{"role": "user", "content": f"task {i}"}], []
@@ -516,26 +515,35 @@ async def _drive_sessions(url: str, n: int) -> list[tuple[int, ...]]:
         return await asyncio.gather(*(one(i) for i in range(n)))
 
 
-def test_1000_concurrent_sessions_complete(instant_factory, gateway_factory):  # noqa: F811
-    be = instant_factory("--delay-ms", "1000", ports=2)
+def concurrent_sessions(instant_factory, gateway_factory, n: int) -> None:  # noqa: F811
+    """`n` two-turn sessions at once, their first turns all held by the backends together (a gate,
+    not a delay: none is answered before all `n` are in flight, however slow the machine)."""
+    be = instant_factory("--hold-until", str(n), ports=2)
     gw = gateway_factory(
         *backend_arg(be.urls[0], "short", 1, SHORT), *backend_arg(be.urls[1], "long", 2, LONG)
     )
-    results = asyncio.run(_drive_sessions(gw.url, 1000))
-    assert results == [(200, 200, 200)] * 1000
+    results = asyncio.run(_drive_sessions(gw.url, n))
+    assert results == [(200, 200, 200)] * n
     stats = be.get("/stats")[1]
-    assert stats["chat"] == 2000  # every turn reached a backend exactly once: none lost, none doubled
-    assert stats["peak_inflight"] >= 100  # they really were in flight together
+    assert stats["chat"] == 2 * n  # every turn reached a backend exactly once: none lost, none doubled
+    assert stats["peak_inflight"] >= n  # they really were in flight together
     text = gw.metrics()
-    assert metric(text, "libra_gateway_requests_total", endpoint="/v1/chat/completions", status="200") == 2000
-    assert metric(text, "libra_gateway_sessions_finished_total", reason="client") == 1000
+    assert (
+        metric(text, "libra_gateway_requests_total", endpoint="/v1/chat/completions", status="200") == 2 * n
+    )
+    assert metric(text, "libra_gateway_sessions_finished_total", reason="client") == n
     assert (
         metric(text, "libra_gateway_active_sessions") == 0 and metric(text, "libra_gateway_outstanding") == 0
     )
 
 
+def test_concurrent_sessions_complete(instant_factory, gateway_factory):  # noqa: F811
+    """200 sessions in flight together (1000 in benchmarks/bench_live_scale.py)."""
+    concurrent_sessions(instant_factory, gateway_factory, 200)
+
+
 async def _first_turns_at_once(url: str, n: int) -> list[int]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
 
         async def one(i: int) -> int:
             body = {
@@ -557,8 +565,9 @@ def test_turns_overflow_to_a_larger_bucket_with_less_load_per_gpu(instant_factor
     """The placement rule live (docs/rollout.md, "Instance choice"): eight new sessions at once,
     every backend holding its answers. C-MLFQ starts them all in the short (TP1) bucket; with
     spill: balance each turn goes where the outstanding requests per GPU are fewest, so the idle
-    TP4 engine takes most of them; with spill: saturated all wait on the short engine."""
-    be = instant_factory("--delay-ms", "1500", ports=2)
+    TP4 engine takes most of them; with spill: saturated all wait on the short engine. (The
+    backends hold every answer until all eight arrived.)"""
+    be = instant_factory("--hold-until", "8", ports=2)
     gw = gateway_factory(*backend_arg(be.urls[0], "short", 1, SHORT), *backend_arg(be.urls[1], "long", 4, LONG),
                          "--set", f"router_params.spill={spill}")  # fmt: skip
     assert asyncio.run(_first_turns_at_once(gw.url, 8)) == [200] * 8
@@ -572,12 +581,12 @@ def test_turns_overflow_to_a_larger_bucket_with_less_load_per_gpu(instant_factor
 
 
 @pytest.mark.parametrize("spill", ["cost", "balance"])
-def test_spill_cost_with_a_cost_model(instant_factory, gateway_factory, spill):  # noqa: F811
+def test_spill_cost_with_a_cost_model(backends, gateway_factory, spill):  # noqa: F811
     """Told what the backends serve on (`cost_model`), the routers price placement with the cost
     model: on idle engines a turn adds the least token time on the larger TP, so spill: cost sends
     C-MLFQ's first turns, chosen for the short bucket, to the TP4 engine; spill: balance keeps them
     where the router chose (per GPU the idle engines tie)."""
-    be = instant_factory(ports=2)
+    be = backends
     gw = gateway_factory(*backend_arg(be.urls[0], "short", 1, SHORT), *backend_arg(be.urls[1], "long", 4, LONG),
                          "--set", "cost_model={model: qwen3-14b, hardware: a800-80g}",
                          "--set", f"router_params.spill={spill}")  # fmt: skip
@@ -587,8 +596,8 @@ def test_spill_cost_with_a_cost_model(instant_factory, gateway_factory, spill): 
     assert placed == ({"short": 0, "long": 1} if spill == "cost" else {"short": 1, "long": 0})
 
 
-def test_a_yaml_config_with_overrides(instant_factory, gateway_factory, tmp_path):  # noqa: F811
-    be = instant_factory(ports=2)
+def test_a_yaml_config_with_overrides(backends, gateway_factory, tmp_path):  # noqa: F811
+    be = backends
     cfg = tmp_path / "gateway.yaml"
     cfg.write_text(
         "router: cmlfq-paper\n"
@@ -620,10 +629,10 @@ def test_completions_pass_through_streamed_or_not(gw):
     assert [t["context_tokens"] for t in turns] == [100, 100]  # the first from chars, then usage-anchored
 
 
-def test_a_backend_dying_mid_stream_ends_the_stream_with_an_error_and_the_session_goes_on(instant_factory, gateway_factory):  # noqa: F811  # fmt: skip
+def test_a_backend_dying_mid_stream_ends_the_stream_with_an_error_and_the_session_goes_on(backends, instant_factory, gateway_factory):  # noqa: F811  # fmt: skip
     openai = pytest.importorskip("openai")
-    dying, alive = instant_factory("--exit-mid-stream"), instant_factory()
-    gw = gateway_factory(*backend_arg(dying.url, "short", 1, SHORT, name="dying"), *backend_arg(alive.url, "long", 2, LONG, name="alive"),
+    dying, alive = instant_factory("--exit-mid-stream"), backends.urls[1]
+    gw = gateway_factory(*backend_arg(dying.url, "short", 1, SHORT, name="dying"), *backend_arg(alive, "long", 2, LONG, name="alive"),
                          "--set", "health.interval_s=60")  # fmt: skip
     with openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0) as client:
         stream = client.chat.completions.create(
@@ -646,8 +655,8 @@ def test_a_backend_dying_mid_stream_ends_the_stream_with_an_error_and_the_sessio
     assert metric(text, "libra_gateway_migrations_total", reason="policy") == 0
 
 
-def test_a_router_bug_costs_no_turn_and_no_session(instant_factory, gateway_factory):  # noqa: F811
-    be = instant_factory(ports=2)
+def test_a_router_bug_costs_no_turn_and_no_session(backends, gateway_factory):  # noqa: F811
+    be = backends
     gw = gateway_factory(*backend_arg(be.urls[0], "short", 1, SHORT), *backend_arg(be.urls[1], "long", 2, LONG),
                          "--router", "tests.test_gateway_fixtures:ExplodingRouter")  # fmt: skip
     for turn in ("", "F"):

@@ -9,6 +9,7 @@ The actions service's block (`sudo ...`) needs root and bubblewrap; its own suit
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -67,12 +68,18 @@ def test_the_readme_serve_block_runs_as_written(tmp_path):
     assert paused["ok"] and len(paused["results"]) == 2 and resumed["ok"]
 
 
+@functools.cache
+def help_of(cmd: str) -> str:
+    """`libra serve CMD --help`, run once per command for the module."""
+    return run_cli("serve", cmd, "--help").stdout
+
+
 @pytest.mark.parametrize("doc", ["docs/gateway.md", "docs/engine.md"])
 def test_the_docs_use_commands_that_exist(doc):
     """Every `libra serve ...` option a doc shows is one the command takes."""
     text = (ROOT / doc).read_text()
     for cmd in ("gateway", "engine"):
-        help_text = run_cli("serve", cmd, "--help").stdout
+        help_text = help_of(cmd)
         for opt in set(re.findall(rf"libra serve {cmd}[^\n`]*", text)):
             for flag in re.findall(r"(--[a-z][a-z-]+)", opt):
                 assert flag in help_text, (doc, flag)

@@ -1,6 +1,7 @@
 """What RL frameworks send through the gateway: token-id prompts and their session keys.
 
-Real `libra serve gateway` processes in front of instant backends on loopback:
+Real `libra serve gateway` processes in front of instant backends on loopback (one of each for
+the module, and one more of each for the test of a backend too short for its bucket):
 
 - token-in clients (vLLM's token-id prompts, SGLang's `input_ids`) are counted in tokens, exactly,
   so a 30,000-token prompt is routed as 30,000 tokens and a session that outgrows its bucket
@@ -15,19 +16,31 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.test_gateway_fixtures import backend_arg, gateway_factory, instant_factory, start_gateway  # noqa: F401
+from tests.test_gateway_fixtures import backend_arg, instant_factory, start_gateway, start_instant  # noqa: F401
 
 SHORT, LONG = 4096, 32768
 
 
-def two_buckets(instant_factory, gateway_factory, *more: str):  # noqa: F811
-    be = instant_factory("--model", "m", "--max-context", str(LONG), ports=2)
-    gw = gateway_factory(*backend_arg(be.urls[0], "short", 1, SHORT, name="s"), *backend_arg(be.urls[1], "long", 4, LONG, name="l"), *more)  # fmt: skip
-    return be, gw
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """One instant backend (two ports) behind one gateway in two buckets, for the module: sessions
+    are keyed apart by each test, and the extra session keys (a header, a body field) are set for
+    all since nothing else sends them."""
+    log_dir = tmp_path_factory.mktemp("rl")
+    be = start_instant("--model", "m", "--max-context", str(LONG), ports=2, log_dir=log_dir)
+    try:
+        gw = start_gateway(*backend_arg(be.urls[0], "short", 1, SHORT, name="s"), *backend_arg(be.urls[1], "long", 4, LONG, name="l"),
+                           "--set", "sessions.key_header=X-Episode", "--set", "sessions.key_field=episode_id", log_dir=log_dir)  # fmt: skip
+    except BaseException:
+        be.stop()
+        raise
+    yield be, gw
+    gw.stop()
+    be.stop()
 
 
-def test_token_id_prompts_are_counted_and_route_by_length(instant_factory, gateway_factory):  # noqa: F811
-    be, gw = two_buckets(instant_factory, gateway_factory)
+def test_token_id_prompts_are_counted_and_route_by_length(stack):
+    be, gw = stack
     sid = {"X-Session-ID": "tok-1"}
     status, _, headers = gw.request("POST", "/v1/completions", {"model": "m", "prompt": [7] * 3000}, sid)
     assert status == 200 and headers["X-Libra-Bucket"] == "short"
@@ -47,8 +60,9 @@ def test_token_id_prompts_are_counted_and_route_by_length(instant_factory, gatew
     assert headers["X-Libra-Bucket"] == "short"
 
 
-def test_generate_routes_by_input_ids_and_reads_meta_info(instant_factory, gateway_factory):  # noqa: F811
-    be, gw = two_buckets(instant_factory, gateway_factory)
+def test_generate_routes_by_input_ids_and_reads_meta_info(stack):
+    be, gw = stack
+    before = be.get("/stats")[1]["generate"]
     key = {"X-SMG-Routing-Key": "slime-sample-9"}  # what slime sets per sample
     body = {"input_ids": [5] * 2000, "sampling_params": {"max_new_tokens": 8}, "return_logprob": True}
     status, out, headers = gw.request("POST", "/generate", body, key)
@@ -64,12 +78,11 @@ def test_generate_routes_by_input_ids_and_reads_meta_info(instant_factory, gatew
     assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
     assert gw.get("/sessions/slime-sample-9")[1]["generated_tokens"] == 3 * len(out["output_ids"])
     assert gw.post("/generate", {"sampling_params": {}})[0] == 400
-    assert be.get("/stats")[1]["generate"] == 3  # one process serves both ports; the 400 never left
+    assert be.get("/stats")[1]["generate"] - before == 3  # one process serves both ports; the 400 never left
 
 
-def test_sessions_keyed_as_frameworks_key_them(instant_factory, gateway_factory):  # noqa: F811
-    be, gw = two_buckets(instant_factory, gateway_factory, "--set", "sessions.key_header=X-Episode",
-                         "--set", "sessions.key_field=episode_id")  # fmt: skip
+def test_sessions_keyed_as_frameworks_key_them(stack):
+    be, gw = stack
     msgs = [{"role": "user", "content": "hi"}]
     # SkyRL: trajectory_id in the body, through the official client's extra_body
     with openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0) as client:
@@ -94,12 +107,13 @@ def test_sessions_keyed_as_frameworks_key_them(instant_factory, gateway_factory)
     assert status == 400 and body["error"]["param"] == "trajectory_id"
 
 
-def test_max_context_above_the_backends_model_is_refused(instant_factory, gateway_factory, tmp_path):  # noqa: F811
+def test_max_context_above_the_backends_model_is_refused(stack, instant_factory, tmp_path):  # noqa: F811
     small = instant_factory("--model", "m", "--max-context", "8192")
     with pytest.raises(RuntimeError, match=r"backends\[0\]\.max_context.*max_model_len 8192"):
         start_gateway(*backend_arg(small.url, "long", 4, 40960), log_dir=tmp_path)  # exits 2 at start
-    be, gw = two_buckets(instant_factory, gateway_factory)
+    be, gw = stack
     status, body = gw.post("/admin/instances", {"url": small.url, "bucket": "long", "name": "x"})
     assert status == 400 and body["error"]["param"] == "max_context" and "8192" in body["error"]["message"]
     assert "x" not in [i["id"] for i in gw.get("/admin/instances")[1]["instances"]]
     assert gw.post("/admin/instances", {"url": small.url, "bucket": "short", "name": "y"})[0] == 201
+    assert gw.request("DELETE", "/admin/instances/y?force=true")[0] == 200  # the module's gateway as it was

@@ -2,7 +2,7 @@
 service over real HTTP on loopback, with the service process's resident memory measured before and
 after every probe (growth under 100 MB).
 
-Each service is started once for the module, with small caps (they are settings), so a payload
+Each service is started once for the module (all at once), with small caps (they are settings), so a payload
 only as large as it takes to cross a cap proves the cap: a batch of prompts one past
 `max_prompts_per_request`, a header left unfinished past a 1 s `header_timeout_s`, files past a
 1 MiB `max_response_bytes`. Every refusal is a 4xx that names the field or the setting.
@@ -16,6 +16,7 @@ import json
 import os
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -23,14 +24,15 @@ import pytest
 import torch
 
 from libra.runtime.sandbox.client import ServiceProcess
-from tests.engine_fixtures import start_engine
+from tests.conftest import wait_for
+from tests.engine_fixtures import HANG_S, start_engine
 from tests.test_actions_service import PATIENT_S, unavailable
 from tests.test_actions_service import sandbox_available as _sandbox
 from tests.test_gateway_fixtures import backend_arg, start_gateway
 
 TOKEN = "hostile-admin"
 RSS_GROWTH_MB = 100
-T = 60.0  # a bound that only stops a hung service from hanging the suite, never a measurement
+T = HANG_S  # a bound that only stops a hung service from hanging the suite, never a measurement
 
 
 def rss_mb(pid: int) -> float:
@@ -101,25 +103,66 @@ def per_client(url: str, limit: int) -> None:
 LIMITS = ["--header-timeout-s", "1", "--body-timeout-s", "1"]
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def start_engine_and_gateway(log_dir: Path):
     eng = start_engine("--kv-cache-mb", "32", "--max-prompts-per-request", "64", "--max-request-tokens", "20000",
-                       "--admin-token", TOKEN, *LIMITS, log_dir=tmp_path_factory.mktemp("engine"))  # fmt: skip
-    yield eng
+                       "--admin-token", TOKEN, *LIMITS, log_dir=log_dir)  # fmt: skip
+    sets = {"max_prompts_per_request": 32, "max_request_tokens": 10000, "header_timeout_s": 1,
+            "body_timeout_s": 1, "max_connections_per_client": 16}  # fmt: skip
+    try:
+        gw = start_gateway(*backend_arg(eng.url, "only", 1, 8192), "--admin-token", TOKEN,
+                           *(a for k, v in sets.items() for a in ("--set", f"{k}={v}")), log_dir=log_dir)  # fmt: skip
+        wait_for(lambda: httpx.get(gw.url + "/health", timeout=T).status_code == 200, "the gateway routable")
+    except BaseException:
+        eng.stop()
+        raise
+    return eng, gw
+
+
+def start_actions(log_dir: Path) -> ServiceProcess:
+    cfg = log_dir / "actions.yaml"
+    cfg.write_text(json.dumps({
+        "warm_pool": 1, "max_response_bytes": 2**20, "header_timeout_s": 1, "body_timeout_s": 1,
+        "max_connections_per_client": 16,
+        "sandbox": {"memory_mb": 256, "max_memory_mb": 512, "fsize_mb": 8, "output_limit_bytes": 2**19},
+    }))  # fmt: skip
+    return ServiceProcess(str(cfg)).__enter__()
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory):
+    """The module's engine (then its gateway) and actions service, started at once: they are
+    independent. The actions service is None where the sandbox cannot run."""
+    log_dir = tmp_path_factory.mktemp("hostile")
+    with ThreadPoolExecutor(2) as pool:
+        front = pool.submit(start_engine_and_gateway, log_dir)
+        acts = pool.submit(start_actions, log_dir) if _sandbox() is None else None
+        try:
+            eng, gw = front.result()
+        except BaseException:
+            if acts is not None:
+                acts.result().__exit__(None, None, None)
+            raise
+        try:
+            actions = acts.result() if acts is not None else None
+        except BaseException:
+            gw.stop()
+            eng.stop()
+            raise
+    yield {"engine": eng, "gateway": gw, "actions": actions}
+    gw.stop()
+    if actions is not None:
+        actions.__exit__(None, None, None)
     eng.stop()
 
 
 @pytest.fixture(scope="module")
-def gateway(engine, tmp_path_factory):
-    sets = {"max_prompts_per_request": 32, "max_request_tokens": 10000, "header_timeout_s": 1,
-            "body_timeout_s": 1, "max_connections_per_client": 16}  # fmt: skip
-    gw = start_gateway(*backend_arg(engine.url, "only", 1, 8192), "--admin-token", TOKEN,
-                       *(a for k, v in sets.items() for a in ("--set", f"{k}={v}")), log_dir=tmp_path_factory.mktemp("gw"))  # fmt: skip
-    deadline = time.monotonic() + T
-    while httpx.get(gw.url + "/health", timeout=T).status_code != 200 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    yield gw
-    gw.stop()
+def engine(services):
+    return services["engine"]
+
+
+@pytest.fixture(scope="module")
+def gateway(services):
+    return services["gateway"]
 
 
 def post(url: str, path: str, body: object, token: str | None = None) -> httpx.Response:
@@ -231,16 +274,9 @@ def test_gateway_times_out_headers_and_bodies_and_limits_each_client(gateway):
 
 
 @pytest.fixture(scope="module")
-def actions(tmp_path_factory):
+def actions(services):
     unavailable(_sandbox())
-    cfg = tmp_path_factory.mktemp("actions") / "actions.yaml"
-    cfg.write_text(json.dumps({
-        "warm_pool": 1, "max_response_bytes": 2**20, "header_timeout_s": 1, "body_timeout_s": 1,
-        "max_connections_per_client": 16,
-        "sandbox": {"memory_mb": 256, "max_memory_mb": 512, "fsize_mb": 8, "output_limit_bytes": 2**19},
-    }))  # fmt: skip
-    with ServiceProcess(str(cfg)) as svc:
-        yield svc
+    return services["actions"]
 
 
 def run_code(url: str, body: dict) -> httpx.Response:
