@@ -96,7 +96,7 @@ REAL, HERE = "real process", "in-process"  # where a case runs (see the module d
         (["costmodel", "rollout", "--context", "-5"], "context", HERE),
         (["costmodel", "rollout", "--set", "nosuch=1"], "nosuch", HERE),
         (["costmodel", "rollout", "--tp", "abc"], "abc", HERE),
-        (["costmodel", "train", "--pp", "3"], "pp", HERE),
+        (["costmodel", "train", "--pp", "41"], "pp", HERE),
         (
             ["costmodel", "train", "--model", "qwen3-14b", "--tp", "1", "--dp", "1", "--seq-len", "0"],
             "seq_len",

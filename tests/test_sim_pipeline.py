@@ -553,16 +553,19 @@ def test_consumption_order_and_whole_groups(catalog, consume):
 def test_completion_order_keeps_the_staleness_bound_under_a_tail(catalog):
     """Consuming by completion, a straggler's group would be trained several steps after its
     weights; the bound holds instead: such a group expires, is counted (per step and in all) and a
-    spare group replaces it. Consuming by batch, nothing expires (batch s is at most k old)."""
-    out, steps = {}, {}
-    for consume in ("completion", "batch"):
-        sc = parse_rl({**SMALL, "steps": 6, "pipeline": {"consume": consume}}, catalog)
-        from libra.sim.rl.pipeline import Batches
+    spare group replaces it. Consuming by batch, nothing expires (batch s is at most k old). A
+    strict gate (the simulator's default) keeps the bound by waiting: nothing expires either."""
+    from libra.sim.rl.pipeline import Batches
 
+    out, steps = {}, {}
+    for consume, strict in (("completion", False), ("batch", False), ("strict", True)):
+        pipe = {"consume": "batch" if consume == "batch" else "completion", "strict_staleness": strict}
+        sc = parse_rl({**SMALL, "steps": 6, "pipeline": pipe}, catalog)
         sim = RLSim(sc, make_system("static-uniform"), Batches(sc, 0), 6, 0)
         out[consume], steps[consume] = sim.run(), sim.per_step()
-    assert out["completion"]["max_staleness"] <= 1 and out["batch"]["max_staleness"] <= 1
+    assert all(o["max_staleness"] <= 1 for o in out.values())
     assert out["completion"]["expired_groups"] > 0 and out["batch"]["expired_groups"] == 0
+    assert out["strict"]["expired_groups"] == 0
     assert sum(s["expired_groups"] for s in steps["completion"]) == out["completion"]["expired_groups"]
     # Colocated systems are synchronous: one batch at a time, consumed whole either way.
     col = {c: run({**SMALL, "steps": 6, "pipeline": {"consume": c}}, ["verl-colocated"], 6, 0, None, _quiet)

@@ -383,8 +383,8 @@ class RLSim:
             spare = self.batches.spare(self.expired_groups, f.group[0].step)
             key = (spare[0].step, spare[0].prompt_id)
             self.expired_groups += 1
+            self._group_started(key, len(spare))
             self.rerun[key] = self.group_version[key] = self.train_done
-            self.group_left[key] = len(spare)
             for t in spare:
                 self.driver.start(t)
 
