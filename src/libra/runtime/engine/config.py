@@ -78,7 +78,6 @@ class EngineConfig(HttpLimitFields, RequestCapFields):
     # trainer needs; `distribution.processed_logprobs`). Neither includes the grammar.
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
 
-
     @field_validator("max_num_batched_tokens")
     @classmethod
     def _every_running_seq_decodes(cls, v: int, info: ValidationInfo) -> int:
