@@ -319,7 +319,8 @@ def test_pool_from_a_plan(catalog):
     from tests.test_planner import synthetic
 
     p = PlanningProblem(catalog.hardware("a800-80g"), 6, catalog.model("qwen3-14b"), 32, 16, 40960)
-    plan = GlobalPlanner(p, PlannerConfig(hybrid_fraction=0.5)).plan(
+    # All of rollout may hold hybrid replicas: the plan trains on tp1 x pp7 x cp2 = 14-GPU replicas.
+    plan = GlobalPlanner(p, PlannerConfig(hybrid_fraction=1.0)).plan(
         WorkloadStats.from_trajectories(synthetic(512, 3))
     )
     replicas = make_pool(plan)

@@ -154,7 +154,7 @@ def test_train_step_and_publication_with_a_version(engine, ckpt, tmp_path, refer
     trained weights'."""
     from libra.runtime.train.batch import TrainSample
     from libra.runtime.train.config import load_train_config
-    from libra.runtime.train.grpo import Clip
+    from libra.runtime.train.grpo import Objective
     from libra.runtime.train.learner import Learner, OptimConfig
     from libra.runtime.train.models import train_model
     from libra.runtime.train.reducer import LocalReducer
@@ -164,7 +164,7 @@ def test_train_step_and_publication_with_a_version(engine, ckpt, tmp_path, refer
     ids = [int(t) for t in torch.randint(0, 300, (20,), generator=torch.Generator().manual_seed(3))]
     old = [0.0, *hf_logprobs(reference, ids)]
     sample = TrainSample(ids=ids, mask=[0] * 10 + [1] * 10, logprobs=old, advantage=1.0)
-    stats = learner.rl_step([sample], 10, Clip())
+    stats = learner.rl_step([sample], 10, Objective())
     assert stats.tokens == 10 and stats.logprob_diff_max < TOL  # trainer == transformers before the step
     path = tmp_path / "model.pt"
     torch.save(learner.model.state_dict(), path)
@@ -184,7 +184,7 @@ def test_lora_trains_the_adapter_only_and_an_engine_merges_it(ckpt):
     pytest.importorskip("peft")
     from libra.runtime.train.batch import TrainSample
     from libra.runtime.train.config import load_train_config
-    from libra.runtime.train.grpo import Clip
+    from libra.runtime.train.grpo import Objective
     from libra.runtime.train.learner import Learner, OptimConfig
     from libra.runtime.train.lora import adapter_state
     from libra.runtime.train.models import train_model
@@ -197,7 +197,7 @@ def test_lora_trains_the_adapter_only_and_an_engine_merges_it(ckpt):
     ids = list(range(5, 25))
     sample = TrainSample(ids=ids, mask=[0] * 10 + [1] * 10, logprobs=[0.0, *learner.logprobs([TrainSample(ids=ids, mask=[0] * 20, logprobs=[0.0] * 20)])[0][1:]], advantage=1.0)  # fmt: skip
     for _ in range(2):  # peft starts B at zero: the second step moves the product
-        learner.rl_step([sample], 10, Clip())
+        learner.rl_step([sample], 10, Objective())
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if "lora_" not in n)
     adapter = adapter_state(model)
     assert all(k.endswith(("lora_A.weight", "lora_B.weight")) or k == "lora.scale" for k in adapter)

@@ -106,7 +106,7 @@ class LocalChat:
         ids = seq.tokens[len(prompt) :]
         call = (out.call_id, state.call[1], "".join(state.args)) if state.call else None
         return Turn(list(prompt), ids, [lp.logprob for lp in state.logprobs], [self.version] * len(ids),
-                    state.finish, "".join(state.text), call, raw=state.raw, started=t0, ended=time.time(),
+                    state.finish, text="".join(state.text), tool_call=call, raw=state.raw, started=t0, ended=time.time(),
                     forced=[lp.forced for lp in state.logprobs])  # fmt: skip
 
     def _output(self, req: p.ChatRequest, cid: str):
