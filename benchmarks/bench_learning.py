@@ -19,7 +19,8 @@ default: a shared 2-core machine), and print one JSON object: every seed's objec
 then the lowest best 5-step mean). `--warm-cache DIR` keeps each seed's warm-start in DIR and
 reuses it (comparing RL settings on the same warm-starts); `--until-goal` stops a seed once it
 reaches 0.8 (its curve ends there). `--out DIR` writes each seed's object to DIR/seed-S.json and
-skips a seed whose file is there with the same settings: a long sweep can be resumed.
+skips a seed whose file is there with the same settings: a long sweep can be resumed. `--plot
+FILE` draws every seed's 5-step mean success per GRPO step on one figure (the README's picture).
 """
 
 from __future__ import annotations
@@ -153,6 +154,27 @@ def many_seeds(a: argparse.Namespace, seeds: list[int]) -> dict:
     }
 
 
+def plot(result: dict, path: str) -> None:
+    """Every seed's 5-step mean success over its GRPO steps, the goal as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for r in sorted((r for r in result["seeds"] if "error" not in r), key=lambda r: r["seed"]):
+        w = windows(r["success"])
+        ax.plot(range(MOVING - 1, MOVING - 1 + len(w)), w, lw=1.2, label=f"seed {r['seed']}")
+    ax.axhline(GOAL, color="k", ls="--", lw=0.8)
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("success, 5-step mean")
+    ax.set_title(f"in-process GRPO from each seed's warm-start ({result['reached']} reach {GOAL})")
+    ax.legend(fontsize=7, ncol=2, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seed", type=int, default=0)
@@ -165,10 +187,14 @@ def main() -> None:
     )
     ap.add_argument("--until-goal", action="store_true", help="Stop a seed once its 5-step mean reaches 0.8.")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--plot", default=None, help="With --seeds: draw every seed's curve to this PNG.")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if a.seeds:
-        report("learning", many_seeds(a, seeds_of(a.seeds)))
+        result = many_seeds(a, seeds_of(a.seeds))
+        if a.plot:
+            plot(result, a.plot)
+        report("learning", result)
     else:
         report("learning", one_seed(a))
 
