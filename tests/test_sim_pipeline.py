@@ -635,3 +635,14 @@ def test_a_router_param_no_router_of_the_run_has_is_an_error_not_ignored():
         "router:classic-mlfq"
         in run(cfg, ["router:cmlfq", "router:classic-mlfq"], 1, 0, None, _quiet)["systems"]
     )
+
+
+def test_a_strict_gate_never_stalls_the_last_steps():
+    """Under the strict gate early steps train their overdue groups beyond a batch's count, so the
+    run's batches can hold too few groups for its last steps: one more batch starts to feed them.
+    This cell (R2E late, 32 prompts, k=2) stalled at step 11 of 12 without it."""
+    sc = load_scenario("libra-r2e-48gpu", ["workload.first_step=100", "workload.prompts_per_step=32",
+                                           "pipeline.staleness=2"])  # fmt: skip
+    assert sc.pipeline.strict_staleness  # the default
+    res = pipeline.run(sc, ["static-uniform"], 12, 0, None, _quiet)["systems"]["static-uniform"]
+    assert res["max_staleness"] <= 2 and res["expired_groups"] == 0
