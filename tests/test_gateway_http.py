@@ -650,7 +650,10 @@ def test_a_backend_dying_mid_stream_ends_the_stream_with_an_error_and_the_sessio
     assert gw.get("/health")[1]["routable"] == 1
     # the client's retry of the turn is a failover, not the router's choice
     (first, retry) = gw.get("/sessions/mid")[1]["turns"]
-    assert retry["migrated"] and retry["failover_to"] == "alive" and first["failover_to"] is None, (first, retry)
+    assert retry["migrated"] and retry["failover_to"] == "alive" and first["failover_to"] is None, (
+        first,
+        retry,
+    )
     assert metric(text, "libra_gateway_migrations_total", reason="failover") == 1
     assert metric(text, "libra_gateway_migrations_total", reason="policy") == 0
 
