@@ -648,12 +648,12 @@ def test_a_backend_dying_mid_stream_ends_the_stream_with_an_error_and_the_sessio
     text = gw.metrics()
     assert metric(text, "libra_gateway_upstream_errors_total", instance="dying", kind="mid_stream") == 1
     assert gw.get("/health")[1]["routable"] == 1
-    # the client's retry of the turn is a failover, not the router's choice
+    # The client's retry of the turn is a failover, not the router's choice, whichever way it
+    # went: routed away from `dying` once the health probe the failure asked for has marked it
+    # down (`migrated`), or, on a slower machine where that probe has not answered yet, kept on
+    # `dying` by session affinity and carried to `alive` when the connection is refused.
     (first, retry) = gw.get("/sessions/mid")[1]["turns"]
-    assert retry["migrated"] and retry["failover_to"] == "alive" and first["failover_to"] is None, (
-        first,
-        retry,
-    )
+    assert retry["failover_to"] == "alive" and first["failover_to"] is None, (first, retry)
     assert metric(text, "libra_gateway_migrations_total", reason="failover") == 1
     assert metric(text, "libra_gateway_migrations_total", reason="policy") == 0
 
