@@ -206,9 +206,19 @@ class RLSim:
         return self.summary()
 
     def _may_roll(self, s: int) -> bool:
-        if s >= self.steps or self.pending is not None:
+        if self.pending is not None or (s >= self.steps and not self._starved()):
             return False
         return self.gate.may_start(s, self.train_done, busy=self.training or bool(self.in_flight))
+
+    def _starved(self) -> bool:
+        """Under a strict gate a step may train more groups than a batch holds (its overdue ones),
+        so the batches of the run may not hold enough groups for its last steps: then one more
+        batch starts, whose groups feed those steps (it is never a step of its own)."""
+        if not (self.gate.strict and self.gate.by_completion()) or self.filled >= self.steps:
+            return False
+        have = self.finished.waiting() + len(self.group_left)
+        per_step = len({t.prompt_id for t in self.batches.get(0)})
+        return have < (self.steps - self.filled) * per_step
 
     def _try_rollout(self) -> None:
         while self._may_roll(self.rollout_started):
@@ -304,7 +314,11 @@ class RLSim:
     def _fill(self) -> bool:
         """Fill the next steps' batches from finished groups; whether any step was filled."""
         filled = False
-        while (b := self.in_flight.get(self.filled)) is not None and b.groups is not None:
+        while (
+            self.filled < self.steps
+            and (b := self.in_flight.get(self.filled)) is not None
+            and b.groups is not None
+        ):
             taken = self.finished.take(self.filled, b.groups, self._oldest_running())
             if taken is None:
                 break
