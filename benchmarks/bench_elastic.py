@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import machine, report  # noqa: E402
 
 STEPS, JOIN1, LEAVE_AFTER, JOIN2, KILL_AFTER = 44, 4, 6, 24, 4
+LIGHTHOUSE_START_S = 60.0  # the lighthouse reports its address once bound (well under a second)
 JOIN_TIMEOUT_MS, HEARTBEAT_TIMEOUT_MS = 100, 5000  # torchft's lighthouse (defaults 60 s and 5 s)
 TIMEOUT_S = 300.0
 
@@ -88,7 +89,7 @@ def run_torchft(work: Path, ref_final: dict) -> dict:
         target=lighthouse_main, args=(str(work), there, 2, JOIN_TIMEOUT_MS, HEARTBEAT_TIMEOUT_MS)
     )
     lh.start()
-    address = here.recv()
+    address = _receive(here, lh, LIGHTHOUSE_START_S, f"the torchft lighthouse's address (its log: {work / 'tft-lighthouse.log'})")  # fmt: skip
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=TIMEOUT_S)
     )
@@ -108,7 +109,10 @@ def run_torchft(work: Path, ref_final: dict) -> dict:
             p.kill()
             p.join()
     here.send("stop")
-    lh.join()
+    lh.join(timeout=30)
+    if lh.exitcode is None:  # it did not stop when told: it is of no more use
+        lh.kill()
+        lh.join()
     logs = {r.name: _rows(work / f"tft-{r.name}.jsonl") for r in roles}
     h0, h1 = logs["hybrid0"], logs["hybrid1"]
     events = {
@@ -123,6 +127,28 @@ def run_torchft(work: Path, ref_final: dict) -> dict:
     out = figures(core, events, rss, final, ref_final)
     out["retried_steps"] = sum(1 for r in logs["core0"] if not r["committed"])
     return out
+
+
+def _receive(conn, proc, timeout_s: float, what: str):
+    """The next message on `conn` from `proc`, or an error naming `what` was awaited: when `proc`
+    dies first (a child that failed to start, e.g. on `import torchft`), or after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not conn.poll(0.5):
+        if not proc.is_alive():
+            raise RuntimeError(f"waiting for {what}: the process exited with code {proc.exitcode} before sending it")  # fmt: skip
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"waiting for {what}: nothing came within {timeout_s:g} s")
+    return conn.recv()
+
+
+def require(module: str, why: str) -> None:
+    """A missing optional dependency is named at start, not found by a child that then dies."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        print(f"error: {why} needs {module!r}, which is not installed (the bench extra: pip install -e '.[bench]')", file=sys.stderr)  # fmt: skip
+        sys.exit(2)
 
 
 def _rows(path: Path) -> list[dict]:
@@ -166,6 +192,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs of each; figures are medians")
     args = ap.parse_args()
+    require("torchft", "bench_elastic.py (it runs torchft side by side with libra)")
     from libra.runtime.elastic.local import forkserver
 
     forkserver("torchft")  # both implementations' processes fork from one warm server

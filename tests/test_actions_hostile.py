@@ -86,7 +86,7 @@ def run_all(
 ) -> dict[str, dict]:
     async def main():
         async with httpx.AsyncClient(base_url=url, timeout=PATIENT_S) as c:
-            rs = await asyncio.gather(*[c.post("/run_code", json={"code": code, "run_timeout": t, **(extra or {}).get(k, {})})
+            rs = await asyncio.gather(*[c.post("/run_code", json={"language": "python", "code": code, "run_timeout": t, **(extra or {}).get(k, {})})
                                         for k, (code, t) in codes.items()])  # fmt: skip
             return {name: r.json() for name, r in zip(codes, rs, strict=True)}
 
@@ -156,7 +156,9 @@ def test_hostile_programs_are_contained_and_reported(service):
     assert settle(service.url) == []  # no process outlives its action
     health = api.get(f"{service.url}/health").json()
     assert health["status"] == "ok" and health["running"] == 0 and health["cores_busy"] == 0
-    ok = api.post(f"{service.url}/run_code", json={"code": "print('still serving')"}).json()
+    ok = api.post(
+        f"{service.url}/run_code", json={"language": "python", "code": "print('still serving')"}
+    ).json()
     assert ok["run_result"]["stdout"] == "still serving\n"
 
 
@@ -201,13 +203,13 @@ print(granted == sorted(os.sched_getaffinity(0)), len(granted), outcome)
 
 def cold_body(code: str, **extra) -> dict:
     """A request that takes the cold path: a warm sandbox has no area for /cold."""
-    return {"code": code, "fetch_files": ["/cold/x"], **extra}
+    return {"language": "python", "code": code, "fetch_files": ["/cold/x"], **extra}
 
 
 def assert_healthy(url: str) -> None:
     health = api.get(f"{url}/health").json()
     assert health["status"] == "ok" and health["running"] == 0 and health["cores_busy"] == 0, health
-    ok = api.post(f"{url}/run_code", json={"code": "print('still serving')"}).json()
+    ok = api.post(f"{url}/run_code", json={"language": "python", "code": "print('still serving')"}).json()
     assert ok["run_result"]["stdout"] == "still serving\n", ok
 
 
@@ -240,7 +242,9 @@ def test_files_that_are_not_regular_never_hang_the_service(tmp_path):
                 f"{svc.url}/sessions/{sid}/actions", json={"command": "true", "files": {name: "eA=="}}
             )
             assert bad.status_code == 422 and bad.json()["field"] == f"files.{name}", (name, bad.text[:300])
-        bad = api.post(f"{svc.url}/run_code", json={"code": "pass", "fetch_files": ["/dev/zero"]})
+        bad = api.post(
+            f"{svc.url}/run_code", json={"language": "python", "code": "pass", "fetch_files": ["/dev/zero"]}
+        )
         assert bad.status_code == 422 and bad.json()["field"] == "fetch_files./dev/zero", bad.text[:300]
         api.delete(f"{svc.url}/sessions/{sid}")
         assert_healthy(svc.url)
@@ -314,7 +318,10 @@ def test_500_concurrent_requests_are_all_answered(service):
         limits = httpx.Limits(max_connections=500, max_keepalive_connections=500)
         async with httpx.AsyncClient(base_url=service.url, timeout=PATIENT_S, limits=limits) as c:
             rs = await asyncio.gather(
-                *[c.post("/run_code", json={"code": f"print({i} * 3)"}) for i in range(500)]
+                *[
+                    c.post("/run_code", json={"language": "python", "code": f"print({i} * 3)"})
+                    for i in range(500)
+                ]
             )
             return [(r.status_code, r.json()) for r in rs]
 
@@ -344,7 +351,10 @@ def test_two_services_side_by_side_never_touch_each_others_sandboxes(tmp_path):
             async with httpx.AsyncClient(base_url=url, timeout=PATIENT_S, limits=limits) as c:
                 code = "import time, sys\ntime.sleep(0.05)\nprint(int(sys.stdin.read()) * 7)"
                 return await asyncio.gather(
-                    *[c.post("/run_code", json={"code": code, "stdin": f"{tag + i}"}) for i in range(300)]
+                    *[
+                        c.post("/run_code", json={"language": "python", "code": code, "stdin": f"{tag + i}"})
+                        for i in range(300)
+                    ]
                 )
 
         async def both():

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from libra.runtime.sandbox.client import ActionsClient, ServiceProcess
 from libra.runtime.sandbox.rewards import judge_reward, unit_test_reward
+from tests.conftest import wait_for
 
 
 def sandbox_available() -> str | None:
@@ -163,7 +164,7 @@ def test_run_code_speaks_sandboxfusion(http):
 @needs_sandbox
 def test_run_code_files_in_and_out(http):
     r = http.post("/run_code", json={
-        "code": "data = open('in/data.txt').read()\nopen('out.txt', 'w').write(data.upper())",
+        "language": "python", "code": "data = open('in/data.txt').read()\nopen('out.txt', 'w').write(data.upper())",
         "files": {"in/data.txt": b64("abc")}, "fetch_files": ["out.txt", "missing.txt"],
     }).json()  # fmt: skip
     assert r["status"] == "Success"
@@ -172,7 +173,9 @@ def test_run_code_files_in_and_out(http):
 
 @needs_sandbox
 def test_run_code_timeout_is_reported(http):
-    r = http.post("/run_code", json={"code": "import time; time.sleep(600)", "run_timeout": 1}).json()
+    r = http.post(
+        "/run_code", json={"language": "python", "code": "import time; time.sleep(600)", "run_timeout": 1}
+    ).json()
     assert r["status"] == "Failed" and r["run_result"]["status"] == "TimeLimitExceeded"
     # Killed at its limit, not when the program would have ended.
     assert r["run_result"]["return_code"] is None and 1 <= r["run_result"]["execution_time"] < 600
@@ -204,9 +207,11 @@ def test_python_output_is_what_plain_python_prints_on_every_path(http, tmp_path)
     so the model saw different output depending on memory_limit_MB. Warm, cold and any memory limit
     now print the same, and a syntax error is exactly what `python3 file.py` prints."""
     for name, code in PYTHON_PROBES.items():
-        warm = http.post("/run_code", json={"code": code}).json()["run_result"]
-        limited = http.post("/run_code", json={"code": code, "memory_limit_MB": 512}).json()["run_result"]
-        coldr = http.post("/run_code", json=cold({"code": code})).json()["run_result"]
+        warm = http.post("/run_code", json={"language": "python", "code": code}).json()["run_result"]
+        limited = http.post(
+            "/run_code", json={"language": "python", "code": code, "memory_limit_MB": 512}
+        ).json()["run_result"]
+        coldr = http.post("/run_code", json=cold({"language": "python", "code": code})).json()["run_result"]
         for other in (limited, coldr):
             assert (other["stdout"], other["stderr"], other["return_code"]) == (
                 warm["stdout"], warm["stderr"], warm["return_code"]), name  # fmt: skip
@@ -214,7 +219,9 @@ def test_python_output_is_what_plain_python_prints_on_every_path(http, tmp_path)
     script = tmp_path / "_libra_main.py"
     script.write_text(PYTHON_PROBES["syntax error"])
     plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path)
-    got = http.post("/run_code", json={"code": PYTHON_PROBES["syntax error"]}).json()["run_result"]
+    got = http.post("/run_code", json={"language": "python", "code": PYTHON_PROBES["syntax error"]}).json()[
+        "run_result"
+    ]
     assert got["stderr"] == plain.stderr.replace(str(script), "/workspace/_libra_main.py")
 
 
@@ -223,7 +230,7 @@ def test_absolute_paths_map_inside_the_sandbox(http):
     """Item 6: SandboxFusion's own test writes `/mnt/b` and fetches it back; `files` may name
     /tmp and other absolute paths too, and `files: {"x": null}` is skipped, as there."""
     r = http.post("/run_code", json={
-        "code": "open('a.txt', 'w').write('secret'); open('/mnt/b', 'w').write('sauce')\n"
+        "language": "python", "code": "open('a.txt', 'w').write('secret'); open('/mnt/b', 'w').write('sauce')\n"
                 "print(open('/data/in/x.txt').read(), open('/tmp/t.txt').read(), __import__('os').path.exists('skip'))",
         "files": {"/data/in/x.txt": b64("dx"), "/tmp/t.txt": b64("tx"), "skip": None},
         "fetch_files": ["a.txt", "/mnt/b", "/workspace/a.txt"],
@@ -247,7 +254,10 @@ def test_absolute_paths_map_inside_the_sandbox(http):
         "/mnt",
         "/a/../b",
     ):
-        for body in ({"code": "pass", "files": {name: b64("x")}}, {"code": "pass", "fetch_files": [name]}):
+        for body in (
+            {"language": "python", "code": "pass", "files": {name: b64("x")}},
+            {"language": "python", "code": "pass", "fetch_files": [name]},
+        ):
             bad = http.post("/run_code", json=body)
             assert bad.status_code == 422, (name, bad.text[:300])
             assert name[:50] in json.dumps(bad.json()), bad.text[:300]
@@ -269,13 +279,13 @@ def test_output_is_whole_by_default_and_a_cut_is_reported(http):
     """Item 7: a 5 MB answer comes back whole (SandboxFusion's default: the whole output); a request
     may ask for less, never for more than the service allows, and a cut says so."""
     code = "import sys\nsys.stdout.write('y' * (5 * 2**20))"
-    whole = http.post("/run_code", json={"code": code}).json()
+    whole = http.post("/run_code", json={"language": "python", "code": code}).json()
     assert whole["status"] == "Success" and len(whole["run_result"]["stdout"]) == 5 * 2**20
     assert "truncated" not in whole["message"]
-    cut = http.post("/run_code", json={"code": code, "output_limit_bytes": 1000}).json()
+    cut = http.post("/run_code", json={"language": "python", "code": code, "output_limit_bytes": 1000}).json()
     assert cut["run_result"]["stdout"].startswith("y" * 1000) and len(cut["run_result"]["stdout"]) < 1100
     assert f"{5 * 2**20 - 1000} bytes dropped" in cut["message"]
-    over = http.post("/run_code", json={"code": code, "output_limit_bytes": 2**40})
+    over = http.post("/run_code", json={"language": "python", "code": code, "output_limit_bytes": 2**40})
     assert over.status_code == 422 and over.json()["field"] == "output_limit_bytes"
 
 
@@ -290,15 +300,17 @@ def test_memory_is_resident_and_minus_one_means_no_limit_of_its_own(http):
     """Item 8: 32 threads start at verl's 1 GB (an address-space limit allowed about 22, each thread
     reserving a malloc arena); a program over its limit is killed and told so; -1 runs up to the
     service's ceiling, as SandboxFusion's -1 means no limit."""
-    r = http.post("/run_code", json={"code": THREADS_32, "memory_limit_MB": 1024}).json()
+    r = http.post(
+        "/run_code", json={"language": "python", "code": THREADS_32, "memory_limit_MB": 1024}
+    ).json()
     assert r["status"] == "Success" and r["run_result"]["stdout"] == "33\n", r
     hog = "x = bytearray(300 * 2**20)\nx[::4096] = b'1' * len(x[::4096])\nprint('survived')"
     health = http.get("/health").json()
-    killed = http.post("/run_code", json={"code": hog, "memory_limit_MB": 100}).json()
+    killed = http.post("/run_code", json={"language": "python", "code": hog, "memory_limit_MB": 100}).json()
     assert killed["status"] == "Failed" and "survived" not in killed["run_result"]["stdout"], killed
     if health["limits"]["memory"].startswith("resident"):
         assert "over its memory limit" in killed["message"]
-    free = http.post("/run_code", json={"code": hog, "memory_limit_MB": -1}).json()
+    free = http.post("/run_code", json={"language": "python", "code": hog, "memory_limit_MB": -1}).json()
     assert free["status"] == "Success" and free["run_result"]["stdout"] == "survived\n", free
 
 
@@ -314,7 +326,7 @@ def test_errors_quote_a_short_prefix_never_the_request(http):
     whole request). Now the field is named, with what is allowed, and at most a short prefix."""
     big = "x" * (2**18 - 100)
     for body in ({"code": big, "language": "cobol"}, {"code": big, "language": "z" * 10_000},
-                 {"code": big, "memory_limit_MB": "lots"}, {"code": big, "files": {"a": 1}}):  # fmt: skip
+                 {"language": "python", "code": big, "memory_limit_MB": "lots"}, {"language": "python", "code": big, "files": {"a": 1}}):  # fmt: skip
         r = http.post("/run_code", json=body)
         assert r.status_code == 422 and len(r.content) < 3000, (r.status_code, r.text[:300])
     r = http.post("/run_code", json={"code": big, "language": "cobol"}).json()["detail"][0]
@@ -416,7 +428,7 @@ def test_reward_functions_use_the_real_tools(service):
 def test_health_and_metrics(http):
     h = http.get("/health").json()
     assert h["status"] == "ok" and h["isolation"] == "bwrap" and h["cores"] >= 1
-    http.post("/run_code", json={"code": "pass"})
+    http.post("/run_code", json={"language": "python", "code": "pass"})
     text = http.get("/metrics").text
     for name in ("libra_actions_queue_length", "libra_actions_act_seconds_bucket", "libra_actions_cores_busy",
                  'libra_actions_total{endpoint="run_code",status="success"}'):  # fmt: skip
@@ -431,14 +443,6 @@ def finished_run_code(http) -> float:
     )
 
 
-def wait_for(check, what: str, limit_s: float = 600.0) -> None:
-    """Poll until `check()` holds; the limit only stops a broken service from hanging the suite."""
-    end = time.monotonic() + limit_s
-    while not check():
-        assert time.monotonic() < end, f"never happened: {what}"
-        time.sleep(0.05)
-
-
 @needs_sandbox
 def test_a_client_that_leaves_withdraws_its_queued_action(service, http):
     """Fill every core with a running action, queue one more, and drop its client: the queued
@@ -449,12 +453,13 @@ def test_a_client_that_leaves_withdraws_its_queued_action(service, http):
     hold = "import time; time.sleep(15)"  # long enough to still hold every core when the next one queues
     with concurrent.futures.ThreadPoolExecutor(cores) as pool:
         running = [
-            pool.submit(http.post, "/run_code", json={"code": hold, "run_timeout": 30}) for _ in range(cores)
+            pool.submit(http.post, "/run_code", json={"language": "python", "code": hold, "run_timeout": 30})
+            for _ in range(cores)
         ]
         wait_for(lambda: http.get("/health").json()["running"] == cores, "every core held")
         with httpx.Client(base_url=service.url, timeout=0.5) as impatient:
             with pytest.raises(httpx.ReadTimeout):
-                impatient.post("/run_code", json={"code": "print('ran for nobody')"})
+                impatient.post("/run_code", json={"language": "python", "code": "print('ran for nobody')"})
         wait_for(lambda: http.get("/health").json()["queue"] == 0, "the queued action withdrawn")
         assert all(f.result().json()["run_result"]["return_code"] == 0 for f in running)
     wait_for(lambda: http.get("/health").json()["running"] == 0, "every action done")
@@ -481,13 +486,21 @@ def test_bad_requests_get_4xx_with_json(http):
         (http.post("/run_code", content=b"{not json"), 400),
         (http.post("/run_code", content=b"[1, 2]"), 400),
         (http.post("/run_code", json={"code": "x", "language": "cobol"}), 422),
-        (http.post("/run_code", json={"code": "x", "run_timeout": -1}), 422),
-        (http.post("/run_code", json={"code": "x", "run_timeout": 10_000}), 422),
-        (http.post("/run_code", json={"code": "x", "memory_limit_MB": 10**6}), 422),
-        (http.post("/run_code", json={"code": "x" * (2**18 + 1)}), 422),
-        (http.post("/run_code", content=b'{"code": "' + b"x" * (3 * 2**20) + b'"}'), 400),
-        (http.post("/run_code", json={"code": "x", "files": {"../escape": b64("x")}}), 422),
-        (http.post("/run_code", json={"code": "x", "files": {"a": "***"}}), 422),
+        (http.post("/run_code", json={"language": "python", "code": "x", "run_timeout": -1}), 422),
+        (http.post("/run_code", json={"language": "python", "code": "x", "run_timeout": 10_000}), 422),
+        (http.post("/run_code", json={"language": "python", "code": "x", "memory_limit_MB": 10**6}), 422),
+        (http.post("/run_code", json={"language": "python", "code": "x" * (2**18 + 1)}), 422),
+        (
+            http.post("/run_code", content=b'{"language": "python", "code": "' + b"x" * (3 * 2**20) + b'"}'),
+            400,
+        ),
+        (
+            http.post(
+                "/run_code", json={"language": "python", "code": "x", "files": {"../escape": b64("x")}}
+            ),
+            422,
+        ),
+        (http.post("/run_code", json={"language": "python", "code": "x", "files": {"a": "***"}}), 422),
         (http.post("/sessions/none/actions", json={"command": "true"}), 404),
         (http.post("/sessions", json={"memory_mb": 1}), 422),
         (http.get("/nowhere"), 404),
@@ -504,9 +517,13 @@ def test_bad_requests_get_4xx_with_json(http):
 def test_bodies_json_loads_accepts_but_nothing_can_use_get_4xx(http):
     """Found by sending junk to every field: each of these was a 500 (a traceback in the log)."""
     cases = [
-        (b'{"code": "\\ud800"}', 422, "code"),  # an unpaired surrogate: no file can hold it
-        (b'{"code": "print(1)", "files": {"\\udc00": "eA=="}}', 422, "files (a key)"),
-        (b'{"code": "x", "run_timeout": NaN}', 400, None),  # not JSON (RFC 8259)
+        (
+            b'{"language": "python", "code": "\\ud800"}',
+            422,
+            "code",
+        ),  # an unpaired surrogate: no file can hold it
+        (b'{"language": "python", "code": "print(1)", "files": {"\\udc00": "eA=="}}', 422, "files (a key)"),
+        (b'{"language": "python", "code": "x", "run_timeout": NaN}', 400, None),  # not JSON (RFC 8259)
         (b"[" * 100_000 + b"]" * 100_000, 400, None),  # RecursionError in json.loads
     ]
     for raw, status, field in cases:
@@ -580,7 +597,7 @@ def test_files_the_work_dir_cannot_hold_are_422_and_leak_nothing(http):
     and a file where an earlier action left a directory: each is the request's error, named."""
     x = b64("x")
     for files in ({".": x}, {"a/./b": x}, {"n" * 300: x}, {"a": x, "a/b": x}, {"_libra_main.py/x": x}):
-        r = http.post("/run_code", json={"code": "print(1)", "files": files})
+        r = http.post("/run_code", json={"language": "python", "code": "print(1)", "files": files})
         assert r.status_code == 422 and r.json()["field"].startswith("files."), (files.keys(), r.text[:200])
     sid = http.post("/sessions", json={}).json()["session_id"]
     assert http.post(f"/sessions/{sid}/actions", json={"command": "mkdir d"}).json()["status"] == "Success"
@@ -595,7 +612,10 @@ def test_files_the_work_dir_cannot_hold_are_422_and_leak_nothing(http):
     sid = http.post("/sessions", json={})
     assert sid.status_code == 201, sid.text
     http.delete(f"/sessions/{sid.json()['session_id']}")
-    assert http.post("/run_code", json={"code": "print(2)"}).json()["run_result"]["stdout"] == "2\n"
+    assert (
+        http.post("/run_code", json={"language": "python", "code": "print(2)"}).json()["run_result"]["stdout"]
+        == "2\n"
+    )
 
 
 def test_refuses_to_start_without_a_sandbox(tmp_path):

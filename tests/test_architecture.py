@@ -139,3 +139,33 @@ def test_heavy_dependencies_stay_out_of_the_light_packages():
 )
 def test_each_decision_lives_in_a_policy_package(decision, module):
     assert module in MODULES and _layer(module) in POLICIES, decision
+
+
+def _folder_map() -> set[str]:
+    """The folders docs/architecture.md's map names, as paths under src/libra ("runtime/train")."""
+    doc = (SRC.parent / "docs" / "architecture.md").read_text()
+    block = doc.split("```\nsrc/libra/\n", 1)[1].split("```", 1)[0]
+    out, stack = set(), []  # stack: (indent, name) of the folders above the current line
+    for line in block.splitlines():
+        name = line.strip().split(" ", 1)[0]
+        if not name.endswith("/"):
+            continue  # a continuation of a description
+        indent = len(line) - len(line.lstrip())
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        stack.append((indent, name.rstrip("/")))
+        out.add("/".join(n for _, n in stack))
+    return out
+
+
+def test_the_folder_map_names_every_package_and_nothing_else():
+    """Every folder of src/libra holding code or shipped data is in docs/architecture.md's map,
+    and the map names no folder that is gone."""
+    folders = {
+        str(d.relative_to(PACKAGE))
+        for d in PACKAGE.rglob("*")
+        if d.is_dir() and d.name != "__pycache__" and any(f.is_file() for f in d.iterdir())
+    }
+    mapped = _folder_map()
+    assert folders - mapped == set(), "folders missing from docs/architecture.md's map"
+    assert mapped - folders == set(), "folders in docs/architecture.md's map that do not exist"

@@ -230,6 +230,28 @@ def test_release_weighs_both_stages_at_staleness_one():
     assert ctl.decide(measured(8), many).releases  # (88.9 + 78.75) / 2 = 83.8 < 85
 
 
+def test_a_schedule_holds_its_count_whatever_the_stages_measure():
+    """`schedule`: from step 2 one replica, from step 5 none; r is ignored, transitions wait."""
+    ctl, replicas = ElasticController(ElasticConfig(schedule={2: 1, 5: 0})), pool(2)
+    at = lambda step, t_train=50.0: ElasticSignals(t_train, 100.0, 0.0, 4, 32, 0, step=step)  # noqa: E731
+    assert ctl.decide(at(1, t_train=500.0), replicas).hold  # r = 5, but the schedule says none yet
+    d = ctl.decide(at(2), replicas)  # r = 0.5, but the schedule says one
+    assert [j.replica for j in d.joins] == ["h0"] and "schedule" in d.reason
+    gen = replicas[0].request_join()
+    assert ctl.decide(at(3), replicas).reason == "a transition is in flight"
+    assert replicas[0].begin_fetch(gen) and replicas[0].state_fetched(gen)
+    assert replicas[0].propose_activation(gen) and replicas[0].activate(gen)
+    assert ctl.decide(at(4), replicas).hold  # holding one, as scheduled
+    d = ctl.decide(at(7), replicas)
+    assert [(r.replica, r.generation) for r in d.releases] == [("h0", gen)]
+
+
+def test_a_schedule_with_a_negative_step_or_count_is_refused():
+    for bad in ({-1: 1}, {2: -1}):
+        with pytest.raises(ConfigError, match="schedule"):
+            build(ElasticConfig, {"schedule": bad}, "elastic")
+
+
 def test_borrows_enough_to_balance_but_not_more():
     ctl = ElasticController()
     # T_train 200 on dp 4, rollout 100 on 32 GPUs with 4-GPU replicas: k=2 gives max(133, 133).

@@ -25,7 +25,8 @@ from libra.runtime.engine.config import EngineConfig
 from libra.runtime.engine.model import build_model, save_checkpoint
 from libra.runtime.engine.tokenizer import encode
 from libra.runtime.engine.weight_sync import WeightUpdateError, open_group, push_weights
-from tests.engine_fixtures import engine_factory  # noqa: F401
+from tests.conftest import wait_for
+from tests.engine_fixtures import start_engine
 from tests.test_engine_tokens import assert_close, post, reference_logprobs
 
 PRESET = EngineConfig().preset
@@ -37,9 +38,33 @@ def models():
     return {0: build_model(PRESET, seed=0), 7: build_model(PRESET, seed=7)}
 
 
+TOKEN = "s3cret"  # the module's engine guards its control plane; `control` sends it unless told not to
+
+
+@pytest.fixture(scope="module")
+def shared_engine(tmp_path_factory):
+    eng = start_engine(
+        "--max-num-seqs", "8", "--admin-token", TOKEN, log_dir=tmp_path_factory.mktemp("engine")
+    )
+    yield eng
+    eng.stop()
+
+
 @pytest.fixture
-def eng(engine_factory):  # noqa: F811
-    return engine_factory("--max-num-seqs", "8")
+def eng(shared_engine, models, tmp_path):
+    """One engine for the module, back in its starting state before each test: generating, its
+    KV cache resident, seed-0 weights at version "0", nothing queued (through the control API)."""
+    url = shared_engine.url
+    control(url, "/continue_generation")
+    control(url, "/resume_memory_occupation")
+    path = save_checkpoint(models[0], tmp_path / "v0.pt")
+    assert (
+        control(url, "/update_weights_from_disk", {"model_path": str(path), "weight_version": "0"})[0] == 200
+    )
+    h = health(shared_engine)
+    assert h["paused"] is None and not h["sleeping"] and h["weight_version"] == "0"
+    assert h["running"] == h["waiting"] == 0, h
+    return shared_engine
 
 
 def free_port() -> int:
@@ -82,7 +107,7 @@ class Stream(threading.Thread):
         return self.last
 
 
-def control(url: str, path: str, body: dict | None = None, token: str | None = None, method: str = "POST") -> tuple[int, dict]:  # fmt: skip
+def control(url: str, path: str, body: dict | None = None, token: str | None = TOKEN, method: str = "POST") -> tuple[int, dict]:  # fmt: skip
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
     data = json.dumps(body or {}).encode() if method == "POST" else None
     req = urllib.request.Request(url + path, data=data, headers=headers, method=method)
@@ -120,8 +145,8 @@ def test_pause_abort_answers_in_flight_requests_with_what_they_have_and_holds_ne
         res = s.result()
         assert res["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(res["output_ids"]) < 600
     late = Stream(eng.url, encode("late"), 5)
-    time.sleep(0.5)
-    assert health(eng)["paused"] == "abort" and health(eng)["waiting"] == 1 and late.is_alive()
+    wait_for(lambda: health(eng)["waiting"] == 1, "the late request held")
+    assert health(eng)["paused"] == "abort" and late.is_alive()
     status, out = control(eng.url, "/continue_generation")
     assert status == 200 and out["released"] == 1
     assert late.result()["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
@@ -182,7 +207,7 @@ def test_pause_wait_lets_in_flight_requests_finish(eng):
     for s in streams:
         assert s.result()["meta_info"]["finish_reason"]["type"] == "length"
     late = Stream(eng.url, encode("late"), 4)
-    time.sleep(0.3)
+    wait_for(lambda: health(eng)["waiting"] == 1, "the late request held")
     assert late.is_alive() and health(eng)["paused"] == "wait"
     control(eng.url, "/continue_generation")
     assert len(late.result()["output_ids"]) == 4
@@ -237,9 +262,9 @@ def test_update_from_disk_without_a_pause_and_bad_files(eng, models, tmp_path):
 
 def test_distributed_update_over_a_gloo_group_hosted_by_the_trainer(eng, models):
     port = free_port()
-    group = open_group(eng.url, "127.0.0.1", port, world_size=2, group_name="g1")
+    group = open_group(eng.url, "127.0.0.1", port, world_size=2, group_name="g1", token=TOKEN)
     try:
-        answer = push_weights(group, eng.url, models[7].state_dict(), "2")
+        answer = push_weights(group, eng.url, models[7].state_dict(), "2", token=TOKEN)
         assert answer["success"] and answer["weight_version"] == "2"
         res = post(eng.url + "/generate", {"input_ids": [9, 8], "return_logprob": True, "sampling_params": {"max_new_tokens": 6, "temperature": 0}})[1]  # fmt: skip
         assert_close(
@@ -250,7 +275,7 @@ def test_distributed_update_over_a_gloo_group_hosted_by_the_trainer(eng, models)
         part = {
             k: v.to(torch.bfloat16) for k, v in models[0].state_dict().items() if k.startswith("layers.0.")
         }
-        assert push_weights(group, eng.url, part, "3")["updated"] == len(part)
+        assert push_weights(group, eng.url, part, "3", token=TOKEN)["updated"] == len(part)
         bad = {"names": ["nope"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "g1"}
         status, out = control(eng.url, "/update_weights_from_distributed", bad)
         assert status == 400 and out["param"] == "names[0]"
@@ -269,8 +294,7 @@ def test_distributed_update_over_a_gloo_group_hosted_by_the_trainer(eng, models)
 # ---- the admin token --------------------------------------------------------------------------------
 
 
-def test_control_needs_the_admin_token_generation_does_not(engine_factory, models):  # noqa: F811
-    eng = engine_factory("--admin-token", "s3cret")
+def test_control_needs_the_admin_token_generation_does_not(eng):
     for path in (
         "/pause_generation",
         "/continue_generation",
@@ -278,29 +302,31 @@ def test_control_needs_the_admin_token_generation_does_not(engine_factory, model
         "/update_weights_from_disk",
         "/pause",
     ):
-        status, out = control(eng.url, path, {"mode": "abort"})
+        status, out = control(eng.url, path, {"mode": "abort"}, token=None)
         assert status == 401 and out["success"] is False
     assert control(eng.url, "/pause_generation", {"mode": "abort"}, token="wrong")[0] == 401
-    assert control(eng.url, "/get_weight_version", method="GET")[0] == 401
+    assert control(eng.url, "/get_weight_version", token=None, method="GET")[0] == 401
     assert control(eng.url, "/pause_generation", {"mode": "in_place"}, token="s3cret")[0] == 200
     assert control(eng.url, "/continue_generation", token="s3cret")[0] == 200
     assert post(eng.url + "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 2}})[0] == 200
     with pytest.raises(WeightUpdateError, match="401"):
-        open_group(eng.url, "127.0.0.1", free_port(), world_size=2, timeout_s=5)
+        open_group(eng.url, "127.0.0.1", free_port(), world_size=2, timeout_s=5)  # no token
 
 
 def test_release_and_resume_the_kv_cache_memory(eng):
     status, out = control(eng.url, "/release_memory_occupation", {"tags": ["kv_cache"]})
     assert status == 200 and out["freed_mb"] > 0 and health(eng)["sleeping"] is True
     late = Stream(eng.url, encode("asleep"), 5)  # held while the cache is gone
-    time.sleep(0.3)
-    assert late.is_alive() and health(eng)["waiting"] == 1
+    wait_for(lambda: health(eng)["waiting"] == 1, "the request held while asleep")
+    assert late.is_alive()
     assert control(eng.url, "/release_memory_occupation")[0] == 400  # a request is held
-    assert control(eng.url, "/resume_memory_occupation", {"tags": ["weights"]})[1]["param"] == "tags"
+    assert control(eng.url, "/resume_memory_occupation", {"tags": ["cuda_graph"]})[1]["param"] == "tags"
+    assert control(eng.url, "/resume_memory_occupation", {"tags": ["weights"]})[0] == 200  # not the cache
+    assert late.is_alive() and health(eng)["sleeping"] is True
     assert control(eng.url, "/resume_memory_occupation")[0] == 200
     assert len(late.result()["output_ids"]) == 5 and health(eng)["sleeping"] is False
-    # vLLM's names: level 2 would discard the weights, which a CPU engine keeps
-    assert control(eng.url, "/sleep?level=2")[1]["param"] == "level"
+    # vLLM's names (level 2, which discards the weights too, in tests/test_frameworks.py)
+    assert control(eng.url, "/sleep?level=3")[1]["param"] == "level"
     assert control(eng.url, "/sleep?level=1")[0] == 200 and control(eng.url, "/is_sleeping", method="GET")[1] == {"is_sleeping": True}  # fmt: skip
     assert control(eng.url, "/wake_up")[0] == 200 and health(eng)["sleeping"] is False
     res = post(eng.url + "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}})

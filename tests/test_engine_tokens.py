@@ -181,7 +181,7 @@ def test_top_k_min_p_and_logit_bias(client):
         ("/v1/chat/completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
         ("/v1/chat/completions", {"logit_bias": {"999": 1}}, "logit_bias"),
         ("/v1/completions", {"echo": True}, "echo"),
-        ("/v1/completions", {"min_tokens": 3}, "min_tokens"),
+        ("/v1/completions", {"min_tokens": 5, "max_tokens": 2}, "min_tokens"),  # more than it may make
         ("/generate", {"sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
         ("/generate", {"sampling_params": {"nonsense": 1}}, "sampling_params.nonsense"),
         ("/generate", {"sampling_params": {"n": 2}}, "sampling_params.n"),

@@ -27,6 +27,7 @@ from libra.runtime.engine.config import EngineConfig
 from libra.runtime.engine.model import build_model, save_checkpoint
 from libra.runtime.engine.tokenizer import decode, encode, render_prompt
 from libra.runtime.engine.weight_sync import open_group, push_weights
+from tests.conftest import wait_for
 from tests.engine_fixtures import start_engine
 from tests.test_engine_control import free_port, versions_of
 from tests.test_engine_tokens import assert_close, reference_logprobs
@@ -119,7 +120,7 @@ def test_broadcast_pause_in_each_mode_weights_and_versions_over_three_engines(gw
     assert sum(r["aborted"] for r in out["results"].values()) == 3
     assert all(c.result()["meta_info"]["finish_reason"]["type"] == "abort" for c in calls)
     held = Call(gw.url, "held", 5)  # sent while paused: held, then answered after the resume
-    time.sleep(0.3)
+    wait_for(lambda: sum(engine_state(engines, "waiting")) == 1, "the request held by a paused engine")
     assert held.is_alive() and engine_state(engines, "paused") == ["abort"] * 3
     assert broadcast(gw, "/continue_generation")[1]["ok"]
     assert len(held.result()["output_ids"]) == 5

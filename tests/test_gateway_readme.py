@@ -27,7 +27,7 @@ PORTS = ("8101", "8102", "8000")
 
 def serve_blocks() -> list[str]:
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("### Serve:") :]
+    section = text[text.index("### `libra serve`") :]
     section = section[: section.index("\n### ", 1)]
     return re.findall(r"```bash\n(.*?)```", section, re.S)
 

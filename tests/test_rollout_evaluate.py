@@ -9,6 +9,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from libra.core.trace import deal_prompts, read_trace
@@ -18,6 +21,7 @@ from libra.rollout.evaluate import Evaluator, evaluate
 from libra.rollout.registry import make_router
 from libra.rollout.synthetic import search_like, swe_like
 from libra.rollout.tool_state import trajectory_path
+from tests.conftest import run_main
 
 B = [Bucket("short", 1, 4096), Bucket("medium", 2, 12288), Bucket("long", 4, 40960)]
 
@@ -193,9 +197,6 @@ def test_failure_status_survives_into_the_path():
 
 
 def _run(*args):
-    import subprocess
-    import sys
-
     return subprocess.run(
         [sys.executable, "-m", "libra", "route", *args], capture_output=True, text=True, timeout=120
     )
@@ -217,19 +218,19 @@ def test_eval_command_prints_json(tmp_path):
 
 
 def test_eval_command_errors_are_one_line_and_exit_2(tmp_path):
-    bad = _run("eval", "--trace", str(tmp_path / "missing.jsonl"))
+    bad = _run("eval", "--trace", str(tmp_path / "missing.jsonl"))  # one real process, as a user runs it
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "cannot be read" in bad.stderr
     path = tmp_path / "t.jsonl"
     path.write_text('{"id": "a", "prompt_id": "p", "prompt_tokens": 10, "turns": [{"output_tokens": 5}]}\n')
-    bad = _run("eval", "--trace", str(path), "--buckets", "4096,x")
+    bad = run_main("route", "eval", "--trace", str(path), "--buckets", "4096,x")
     assert bad.returncode == 2 and "--buckets" in bad.stderr
-    bad = _run("eval", "--trace", str(path), "--routers", "cmlfq", "--set", "move_cost=-1")
+    bad = run_main("route", "eval", "--trace", str(path), "--routers", "cmlfq", "--set", "move_cost=-1")
     assert bad.returncode == 2 and "move_cost" in bad.stderr
-    bad = _run("eval", "--trace", str(path), "--routers", "nope")
+    bad = run_main("route", "eval", "--trace", str(path), "--routers", "nope")
     assert bad.returncode == 2 and "cmlfq-paper" in bad.stderr
-    bad = _run("eval", "--trace", str(path), "--routers", ",")  # ran nothing and said nothing
+    bad = run_main("route", "eval", "--trace", str(path), "--routers", ",")  # ran nothing and said nothing
     assert bad.returncode == 2 and "--routers" in bad.stderr
-    bad = _run("eval", "--trace", str(path), "--set", "nosuch=1")
+    bad = run_main("route", "eval", "--trace", str(path), "--set", "nosuch=1")
     assert bad.returncode == 2 and "move_cost" in bad.stderr and bad.stderr.count("\n") == 1
 
 
@@ -243,7 +244,7 @@ def test_eval_set_goes_to_the_routers_that_have_the_param(tmp_path):
     path = tmp_path / "t.jsonl"
     write_trace(search_like(steps=4, prompts=8, samples=4, seed=1), path)  # enough for a first fit
     args = ["eval", "--trace", str(path), "--routers", "cmlfq,classic-mlfq", "--buckets", "8192,12288,40960", "--json"]  # fmt: skip
-    base = {r["router"]: r for r in json.loads(_run(*args).stdout)}
+    base = {r["router"]: r for r in json.loads(run_main("route", *args).stdout)}
     out = _run(*args, "--set", "move_cost=1000")
     assert out.returncode == 0, out.stderr
     moved = {r["router"]: r for r in json.loads(out.stdout)}

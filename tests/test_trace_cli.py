@@ -1,4 +1,7 @@
-"""`libra trace` as a user runs it: real subprocesses, real files, exit codes and one-line errors."""
+"""`libra trace` as a user runs it: real subprocesses, real files, exit codes and one-line errors.
+
+Each behaviour is shown by a real process; a test's further cases of it go through the same
+`libra.cli.main` in the test process (conftest.run_main: a new interpreter is ~0.5 CPU s)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import pytest
 from libra.core.trace import read_trace
 from libra.core.trajectory import ToolStatus
 from libra.sim.workloads.stats import summarize
-from tests.conftest import run_cli
+from tests.conftest import run_cli, run_main
 
 
 def test_generate_writes_a_valid_trace_and_its_stats(tmp_path):
@@ -30,8 +33,8 @@ def test_same_seed_same_file_and_steps_regenerate_alone(tmp_path):
     a, b, c = (tmp_path / f"{n}.jsonl" for n in "abc")
     common = ("trace", "generate", "--family", "search-r1", "--prompts", "3", "--samples", "2", "--seed", "9")
     assert run_cli(*common, "--steps", "2", "--out", str(a)).returncode == 0
-    assert run_cli(*common, "--steps", "2", "--out", str(b)).returncode == 0
-    assert run_cli(*common, "--steps", "1", "--start-step", "1", "--out", str(c)).returncode == 0
+    assert run_main(*common, "--steps", "2", "--out", str(b)).returncode == 0
+    assert run_main(*common, "--steps", "1", "--start-step", "1", "--out", str(c)).returncode == 0
     assert a.read_bytes() == b.read_bytes()
     step1 = [t.to_dict() for t in read_trace(a) if t.step == 1]
     assert step1 == [t.to_dict() for t in read_trace(c)]
@@ -90,7 +93,8 @@ def test_one_tool_field_from_the_command_line(tmp_path):
 )
 def test_generate_bad_input_is_one_line_exit_2(tmp_path, args, needle):
     out = tmp_path / "x.jsonl"
-    r = run_cli("trace", "generate", *args, "--out", str(out))
+    cli = run_cli if needle == "workload.family" else run_main  # the first case in a real process
+    r = cli("trace", "generate", *args, "--out", str(out))
     assert r.returncode == 2, r.stdout + r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.stderr
@@ -125,7 +129,7 @@ def test_stats_of_the_real_tau_bench_trace(shared_data):
 def test_stats_table_compares_files_side_by_side(tmp_path, shared_data):
     gen = tmp_path / "gen.jsonl"
     assert (
-        run_cli("trace", "generate", "--family", "search-r1", "--prompts", "4", "--out", str(gen)).returncode
+        run_main("trace", "generate", "--family", "search-r1", "--prompts", "4", "--out", str(gen)).returncode
         == 0
     )
     r = run_cli("trace", "stats", str(gen), str(shared_data / "trajectories" / "tau-bench-airline.jsonl"))
@@ -141,7 +145,7 @@ def test_stats_bad_file_names_file_and_line(tmp_path):
     )
     r = run_cli("trace", "stats", str(bad))
     assert r.returncode == 2 and f"{bad}:2" in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    r = run_cli("trace", "stats", str(tmp_path / "absent.jsonl"))
+    r = run_main("trace", "stats", str(tmp_path / "absent.jsonl"))
     assert r.returncode == 2 and "absent.jsonl" in r.stderr
 
 
@@ -161,5 +165,5 @@ def test_params_documents_every_parameter():
     assert all(f.description for f in ToolSpec.model_fields.values())
     r = run_cli("trace", "params", "r2e-gym")
     assert r.returncode == 0 and "finish_failure_penalty" in r.stdout and "execute_bash" in r.stdout
-    r = run_cli("trace", "params", "nope")
+    r = run_main("trace", "params", "nope")
     assert r.returncode == 2 and "search-r1" in r.stderr

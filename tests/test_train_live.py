@@ -4,9 +4,9 @@ C-MLFQ gateway, the bubblewrap actions service, 2 gloo trainer replicas), real H
 - the smoke run (local subprocesses, and the same under Ray): every trained trajectory's model
   tokens have ids, logprobs and a weight version, the logprobs are what the checkpoint of that
   version gives, weight versions increase, replicas stay bitwise equal, nothing is lost;
-- an engine SIGKILLed mid-rollout: the gateway fails its sessions over, the run completes, and
-  every trajectory is trained or counted as dropped with a reason;
-- a trainer replica SIGKILLed: the run stops with a clear message naming the checkpoint, and
+- an engine SIGKILLed mid-rollout, then a trainer replica in the same run: the gateway fails the
+  engine's sessions over and the run goes on, every trajectory trained or counted as dropped with
+  a reason; the trainer's death stops the run with a clear message naming the checkpoint, and
   `--resume` continues from it;
 - an unreachable actions service: a clear error within seconds, not a hang.
 """
@@ -79,6 +79,17 @@ def check_smoke(out: Path, r: subprocess.CompletedProcess, steps: int) -> None:
         assert (out / f).stat().st_size > 0, f
     check_tokens(out, recs)
     check_decisions(recs)
+    check_curves(out, steps)
+
+
+def check_curves(out: Path, steps: int) -> None:
+    """TensorBoard has each step's reward, success, step time split, staleness and decisions."""
+    from tests.test_curves import read_events
+
+    got = read_events(out / "tb")
+    for tag in ("reward", "success", "step_time_s/train", "step_time_s/rollout_wait", "tokens_per_s",
+                "staleness/max", "loss/policy", "controller/replan"):  # fmt: skip
+        assert [s for s, _ in got[tag]] == list(range(steps)), tag
 
 
 def check_decisions(recs: list[dict]) -> None:
@@ -140,32 +151,28 @@ def test_smoke_ray(tmp_path):
     check_smoke(out, r, 3)
 
 
-def test_engine_killed_mid_rollout_fails_over(tmp_path):
+def test_an_engine_killed_fails_over_then_a_trainer_killed_stops_clearly_and_resumes(tmp_path):
+    """Two faults in one run: an engine SIGKILLed mid-rollout (the gateway fails its sessions
+    over, the run goes on, nothing is lost), then a trainer replica SIGKILLed (the run stops with
+    a message naming the checkpoint), then `--resume` continues from that checkpoint."""
     out = tmp_path / "run"
-    proc = start_train(out, "--steps", "4")
+    proc = start_train(out, "--steps", "8")
     wait_for_steps(out, 1, proc)
     os.kill(pid_of(out, "engine-long-0"), signal.SIGKILL)
-    stdout, stderr = proc.communicate(timeout=600)
-    assert proc.returncode == 0, stderr[-3000:]
+    wait_for_steps(out, 4, proc)  # ...the run goes on without it
+    os.kill(pid_of(out, "trainer-1"), signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1, stderr[-3000:]
+    assert "trainer" in stderr and "resume with: libra train" in stderr, stderr[-2000:]
     recs = steps_of(out)
-    assert len(recs) == 4 and [x["weight_version"] for x in recs] == [1, 2, 3, 4]
+    done = len(recs)
+    assert done >= 4 and [x["weight_version"] for x in recs] == list(range(1, done + 1))
     for x in recs:  # nothing lost: trained, or dropped with a reason
         assert x["trained"] == 8
         assert sum(x["dropped"]["reasons"].values()) == x["dropped"]["trajectories"]
-    after = recs[2:]
-    assert all(set(x["routing"]["turns_by_bucket"]) == {"short"} for x in after)  # only the survivor serves
-
-
-def test_trainer_killed_stops_clearly_and_resumes(tmp_path):
-    out = tmp_path / "run"
-    proc = start_train(out, "--steps", "6")
-    wait_for_steps(out, 1, proc)
-    os.kill(pid_of(out, "trainer-1"), signal.SIGKILL)
-    _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 1
-    assert "trainer" in stderr and "resume with: libra train" in stderr, stderr[-2000:]
-    done = len(steps_of(out))
-    assert done >= 1
+    assert all(
+        set(x["routing"]["turns_by_bucket"]) == {"short"} for x in recs[2:]
+    )  # only the survivor serves
     r = libra_train(out, "--steps", str(done + 1), "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     recs = steps_of(out)
@@ -174,7 +181,8 @@ def test_trainer_killed_stops_clearly_and_resumes(tmp_path):
 
 
 def test_unreachable_actions_service_is_a_clear_error(tmp_path):
-    t0 = time.monotonic()
-    r = libra_train(tmp_path / "run", "--steps", "2", "--set", "actions.url=http://127.0.0.1:9", "--set", "actions.connect_timeout_s=2", timeout=120)  # fmt: skip
+    """Not a hang: the start-up check gives up after `actions.connect_timeout_s` and says so
+    (the subprocess timeout is only the net under a hang, not a figure)."""
+    r = libra_train(tmp_path / "run", "--steps", "2", "--set", "actions.url=http://127.0.0.1:9", "--set", "actions.connect_timeout_s=2", timeout=300)  # fmt: skip
     assert r.returncode == 1 and "actions service" in r.stderr and "unreachable" in r.stderr, r.stderr[-2000:]
-    assert time.monotonic() - t0 < 60
+    assert "after 2 s (actions.url, actions.connect_timeout_s)" in r.stderr, r.stderr[-2000:]

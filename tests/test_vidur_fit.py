@@ -10,7 +10,7 @@ import pytest
 from libra.costmodel.efficiency import RolloutEfficiency, load_profile
 from libra.costmodel.rollout import RolloutCostModel
 from libra.costmodel.vidur import fit_vidur, layer_errors, predict_layers, read_allreduce, read_layers
-from tests.conftest import run_cli
+from tests.conftest import run_cli, run_main
 
 MINI = Path(__file__).parent / "data" / "vidur-mini"
 SHIPPED = RolloutEfficiency()
@@ -85,7 +85,9 @@ def test_calibrate_vidur_cli_writes_a_profile_the_other_commands_use(tmp_path):
 
 
 def test_calibrate_vidur_on_a_folder_without_profiles_is_one_line(tmp_path):
-    r = run_cli("costmodel", "calibrate", "--vidur", str(tmp_path), "--out", str(tmp_path / "p.yaml"))
+    r = run_main(  # libra.cli.main in this process (conftest.run_main); the CLI test above is real
+        "costmodel", "calibrate", "--vidur", str(tmp_path), "--out", str(tmp_path / "p.yaml")
+    )
     assert r.returncode == 2 and "--vidur" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -115,7 +117,7 @@ def test_shipped_h100_terms_against_our_own_h100_profile(catalog):
 def test_calibrate_reads_a_profile_of_one_device(tmp_path):
     """`calibrate --vidur` on the H100 profile (no network/ folder): layer terms only, TP1."""
     out = tmp_path / "h100.yaml"
-    r = run_cli(
+    r = run_main(  # in this process (conftest.run_main): the command itself is tested real above
         "costmodel", "calibrate", "--vidur", str(H100_PROFILE.parents[1]), "--out", str(out), "--json"
     )
     assert r.returncode == 0, r.stderr
@@ -137,7 +139,9 @@ def test_profile_on_cpu_writes_what_calibrate_reads(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "compute" / "cpu" / "libra" / "builtin-tiny" / "mlp.csv").is_file()
-    r = run_cli(
+    # What calibrate reads of it, through libra.cli.main in this process (conftest.run_main): the
+    # profile is the real process here, calibrate's own CLI is tested real elsewhere.
+    r = run_main(
         "costmodel", "calibrate", "--vidur", str(tmp_path), "--out", str(tmp_path / "p.yaml"), "--json"
     )
     assert r.returncode == 0 and "cpu-host" in json.loads(r.stdout)["gpus"], r.stderr
@@ -146,9 +150,24 @@ def test_profile_on_cpu_writes_what_calibrate_reads(tmp_path):
     steps = [json.loads(x) for x in (tmp_path / "builtin-tiny-steps.jsonl").read_text().splitlines()]
     assert {s["co_runners"] for s in steps} == {0, 1} and all(0 < s["share"] <= 1 for s in steps)
     assert all(s["probe_s"] > 0 for s in steps if s["co_runners"] == 0)
-    r = run_cli("costmodel", "calibrate", "--data", str(tmp_path / "builtin-tiny-steps.jsonl"),
+    r = run_main("costmodel", "calibrate", "--data", str(tmp_path / "builtin-tiny-steps.jsonl"),
                 "--train-data", str(tmp_path / "builtin-tiny-train.jsonl"),
                 "--serving-data", str(tmp_path / "builtin-tiny-serving.jsonl"), "--out", str(tmp_path / "c.yaml"), "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr
     eng = load_profile(tmp_path / "c.yaml").rollout.engine("libra-builtin")
     assert eng.probe_cpu_s > 0 and eng.contention and eng.weight_load_cpu_s > 0
+
+
+def test_the_v0_presets_cpu_terms_are_vidurs_measured_cpu_profile():
+    """vllm-v0's per-step and per-sequence CPU terms are the least-squares fit of Vidur's CPU
+    profile of a vLLM-0.2-era engine (tests/data/vidur-cpu/a100): measured per scheduled sequence
+    from batch 8 to 128, not fitted to any public figure the simulator is checked against."""
+    from libra.costmodel.vidur import fit_cpu_overheads
+
+    base, per_seq = fit_cpu_overheads(
+        Path(__file__).parent / "data" / "vidur-cpu" / "a100" / "cpu_overheads.csv"
+    )
+    eng = RolloutEfficiency().engine("vllm-v0")
+    assert eng.base_overhead_s == pytest.approx(base, rel=0.01)
+    assert eng.per_seq_overhead_s == pytest.approx(per_seq, rel=0.01)
+    assert eng.tp_seq_overhead_s == 0.0  # the profile's slope does not grow with TP (43-48 us at TP 1/2/4)

@@ -116,3 +116,24 @@ def fmt(v: object) -> str:
             return f"{v:.2f}"
         return f"{v:.4g}"
     return str(v)
+
+
+def curve_options(fn):
+    """`--tensorboard/--no-tensorboard` and `--wandb`: where the per-step curves go
+    (`libra.core.curves`); TensorBoard is on by default when its extra is installed."""
+    fn = click.option("--wandb", "wandb_on", is_flag=True, help="Also log to W&B, offline, in OUT/wandb (needs libra[wandb]).")(fn)  # fmt: skip
+    fn = click.option("--wandb-project", default="libra", show_default=True, help="The W&B project name.")(fn)
+    return click.option(
+        "--tensorboard/--no-tensorboard", "tensorboard", default=None,
+        help="TensorBoard event files in OUT/tb [default: on when libra[tensorboard] is installed].",
+    )(fn)  # fmt: skip
+
+
+def curves_of(tensorboard: bool | None, wandb_on: bool, wandb_project: str):
+    """The `CurveOptions` of those flags, checked now (a missing extra is exit 2 before the run)."""
+    from libra.core.curves import CurveOptions, Toggle
+
+    tb = Toggle.AUTO if tensorboard is None else Toggle.ON if tensorboard else Toggle.OFF
+    opts = CurveOptions(tb, Toggle.ON if wandb_on else Toggle.OFF, wandb_project)
+    opts.resolve()
+    return opts

@@ -46,10 +46,15 @@ def replay_vllm(folder, engine, as_json, profile, catalogs):
     )
     console.print(table(title, ["metric", "measured", "simulated", "error"], rows))
     kv = res["kv_capacity"]
-    if kv is not None:
-        console.print(f"KV cache per instance: simulated {kv['simulated']:,} tokens, vLLM allocated "
-                      f"{kv['vllm']:,} ({kv['error']:+.2%})")  # fmt: skip
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in kv["breakdown_gib"].items())
+    if kv["vllm"] is not None:
+        console.print(f"KV cache per instance: vLLM allocated {kv['vllm']:,} tokens (replayed); computed "
+                      f"{kv['computed']:,} ({kv['error']:+.2%}): {parts} GiB")  # fmt: skip
+    else:
+        console.print(f"KV cache per instance: computed {kv['computed']:,} tokens: {parts} GiB")
     cols = list(res["instances"][0].keys())
+    rows = [[("not recorded" if c == "vllm_preemptions" and r.get(c) is None else r.get(c, "")) for c in cols]
+            for r in res["instances"]]  # fmt: skip
     console.print(
-        table("Per instance (simulated)", cols, [[r.get(c, "") for c in cols] for r in res["instances"]])
+        table("Per instance (simulated; vLLM's preemptions where the run recorded them)", cols, rows)
     )

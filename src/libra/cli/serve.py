@@ -29,6 +29,8 @@ def _needs_extra(fn):
         except ModuleNotFoundError as e:
             if e.name and e.name.split(".")[0] == "libra":
                 raise
+            if e.name and e.name.split(".")[0] in HF_MODULES:
+                raise ConfigError("model", kwargs.get("model"), f"the 'hf' extra installed (missing module {e.name!r}): pip install 'libra[hf]'") from None  # fmt: skip
             raise ConfigError(
                 "serve",
                 fn.__name__,
@@ -36,6 +38,10 @@ def _needs_extra(fn):
             ) from None
 
     return wrapper
+
+
+# What a checkpoint model needs beyond the engine itself (the `hf` extra).
+HF_MODULES = {"transformers", "safetensors", "gguf", "tokenizers", "accelerate", "peft"}
 
 
 @click.group()
@@ -122,10 +128,11 @@ def _presets() -> list[str]:
 
 
 @serve.command("engine")
-@click.option(
-    "--model", default="tiny", show_default=True, type=click.Choice(_presets()), help="Model preset."
-)
+@click.option("--model", default="tiny", show_default=True, metavar="PRESET|NAME|DIR|FILE.gguf", help=f"A preset ({', '.join(_presets())}), a packaged model (smollm2-135m, the 'models' extra), a local Hugging Face directory or a GGUF file (Llama, Mistral, Qwen2, Qwen3, SmolLM; the 'hf' extra). See docs/models.md.")  # fmt: skip
 @click.option("--checkpoint", type=click.Path(exists=True, dir_okay=False), default=None, help="Load weights from a local state_dict file.")  # fmt: skip
+@click.option("--max-model-len", type=click.IntRange(16), default=None, help="Cap the model's context (a checkpoint's is often more than a CPU KV cache holds).")  # fmt: skip
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N]: the model, the KV cache and each step's tensors.")  # fmt: skip
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True, help="Weights and KV cache; auto: float32 on CPU, bfloat16 on CUDA.")  # fmt: skip
 @click.option("--save-checkpoint", type=click.Path(dir_okay=False), default=None, help="Write the weights (random from --seed, or --checkpoint) to this file and exit.")  # fmt: skip
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8100, show_default=True, type=click.IntRange(0, 65535), help="0 picks a free port (printed at start).")  # fmt: skip
@@ -146,14 +153,22 @@ def _presets() -> list[str]:
 @click.option("--max-body-mb", default=8.0, show_default=True, type=click.FloatRange(min=0, max=4096, min_open=True), help="Largest request body.")  # fmt: skip
 @click.option("--weight-version", default="0", show_default=True, help="Weight version reported until a trainer sets another.")  # fmt: skip
 @click.option("--admin-token", default=None, envvar="LIBRA_ADMIN_TOKEN", help="Control calls (pause, weights, flush) need 'Authorization: Bearer TOKEN' [env: LIBRA_ADMIN_TOKEN].")  # fmt: skip
+@click.option("--max-prompts-per-request", type=int, default=None, help="Prompts in one batched request [default: 4096].")  # fmt: skip
+@click.option("--max-request-tokens", type=int, default=None, help="Tokens one request may queue: prompt plus max_tokens, over its sequences [default: 4194304].")  # fmt: skip
+@click.option("--header-timeout-s", type=float, default=None, help="From a request's first byte to the end of its headers [default: 10].")  # fmt: skip
+@click.option("--body-timeout-s", type=float, default=None, help="Reading one request's body [default: 60].")  # fmt: skip
+@click.option("--idle-timeout-s", type=float, default=None, help="An idle keep-alive connection is closed after this [default: 75].")  # fmt: skip
+@click.option("--max-connections-per-client", type=int, default=None, help="Open connections from one IP address [default: 4096].")  # fmt: skip
 @click.option("--access-log", is_flag=True, help="Log every HTTP request.")
 @click.option("--step-log", type=click.Path(dir_okay=False), default=None, help="Append each step's composition and CPU seconds to this JSONL file (for `libra costmodel profile`).")  # fmt: skip
 @_needs_extra
 def engine(save_checkpoint: str | None, host: str, port: int, access_log: bool, **options) -> None:
-    """Built-in CPU inference engine: a small torch transformer with continuous batching and a
-    paged KV cache, behind an OpenAI-compatible API. For CI and laptops; not a vLLM replacement."""
+    """Libra's inference engine: continuous batching and a paged KV cache behind an
+    OpenAI-compatible API, for the built-in model or a Llama-family checkpoint, on CPU or CUDA.
+    For CI, laptops and RL on small models; not a vLLM replacement."""
     from libra.runtime.engine.config import EngineConfig
 
+    options = {k: v for k, v in options.items() if v is not None}  # absent: the config's default
     try:
         cfg = build(EngineConfig, options)
     except ConfigError as e:  # name the option the user typed, not the model field
@@ -162,7 +177,7 @@ def engine(save_checkpoint: str | None, host: str, port: int, access_log: bool, 
         from libra.runtime.engine.server import write_checkpoint
 
         out, n = write_checkpoint(cfg, save_checkpoint)
-        click.echo(f"wrote {cfg.model} weights ({n:,} parameters, seed {cfg.seed}) to {out}")
+        click.echo(f"wrote {cfg.served_name} weights ({n:,} parameters, seed {cfg.seed}) to {out}")
         return
     from libra.runtime.serving import bind
 

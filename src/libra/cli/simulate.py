@@ -16,6 +16,8 @@ native.activate()
 
 from libra.cli.common import (  # noqa: E402
     console,
+    curve_options,
+    curves_of,
     emit_json,
     err_console,
     json_option,
@@ -26,6 +28,7 @@ from libra.cli.common import (  # noqa: E402
 )
 from libra.core.errors import ConfigError  # noqa: E402
 from libra.costmodel.efficiency import load_profile  # noqa: E402
+from libra.sim.rl.report import write_curves  # noqa: E402
 from libra.sim.rl.systems import known_systems  # noqa: E402
 from libra.sim.scenarios import list_scenarios, load_scenario, run_scenario  # noqa: E402
 
@@ -195,8 +198,9 @@ def print_list() -> None:
 @set_option
 @profile_option
 @json_option
+@curve_options
 def simulate(scenario, trace_file, systems, steps, seed, out_dir, list_only, live_run, cores, background,
-             host_speed, oracle_cpu, overrides, profile, as_json):  # fmt: skip
+             host_speed, oracle_cpu, overrides, profile, as_json, tensorboard, wandb_on, wandb_project):  # fmt: skip
     """Simulate agentic RL post-training systems on a scenario and compare them.
 
     Writes summary.json, steps.json, PNG plots and a Perfetto trace.json to --out. With --live RUN,
@@ -213,6 +217,7 @@ def simulate(scenario, trace_file, systems, steps, seed, out_dir, list_only, liv
     if systems is not None and not names:
         raise ConfigError("--systems", systems, "a comma-separated list of system names")
     out = writable_dir(Path(out_dir or Path("runs") / sc.name))
+    curves = curves_of(tensorboard, wandb_on, wandb_project)
     kwargs = {}
     if trace_file:
         if sc.kind != "rl":
@@ -224,6 +229,7 @@ def simulate(scenario, trace_file, systems, steps, seed, out_dir, list_only, liv
     result = _run_with_progress(sc, names, steps, seed, out, kwargs)
     result.setdefault("scenario", sc.name)
     elapsed = time.perf_counter() - t0
+    writers = write_curves(result["per_step"], out, curves) if "per_step" in result else []
     if as_json:
         emit_json({k: v for k, v in result.items() if k != "per_step"})
         return
@@ -241,7 +247,9 @@ def simulate(scenario, trace_file, systems, steps, seed, out_dir, list_only, liv
     why = native.status()[1]
     err_console.print(
         f"simulated in {elapsed:.1f} s ({'compiled' if compiled else 'pure Python: ' + why}); "
-        f"results in {out}/ (summary.json, steps.json, *.png, trace.json)"
+        f"results in {out}/ (summary.json, steps.json, *.png, trace.json"
+        + "".join(f", {'tb/' if w == 'tensorboard' else 'wandb/'}" for w in writers)
+        + ")"
     )
 
 

@@ -9,20 +9,32 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
+import shutil
+import sys
 import time
 from pathlib import Path
 
 import click
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from libra.cli.common import console, err_console, set_option_for, table, writable_dir
+from libra.cli.common import (
+    console,
+    curve_options,
+    curves_of,
+    err_console,
+    set_option_for,
+    table,
+    writable_dir,
+)
 
 
 class _Bar:
     """The per-step progress bar: shown once the first step is done (start-up prints notes)."""
 
     def __init__(self, first: int, steps: int):
-        cols = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn()]  # fmt: skip
+        cols = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]  # fmt: skip
         self.bar = Progress(*cols, console=err_console, transient=False)
         self.task = self.bar.add_task("warm-start and start-up", total=steps, completed=first)
         self.bar.start()
@@ -46,9 +58,11 @@ class _Bar:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None, help="Run folder [default: runs/train].")  # fmt: skip
 @click.option("--launcher", type=click.Choice(["local", "ray"]), default="local", show_default=True, help="Start processes as subprocesses, or as Ray actors in a placement group.")  # fmt: skip
 @set_option_for("trainer.replicas=4")
-@click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in --out.")
+@click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in --out (verified; exit 2 if it cannot be used).")  # fmt: skip
+@click.option("--overwrite", is_flag=True, help="Start over in an --out that holds an earlier run (its steps and checkpoints are removed).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of a table.")
-def train(config_path, steps, out_dir, launcher, overrides, resume, as_json) -> None:
+@curve_options
+def train(config_path, steps, out_dir, launcher, overrides, resume, overwrite, as_json, tensorboard, wandb_on, wandb_project) -> None:  # fmt: skip
     """Train the built-in model with agentic GRPO, live: engines in C-MLFQ buckets behind the
     gateway, tool calls in the sandboxed actions service, data-parallel trainer replicas.
 
@@ -60,6 +74,8 @@ def train(config_path, steps, out_dir, launcher, overrides, resume, as_json) -> 
 
     cfg = load_train_config(config_path, [*overrides, *([f"steps={steps}"] if steps else [])])
     out = writable_dir(Path(out_dir or "runs/train"))
+    point = _start_point(out, cfg.steps, resume, overwrite, cfg.engine.model)
+    curves = curves_of(tensorboard, wandb_on, wandb_project)
     from libra.runtime.launch import make_launcher
     from libra.runtime.train.driver import train as run_train
 
@@ -69,12 +85,17 @@ def train(config_path, steps, out_dir, launcher, overrides, resume, as_json) -> 
 
     t0 = time.perf_counter()
     try:
-        summary = asyncio.run(run_train(cfg, out, lau, resume, bar))
+        summary = asyncio.run(run_train(cfg, out, lau, point, bar, curves))
     except RunStopped as e:
         if bar is not None:
             bar.stop()
         click.echo(f"error: {e}", err=True)
         raise SystemExit(1) from None
+    except KeyboardInterrupt:  # asyncio.run has cancelled the run: its processes are stopped
+        if bar is not None:
+            bar.stop()
+        click.echo(interrupted_message(out), err=True)
+        raise SystemExit(130) from None
     finally:
         if bar is not None:
             bar.stop()
@@ -83,6 +104,38 @@ def train(config_path, steps, out_dir, launcher, overrides, resume, as_json) -> 
         return
     console.print(summary_table(summary))
     err_console.print(f"trained in {time.perf_counter() - t0:.0f} s; run folder {out}/ (steps.json, reward.png, trace.json, checkpoints/, logs/)")  # fmt: skip
+
+
+def _start_point(out: Path, steps: int, resume: bool, overwrite: bool, model: str | None = None):
+    """The checkpoint to resume (verified), or None for a new run; a CheckpointError (exit 2)
+    when --resume has nothing usable, or when a new run would overwrite an earlier one."""
+    from libra.runtime.train import checkpoint as ckpt
+
+    if resume and overwrite:
+        raise ckpt.CheckpointError("--resume and --overwrite: give one (continue the run in --out, or start it over)")  # fmt: skip
+    if resume:
+        return ckpt.resume_point(out, steps, model)
+    earlier = ckpt.earlier_run(out)
+    if earlier is not None and not overwrite:
+        raise ckpt.CheckpointError(f"--out {out} holds an earlier run ({earlier}): pass --resume to continue it, --overwrite to start it over, or another --out")  # fmt: skip
+    if earlier is not None:
+        for name in ("steps.json", "summary.json", "trajectories.jsonl"):
+            (out / name).unlink(missing_ok=True)
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    return None
+
+
+def interrupted_message(out: Path) -> str:
+    """What an interrupted run says: how far it got, and the command that continues it."""
+    from libra.runtime.train import checkpoint as ckpt
+
+    found = ckpt.latest(out / "checkpoints")
+    if found is None:
+        return f"interrupted before the first checkpoint; nothing to resume in {out}/"
+    args = [a for a in sys.argv[1:] if a != "--resume"]
+    command = shlex.join(["libra", *args, "--resume"])
+    return (f"interrupted: the newest checkpoint is step {found.step} ({found.path}); "
+            f"resume with: {command}")  # fmt: skip
 
 
 def _cpus(cfg) -> float:

@@ -9,7 +9,7 @@ Three kinds, kept apart because they come from different measurements:
 - `EngineOverhead`, per engine generation: the CPU time of a step (fixed, per running sequence,
   per extra TP worker) and whether the engine's own all-reduce kernel is used. Shipped presets in
   `data/engines.yaml`: `vllm-v1` (the default; vLLM 0.8 and later) and `vllm-v0` (0.7 and earlier).
-- Memory held outside weights and KV (`fixed_workspace_gib`), and the links used for KV transfers.
+- The links used for KV transfers; each engine generation's memory profile is in `EngineMemory`.
 
 `libra costmodel calibrate` fits any of them and writes a profile YAML of this same shape, which
 every command loads with `--profile FILE`. They are never fitted per test.
@@ -89,8 +89,51 @@ class GpuTerms(_Frozen):
         return table[max(below)] if below else None
 
 
+class EngineMemory(_Frozen):
+    """What an engine generation's startup memory profile holds besides weights and KV cache.
+
+    vLLM sizes its KV cache as gpu_memory_utilization x device memory less what a profiling run
+    used (`Worker.determine_available_memory`): the weights, the torch peak of a dummy forward of
+    max_num_batched_tokens tokens followed by a dummy sampling of max_num_seqs requests, the memory
+    allocated outside torch meanwhile (cuBLAS workspaces, NCCL and all-reduce buffers), and, from
+    vLLM 0.21 on, an estimate of the CUDA graphs it will capture. The constants here are measured
+    figures, not fitted to the traces the replay checks (docs/fidelity.md, "KV capacity")."""
+
+    # The sampler's peak per logit (max_num_seqs x vocab): the fp32 logits, their sort, the sort's
+    # int64 indices, softmax and the top-p cumulative sum. 38.3 B: vLLM's logged peak activation on
+    # H100 for Llama-3.1-8B, Qwen3-0.6B, Qwen3-32B and gpt-oss-20b at max_num_seqs 1024 (4.76-7.38
+    # GiB; llm-d/llm-d-benchmark config_explorer/empirical-vllm-memory-results.md), less the
+    # hidden states of max_num_batched_tokens tokens: 38.3-38.4 B for all four.
+    sampler_bytes_per_logit: float = Field(38.3, ge=0)
+    # Allocations outside torch during the profile: 0.13 GiB on one GPU (the same four runs), 0.55
+    # GiB when the GPU is part of a TP or EP group (Llama-3.3-70B at TP2, same source).
+    non_torch_gib: float = Field(0.13, ge=0)
+    collective_gib: float = Field(0.42, ge=0)
+    # CUDA-graph memory, per captured graph, where the engine subtracts its estimate before sizing
+    # the KV cache (vLLM 0.21 and later, VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS on by default):
+    # about 24 MiB a graph (vllm-project/vllm issue 50780; 16 piecewise graphs took 0.36 GiB in
+    # the log of gpustack/runner PR 251). 0: the engine does not subtract it (vLLM before 0.21).
+    cudagraph_mib: float = Field(0.0, ge=0)
+    # The largest batch captured in a piecewise graph (vLLM: min(2 x max_num_seqs, 512)).
+    max_capture_size: int = Field(512, ge=1)
+
+    def cudagraphs(self, max_num_seqs: int) -> int:
+        """Graphs captured: piecewise ones up to min(2 x max_num_seqs, 512) tokens and full
+        decode ones up to max_num_seqs, at vLLM's capture sizes (1, 2, 4, then every 8 to 256,
+        then every 16)."""
+        return _capture_sizes(min(2 * max_num_seqs, self.max_capture_size)) + _capture_sizes(
+            min(max_num_seqs, self.max_capture_size)
+        )
+
+
+def _capture_sizes(top: int) -> int:
+    small = sum(1 for s in (1, 2, 4) if s <= top)
+    return small + max(0, min(top, 248) // 8) + max(0, (top - 256) // 16 + 1 if top >= 256 else 0)
+
+
 class EngineOverhead(_Frozen):
-    """The CPU side of an engine step, for one engine generation."""
+    """One engine generation: the CPU side of its steps, its scheduler's KV rules, its memory
+    profile."""
 
     # Scheduling, input preparation, sampling and output processing, per step.
     base_overhead_s: float = Field(ge=0)
@@ -130,6 +173,18 @@ class EngineOverhead(_Frozen):
     # live run), how much slower or faster the run's host was (applied by the live prediction
     # only when asked, `--host-speed`: docs/fidelity.md). 0: not measured.
     probe_cpu_s: float = Field(0.0, ge=0)
+    # The scheduler's KV rules (`libra.sim.engine`). A waiting or preempted request is admitted
+    # when its whole current sequence fits in free and evictable KV (vLLM V1's
+    # scheduler_reserve_full_isl, on by default; V0's block manager checked the whole prompt too),
+    # or, with admit_full_sequence off, its first chunk (the built-in engine). Beside it, a share
+    # of the cache is kept free (kv_watermark: V0's 1%; V1's default 0) and a number of blocks per
+    # running request (the built-in engine keeps one). prefix_caching: freed KV stays cached for
+    # reuse (vLLM V1, on by default), so a preempted request recomputes only what was evicted.
+    admit_full_sequence: bool = True
+    kv_watermark: float = Field(0.0, ge=0, lt=1)
+    reserve_blocks_per_running: int = Field(0, ge=0)
+    prefix_caching: bool = True
+    memory: EngineMemory = EngineMemory()
 
     @field_validator("contention")
     @classmethod
@@ -160,10 +215,9 @@ class RolloutEfficiency(_Frozen):
     # 50-70 us small-message latency. (The Qwen3-32B TP2 vLLM trace is what exposed this term.)
     pcie_link: float = Field(0.25, gt=0, le=1)
     pcie_allreduce_latency_s: float = Field(60e-6, ge=0)
-    # Memory held outside weights, KV and the activation peak: CUDA context, cuBLAS and NCCL
-    # workspaces, CUDA graphs. Fitted to the KV sizes vLLM 0.28 reported on RTX PRO 6000
-    # (docs/fidelity.md, "KV capacity").
-    fixed_workspace_gib: float = Field(2.0, ge=0)
+    # Memory held beyond what the engine's memory profile accounts for (`EngineMemory`): 0 for
+    # vLLM, whose profile is modelled term by term; a calibration may set it.
+    fixed_workspace_gib: float = Field(0.0, ge=0)
 
     def gpu(self, hardware: str) -> GpuTerms:
         return self.gpus.get(hardware, self.default_gpu)

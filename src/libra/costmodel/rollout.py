@@ -174,18 +174,22 @@ class RolloutCostModel:
     # ---- step time ------------------------------------------------------------------------------
 
     def step_time(
-        self, prefill_tokens: int, prefill_attn: float, decode_seqs: int, decode_ctx: float
-    ) -> float:
+        self, prefill_tokens: int, prefill_attn: float, decode_seqs: int, decode_ctx: float,
+        pad_to: int = 0,
+    ) -> float:  # fmt: skip
         """Seconds for one iteration.
 
         prefill_tokens: tokens prefilled this step (all chunks together).
         prefill_attn: sum over those tokens of the context each attends to (for a chunk of c tokens
             starting at position p, c*p + c*(c+1)/2).
         decode_seqs, decode_ctx: decoding sequences and the sum of their context lengths.
+        pad_to: the linear layers and the collectives run on at least this many tokens (a
+            data-parallel rank of an MoE model pads its batch to the largest rank's; 0: none).
         """
         tokens = prefill_tokens + decode_seqs
-        if tokens <= 0:
+        if tokens <= 0 and pad_to <= 0:
             return 0.0
+        tokens = max(tokens, pad_to)
         seqs = decode_seqs + (1 if prefill_tokens else 0)
         kv = self._kv_s * (decode_ctx + prefill_tokens)
         af = self._attn_flop_s * (decode_ctx + prefill_attn)
@@ -236,25 +240,43 @@ class RolloutCostModel:
         return ((m.total_params - experts) / self.tp + experts / (self.tp * self.ep)) * m.bytes_per_param
 
     def activation_bytes(self) -> float:
-        """Peak activation of vLLM's profiling run, per GPU.
-
-        A forward pass of max_num_batched_tokens tokens, where the MLP's gate and up projections
-        dominate (tokens x 2 x intermediate / t at bf16, plus a few hidden-sized buffers), then the
-        sampler's fp32 logits over the full vocabulary for max_num_seqs sequences.
-        """
-        m = self.model
+        """Peak torch memory of vLLM's profiling run, per GPU: the larger of a forward pass of
+        max_num_batched_tokens tokens (where the MLP's gate and up projections dominate: tokens x 2
+        x intermediate / t at bf16, plus a few hidden-sized buffers) and the dummy sampling of
+        max_num_seqs requests that follows it, beside the forward's output hidden states."""
+        m, mem = self.model, self.overhead.memory
+        tokens = self.max_num_batched_tokens
         width = m.expert_intermediate * m.active_experts if m.is_moe else m.intermediate
-        per_tok = (2 * width / self.tp + 4 * m.hidden) * m.bytes_per_param
-        return self.max_num_batched_tokens * per_tok + self.max_num_seqs * m.vocab * 4
+        forward = tokens * (2 * width / self.tp + 4 * m.hidden) * m.bytes_per_param
+        reqs = min(self.max_num_seqs, tokens)
+        sampler = tokens * m.hidden * m.bytes_per_param + reqs * m.vocab * mem.sampler_bytes_per_logit
+        return max(forward, sampler)
+
+    def non_torch_bytes(self) -> float:
+        """Allocations outside torch: workspaces, and the communicators' buffers in a TP/EP group."""
+        mem = self.overhead.memory
+        return (mem.non_torch_gib + (mem.collective_gib if self.tp * self.ep > 1 else 0.0)) * GIB
+
+    def cudagraph_bytes(self) -> float:
+        """The CUDA-graph memory the engine subtracts before sizing its cache (0 where it does not)."""
+        mem = self.overhead.memory
+        return mem.cudagraphs(self.max_num_seqs) * mem.cudagraph_mib * 2**20
+
+    def memory_breakdown(self) -> dict[str, float]:
+        """Bytes per GPU by what holds them, as vLLM's startup profile accounts them (KV last)."""
+        usable = self.hw.memory_bytes * self.gpu_memory_utilization
+        parts = {
+            "weights": self.weight_bytes_per_gpu(),
+            "activation_peak": self.activation_bytes(),
+            "non_torch": self.non_torch_bytes(),
+            "cudagraphs": self.cudagraph_bytes(),
+            "other": self.eff.fixed_workspace_gib * GIB,
+        }
+        parts["kv_cache"] = usable - sum(parts.values())
+        return parts
 
     def kv_budget_bytes(self) -> float:
-        usable = self.hw.memory_bytes * self.gpu_memory_utilization
-        return (
-            usable
-            - self.weight_bytes_per_gpu()
-            - self.eff.fixed_workspace_gib * GIB
-            - self.activation_bytes()
-        )
+        return self.memory_breakdown()["kv_cache"]
 
     def kv_capacity_tokens(self) -> int:
         """Tokens the KV cache holds on this instance, in whole blocks as vLLM allocates it

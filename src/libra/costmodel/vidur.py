@@ -297,3 +297,30 @@ def _same_chip(gpus: dict[str, GpuTerms], catalog: Catalog) -> dict[str, GpuTerm
 def _scaled(table: dict[int, AllReduceTerms], scale: float) -> dict[int, AllReduceTerms]:
     return {g: AllReduceTerms(bands=[b.model_copy(update={"bus_gbps": b.bus_gbps * scale}) for b in t.bands])
             for g, t in table.items()}  # fmt: skip
+
+
+# The CPU work of one step of a vLLM-V0-generation engine, as Vidur profiled it (its
+# `cpu_overheads.csv`: Sarathi, a vLLM 0.2 fork, with vLLM's scheduler and Ray workers, timed per
+# step by batch size 8-128 and TP): scheduling, preparing the inputs, sampling and processing the
+# outputs (detokenising included), each a mean per step in milliseconds.
+CPU_PHASES = ("schedule_mean", "prepare_inputs_e2e_mean", "sampler_e2e_mean", "process_model_outputs_mean")
+
+
+def fit_cpu_overheads(path: str | Path, tp: int = 1) -> tuple[float, float]:
+    """(seconds per step, seconds per scheduled sequence per step): least squares of the
+    profile's CPU time per step against its batch size, at TP `tp`, over every model it timed."""
+    path = Path(path)
+    xs, ys = [], []
+    with path.open(newline="") as f:
+        for i, row in enumerate(csv.DictReader(f), start=2):
+            where = f"{path}:{i}"
+            if int(_float(row, "tensor_parallel_degree", where)) != tp:
+                continue
+            xs.append(_float(row, "batch_size", where))
+            ys.append(sum(_float(row, c, where) for c in CPU_PHASES) * 1e-3)
+    if len(set(xs)) < 2:
+        raise ConfigError(
+            str(path), f"{len(xs)} rows at TP {tp}", "a CPU-overhead profile with two batch sizes or more"
+        )
+    slope, intercept = np.polyfit(np.asarray(xs), np.asarray(ys), 1)
+    return float(intercept), float(slope)

@@ -115,6 +115,23 @@ class ElasticConfig(BaseModel):
     snapshot_s: float = Field(3.6, ge=0)
     restore_s: float = Field(4.4, ge=0)
     require_even_groups: bool = Field(True, description="Keep GRPO groups dividing evenly over DP")
+    # A fixed timeline instead of the hysteresis rule: {step: how many hybrid replicas training
+    # holds from that step on}. For a scripted run: the mechanism's whole cycle on a known
+    # timeline, whatever the stages measure (how the live tests drive the pool deterministically).
+    schedule: dict[int, int] | None = None
+
+    @field_validator("schedule")
+    @classmethod
+    def _schedule(cls, v: dict[int, int] | None) -> dict[int, int] | None:
+        if v is not None and any(step < 0 or n < 0 for step, n in v.items()):
+            raise ValueError(f"steps and replica counts must be >= 0, got {v}")
+        return v
+
+    def scheduled(self, step: int) -> int | None:
+        """The replicas the schedule holds at `step` (None without a schedule: hysteresis)."""
+        if self.schedule is None:
+            return None
+        return next((self.schedule[s] for s in sorted(self.schedule, reverse=True) if s <= step), 0)
 
     @property
     def rollout_to_train_s(self) -> float:

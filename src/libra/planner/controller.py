@@ -139,7 +139,7 @@ class PlanController:
         if self.elastic is None or pool is None or not pool.replicas:
             return None
         sig = ElasticSignals(report.t_train_s, report.t_rollout_s, report.rollout_pressure, pool.core_dp,
-                             pool.rollout_gpus, pool.prompts_per_step)  # fmt: skip
+                             pool.rollout_gpus, pool.prompts_per_step, step=report.step)  # fmt: skip
         return self.elastic.decide(sig, pool.replicas)
 
     def _trigger(self, report: StepReport) -> Trigger:

@@ -22,7 +22,8 @@ join and every rollback bumps the replica's generation; a transition carrying an
 is refused (returns False), so a late callback from an abandoned join cannot move a newer one.
 A transition from the wrong state with the current generation is a mechanism bug and raises.
 
-**Controller** (`ElasticController`): hysteresis on r = T_train / T_rollout. Borrow replicas when
+**Controller** (`ElasticController`): hysteresis on r = T_train / T_rollout (or, with
+`ElasticConfig.schedule`, a fixed timeline of how many replicas training holds from which step). Borrow replicas when
 r >= 1.15, release when r <= 0.90, nothing in between, never borrow while rollout pressure is
 high, and nothing while a transition is in flight (the measured r would mix two layouts). How
 many to move is the count whose predicted pipeline step time (`plan.pipeline_period`: training
@@ -175,6 +176,7 @@ class ElasticSignals:
     # The rollout engines' busy seconds per batch, when measured. Unknown, it is taken equal to
     # T_rollout, and the predicted step is the paper's max(T_train, T_rollout) whatever the staleness.
     rollout_work_s: float | None = None
+    step: int = 0  # the step just trained (read only by a scheduled pool, `ElasticConfig.schedule`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +201,9 @@ class ElasticController:
     def decide(self, sig: ElasticSignals, replicas: Sequence[HybridReplica]) -> ElasticDecision:
         if any(r.in_transition for r in replicas):
             return ElasticDecision(reason="a transition is in flight")
+        target = self.config.scheduled(sig.step)
+        if target is not None:
+            return self._follow(target, sig.step, replicas)
         if sig.t_rollout_s <= 0 or sig.t_train_s <= 0:
             return ElasticDecision(reason="no measured stage times yet")
         ratio = sig.t_train_s / sig.t_rollout_s
@@ -214,6 +219,21 @@ class ElasticController:
         if ratio <= c.release_ratio:
             return self._release(sig, dp, active, ratio)
         return ElasticDecision(reason=f"r={ratio:.2f} inside the hysteresis band")
+
+    def _follow(self, target: int, step: int, replicas: Sequence[HybridReplica]) -> ElasticDecision:
+        """The schedule's count: borrow idle replicas up to it, release active ones down to it."""
+        active = [r for r in replicas if r.state == JoinState.ACTIVE]
+        idle = [r for r in replicas if r.serves_rollout]
+        why = f"schedule: {target} from step {step}"
+        if target > len(active) and idle:
+            k = min(target - len(active), len(idle))
+            return ElasticDecision(
+                joins=tuple(JoinReplica(r.id) for r in idle[:k]), reason=f"{why}: borrow {k}"
+            )
+        if target < len(active):
+            rel = tuple(ReleaseReplica(r.id, r.generation) for r in active[target:])
+            return ElasticDecision(releases=rel, reason=f"{why}: release {len(rel)}")
+        return ElasticDecision(reason=f"{why}: held")
 
     def _borrow(
         self, sig: ElasticSignals, dp: int, idle: list[HybridReplica], ratio: float

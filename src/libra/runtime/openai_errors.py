@@ -12,6 +12,7 @@ import aiohttp
 from aiohttp import web
 
 from libra.runtime.jsonbody import BodyError, parse_body
+from libra.runtime.serving import BodyTimeout, read_body
 
 
 class ApiError(Exception):
@@ -41,7 +42,9 @@ async def read_json_object(request: web.Request, empty: dict | None = None) -> t
     the client cannot even deliver (a bogus Content-Encoding, a truncated chunk) is a 400 too.
     """
     try:
-        raw = await request.read()  # over client_max_size: 413, turned into JSON by the middleware
+        raw = await read_body(request)  # over client_max_size: 413, turned into JSON by the middleware
+    except BodyTimeout as e:
+        raise ApiError(408, str(e), "body_timeout_s", "body_timeout") from None
     except (aiohttp.http_exceptions.HttpProcessingError, aiohttp.web_protocol.RequestPayloadError) as e:
         why = getattr(e, "message", None) or str(e) or type(e).__name__
         raise ApiError(400, f"could not read the request body ({why})", code="invalid_body") from None

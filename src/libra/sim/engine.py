@@ -2,9 +2,12 @@
 
 - Continuous batching with `max_num_seqs` and a `max_num_batched_tokens` budget per step;
   prefills are chunked into that budget, decodes take one token each.
-- A KV cache of the cost model's capacity, at token granularity. When a decode cannot grow, cached
-  prefixes are evicted first (LRU), then the most recently admitted sequence is preempted and
-  recomputed later (vLLM's recompute preemption).
+- A KV cache of the cost model's capacity (or the one a measured run allocated), at token
+  granularity. Admission, preemption and prefix caching follow the engine preset's rules (vLLM
+  V1's by default: a request is admitted when its whole sequence fits, the newest running request
+  is preempted when the cache cannot grow and recomputed later, and its freed KV stays cached, so
+  it recomputes only what was evicted meanwhile). Cached KV is evicted least recently cached
+  first, from the tail.
 - Prefix reuse: a finished turn leaves its KV cached under the trajectory's key, so the next turn
   on the same instance prefills only the new tokens. On another instance it prefills everything
   (or receives the KV by transfer, see `submit(..., kv_ready=...)`).
@@ -116,11 +119,18 @@ class Engine:
 
     def __init__(self, kernel: Kernel, iid: str, cost: RolloutCostModel, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, kv_policy: KVPolicy = KVPolicy.RESIDENT,
-                 tracer=None, pcie_gbps: float = 25.0, max_segment_steps: int | None = None):  # fmt: skip
+                 tracer=None, pcie_gbps: float = 25.0, max_segment_steps: int | None = None,
+                 kv_capacity: int | None = None):  # fmt: skip
         self.k, self.id, self.cost = kernel, iid, cost
         self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
         self.kv_policy, self.tracer = kv_policy, tracer
-        self.kv_cap = cost.kv_capacity_tokens()
+        # The cache the cost model computes, or the one a measured run allocated (the replay).
+        self.kv_cap = cost.kv_capacity_tokens() if kv_capacity is None else kv_capacity
+        rules = cost.overhead
+        self.watermark = int(rules.kv_watermark * self.kv_cap)
+        self.reserve_per_running = KV_BLOCK * rules.reserve_blocks_per_running
+        self.full_sequence = rules.admit_full_sequence
+        self.prefix_caching = rules.prefix_caching
         self.pcie_bytes_s = pcie_gbps * 1e9
         self.waiting: deque[Seq] = deque()
         self.prefilling: list[Seq] = []
@@ -137,13 +147,15 @@ class Engine:
         self.evicted_tokens = 0
         self.healthy = True
         self._stepping = False
+        # Tests set 1 to step iteration by iteration and check the closed form against it.
+        self.max_segment_steps = max_segment_steps
+        # Data-parallel ranks of an MoE model step together (`LockstepGroup`); None: on its own.
+        self.group: LockstepGroup | None = None
         self.paused = False
         self._on_abort: Callable[[Seq, int], None] | None = None
         self._arriving: dict[Seq, None] = {}  # reloading from host memory: in no queue yet
         self._prioritized = False  # whether any request had a non-default priority
         self.aborted = 0
-        # Tests set 1 to step iteration by iteration and check the closed form against it.
-        self.max_segment_steps = max_segment_steps
 
     # ---- queries ------------------------------------------------------------------------------
 
@@ -177,11 +189,9 @@ class Engine:
         self._counter += 1
         seq.order = self._counter
         reload = 0
-        if seq.key in self.cache:
-            seq.done_tokens = min(seq.ctx, self._take_cache(seq.key))
-        elif seq.key in self.host:
+        if seq.key in self.host:
             seq.done_tokens = reload = min(seq.ctx, self.host.pop(seq.key))
-        else:
+        elif seq.key not in self.cache:  # a cached prefix is looked up at admission (`_admit_one`)
             seq.done_tokens = min(seq.ctx, kv_ready)
         if seq.done_tokens >= seq.ctx:  # a turn always prefills at least one token
             seq.done_tokens = seq.ctx - 1
@@ -225,16 +235,24 @@ class Engine:
         submitted while paused wait for `resume`."""
         self.paused = True
         self._on_abort = on_abort
-        if self._stepping:
-            return  # called from a step's own callbacks: the step handler aborts when it is done
+        if self._stepping or self._in_group_step():
+            return  # the step's handler (or its group's) aborts when the step is done
         if self._busy is None:
             self._abort_all()
         elif self._seg is not None:
             self._cut_at_next_step()
 
+    def _in_group_step(self) -> bool:
+        return self.group is not None and (self.group.busy or self.group.stepping)
+
     def resume(self) -> None:
         self.paused = False
         self._poke()
+
+    def _abort_pending(self) -> None:
+        """Carry out an interrupt that waited for the end of a step."""
+        if self._on_abort is not None:
+            self._abort_all()
 
     def _abort_all(self) -> None:
         on_abort, self._on_abort = self._on_abort, None
@@ -274,131 +292,167 @@ class Engine:
         """Something changed: start work if idle, or cut a decode segment at the next step."""
         if self._stepping or self.paused:
             return  # the step handler schedules the next step when it is done
-        if self._busy is None:
+        if self.group is not None:
+            self.group.poke()
+        elif self._busy is None:
             self._schedule_next()
         elif self._seg is not None and self.waiting and self.running < self.max_num_seqs:
             self._cut_segment()
 
     def _schedule_next(self) -> None:
+        self._abort_pending()
         if self.paused:
-            if self._on_abort is not None:
-                self._abort_all()
+            return
+        if self.group is not None:
+            self.group.poke()
             return
         plan = self.schedule()
         if not plan.empty:
             self._execute(plan)
 
     def schedule(self) -> StepPlan:
-        """The batching decision for the next step, like vLLM's `schedule()`.
+        """The batching decision for the next step, like vLLM V1's `schedule()`.
 
-        Like vLLM: the running requests first (preempting the newest when the KV cache cannot
-        grow), then, only in a step that preempted nothing, waiting requests in FCFS order while
-        each fits beside a reserve of one block per running request; then the prefill chunks.
-        With no chunk to run, it plans a decode segment: the number of identical decode-only
-        iterations until the batch changes. Queue and KV bookkeeping move with the decision; time
-        does not (that is `_execute`)."""
+        The running requests first: every decode grows by a token, then the partial prefills
+        take their next chunk from what is left of the token budget, in admission order; when the
+        KV cache cannot hold that, the newest running request is preempted (recomputed later),
+        down to the request being scheduled itself. Then, only in a step that preempted nothing,
+        waiting requests in FCFS order while a slot and budget are left and each fits (the
+        preset's rule: its whole sequence, beside the watermark); each takes its first chunk at
+        once, so the next one sees the cache that chunk used. With no chunk to run, it plans a
+        decode segment: the number of identical decode-only iterations until the batch changes.
+        Queue and KV bookkeeping move with the decision; time does not (that is `_execute`)."""
         plan = StepPlan()
-        self._room_for_decode(plan)
-        if not plan.preempted:
-            self._admit()
-        if self.prefilling and self._plan_chunks(plan):
-            return plan
-        if self.n_dec:
-            self._plan_segment(plan)
+        for _ in range(2):  # a step that preempted every running request retries with admission
+            self._room_for_decode(plan)
+            budget = self._plan_running_chunks(plan, self.budget - self.n_dec)
+            if not plan.preempted:
+                self._admit(plan, budget)
+            if plan.chunks:
+                plan.decode_seqs, plan.decode_ctx, plan.decode_steps = self.n_dec, self.ctx_sum, 1
+                return plan
+            if self.n_dec:
+                self._plan_segment(plan)
+                return plan
+            if not (plan.preempted and self.waiting):
+                break
+            plan.preempted = []
         return plan
 
-    def _admit(self) -> None:
-        """FCFS admission while a sequence slot is free and the whole prefill fits in free and
-        evictable KV, keeping one block per running request free for its growth (the rule the
-        live engine's scheduler shares, `libra.rollout.batching`)."""
-        while self.waiting and self.running < self.max_num_seqs:
+    def _admit(self, plan: StepPlan, budget: int) -> None:
+        """FCFS admission while a sequence slot and token budget are free and the head of the
+        queue fits in free and evictable KV beside the reserve (`libra.rollout.batching.admits`)."""
+        while self.waiting and budget > 0 and self.running < self.max_num_seqs:
             seq = self.waiting[0]
-            reserve = KV_BLOCK * self.running
-            if self.running and not admits(
-                self._free() + self.cache_tokens, seq.ctx - seq.done_tokens, reserve
-            ):
+            if seq.ctx > self.kv_cap:
+                raise RuntimeError(
+                    f"{self.id}: a request of {seq.ctx} tokens exceeds the KV cache ({self.kv_cap})"
+                )
+            need = seq.ctx if self.full_sequence else min(seq.ctx - seq.done_tokens, budget)
+            reserve = self.watermark + self.reserve_per_running * self.running if self.running else 0
+            if not admits(self._free() + self.cache_tokens, need, reserve):
                 break
             self.waiting.popleft()
-            seq.state = SeqState.PREFILL
-            self.prefilling.append(seq)
-            self.kv_pref += seq.done_tokens
+            budget -= self._admit_one(seq, plan, budget)
+
+    def _admit_one(self, seq: Seq, plan: StepPlan, budget: int) -> int:
+        """Admit `seq` with what is left of its cached prefix here, and plan its first chunk."""
+        hit = self._take_cache(seq.key)
+        if hit > seq.done_tokens:
+            seq.done_tokens = min(hit, seq.ctx - 1)
+        seq.state = SeqState.PREFILL
+        self._counter += 1
+        seq.order = self._counter  # admission order: the newest is the preemption victim
+        self.prefilling.append(seq)
+        self.kv_pref += seq.done_tokens
+        c = prefill_chunk(seq.ctx - seq.done_tokens, budget, budget)
+        self._evict(c)
+        c = min(c, self._free())
+        if c > 0:
+            self._add_chunk(plan, seq, c)
+        return c
+
+    def _add_chunk(self, plan: StepPlan, seq: Seq, c: int) -> None:
+        plan.chunks.append((seq, c))
+        self.kv_pref += c
+        plan.prefill_tokens += c
+        plan.prefill_attn += c * seq.done_tokens + c * (c + 1) / 2
 
     def _free(self) -> int:
         return self.kv_cap - self.ctx_sum - self.kv_pref - self.cache_tokens
 
     def _evict(self, need: int) -> bool:
-        """Evict cached prefixes (LRU) until `need` tokens are free."""
+        """Evict cached KV until `need` tokens are free: the least recently cached prefix first,
+        from its tail (vLLM frees a request's blocks tail first, and reuses the oldest freed)."""
         while self._free() < need and self.cache:
-            _, tokens = self.cache.popitem(last=False)
-            self.cache_tokens -= tokens
-            self.evicted_tokens += tokens
+            key, tokens = next(iter(self.cache.items()))
+            take = min(tokens, need - self._free())
+            if take == tokens:
+                del self.cache[key]
+            else:
+                self.cache[key] = tokens - take
+            self.cache_tokens -= take
+            self.evicted_tokens += take
         return self._free() >= need
 
     def _room_for_decode(self, plan: StepPlan) -> None:
-        """Decodes must grow by one token each: evict, then preempt the newest (vLLM recompute)."""
+        """Decodes must grow by one token each: evict, then preempt the newest running request
+        (vLLM's recompute preemption). The last decoding request is never preempted for itself."""
         if self.kv_cap - self.ctx_sum - self.kv_pref - self.cache_tokens >= self.n_dec:
             return  # the common case, without a call
-        while not self._evict(self.n_dec) and self.n_dec > 1:
+        while not self._evict(self.n_dec) and (self.n_dec > 1 or self.prefilling):
             plan.preempted.append(self._preempt_newest())
 
-    def _preempt_newest(self) -> Seq:
+    def _plan_running_chunks(self, plan: StepPlan, budget: int) -> int:
+        """The partial prefills' next chunks, oldest admitted first, preempting the newest running
+        request while a chunk does not fit; a request that preempted itself ends the pass."""
+        i = 0
+        while i < len(self.prefilling) and budget > 0:
+            seq = self.prefilling[i]
+            c = prefill_chunk(seq.ctx - seq.done_tokens, budget, budget)
+            while not self._evict(c):
+                victim = self._preempt_newest()
+                plan.preempted.append(victim)
+                if victim is seq:
+                    return budget
+            self._add_chunk(plan, seq, c)
+            budget -= c
+            i += 1
+        return budget
+
+    def _newest_decoder(self) -> Seq | None:
         while self.order and self.order[-1].state != SeqState.DECODE:
             self.order.pop()
-        seq = preemption_victim(self.order)
-        self.order.pop()
-        ctx = seq.current_ctx(self.step_no)
-        seq.state = SeqState.WAITING
-        self.n_dec -= 1
-        self.ctx_sum -= ctx
-        seq.out_left = seq.finish_step - self.step_no
-        seq.ctx, seq.done_tokens = ctx, 0
+        return preemption_victim(self.order) if self.order else None
+
+    def _preempt_newest(self) -> Seq:
+        """Preempt the most recently admitted running request (decoding or prefilling): its KV is
+        freed, and kept as an evictable cached prefix where the engine caches prefixes."""
+        dec = self._newest_decoder()
+        pre = self.prefilling[-1] if self.prefilling else None
+        if pre is not None and (dec is None or pre.order > dec.order):
+            self.prefilling.pop()
+            self.kv_pref -= pre.done_tokens
+            held, seq = pre.done_tokens, pre
+        else:
+            assert dec is not None
+            self.order.pop()
+            held = dec.current_ctx(self.step_no)
+            self.n_dec -= 1
+            self.ctx_sum -= held
+            dec.out_left = dec.finish_step - self.step_no
+            dec.ctx, seq = held, dec
+        seq.state, seq.done_tokens = SeqState.WAITING, 0
+        if self.prefix_caching and held:
+            self._take_cache(seq.key)
+            self.cache[seq.key] = held
+            self.cache_tokens += held
         self.preemptions += 1
         self.waiting.appendleft(seq)
         return seq
 
-    def _plan_chunks(self, plan: StepPlan) -> bool:
-        """Prefill chunks beside every running decode, for one iteration. False if no chunk fits."""
-        self._room_for_decode(plan)
-        budget = self.budget - self.n_dec
-        chunks = plan.chunks
-        for seq in self.prefilling:
-            if budget <= 0:
-                break
-            c = prefill_chunk(seq.ctx - seq.done_tokens, budget, budget)
-            if not self._evict(c):
-                c = self._free()  # a prefill never preempts running work: take what is free
-                if c <= 0:
-                    break
-            chunks.append((seq, c))
-            self.kv_pref += c
-            plan.prefill_tokens += c
-            plan.prefill_attn += c * seq.done_tokens + c * (c + 1) / 2
-            budget -= c
-        if not chunks:
-            if not self.n_dec:
-                self._stall(plan)
-                return True
-            return False
-        plan.decode_seqs, plan.decode_ctx, plan.decode_steps = self.n_dec, self.ctx_sum, 1
-        return True
-
-    def _stall(self, plan: StepPlan) -> None:
-        """Partial prefills fill the cache and nothing decodes: requeue the newest and retry."""
-        seq = self.prefilling.pop()
-        if not self.prefilling:
-            raise RuntimeError(
-                f"{self.id}: a request of {seq.ctx} tokens exceeds the KV cache ({self.kv_cap})"
-            )
-        self.kv_pref -= seq.done_tokens
-        seq.done_tokens, seq.state = 0, SeqState.WAITING
-        self.preemptions += 1
-        self.waiting.appendleft(seq)
-        plan.preempted.append(seq)
-        self._plan_chunks(plan)
-
     def _plan_segment(self, plan: StepPlan) -> None:
         """Decode-only: the batch stays fixed until a sequence finishes or the cache fills."""
-        self._room_for_decode(plan)
         n, free = self.n_dec, self._free()
         top = self._top_live()
         assert top is not None  # a decode segment runs only with live decodes
@@ -458,6 +512,11 @@ class Engine:
 
     def _end_mixed(self, plan: StepPlan) -> None:
         self._busy, self._stepping = None, True
+        self._apply_mixed(plan)
+        self._stepping = False
+        self._schedule_next()
+
+    def _apply_mixed(self, plan: StepPlan) -> None:
         self._advance(1)
         self.prefill_tokens += plan.prefill_tokens
         for seq, c in plan.chunks:
@@ -465,8 +524,21 @@ class Engine:
             seq.prefilled += c
             if seq.done_tokens >= seq.ctx:
                 self._prefill_done(seq)
+
+    def step_seconds(self, plan: StepPlan, pad_to: int = 0) -> float:
+        """One iteration of `plan`, its linear layers run on at least `pad_to` tokens."""
+        return self.cost.step_time(
+            plan.prefill_tokens, plan.prefill_attn, plan.decode_seqs, plan.decode_ctx, pad_to
+        )
+
+    def apply(self, plan: StepPlan) -> None:
+        """A lockstep group's step of this rank ended: its outputs apply (no next step here)."""
+        self._stepping = True
+        if plan.chunks:
+            self._apply_mixed(plan)
+        else:
+            self._advance(plan.decode_steps)
         self._stepping = False
-        self._schedule_next()
 
     def _prefill_done(self, seq: Seq) -> None:
         """The last chunk's step also samples the sequence's next token."""
@@ -538,6 +610,55 @@ class Engine:
         if self._free() >= tokens:
             self.cache[key] = tokens
             self.cache_tokens += tokens
+
+
+class LockstepGroup:
+    """The data-parallel ranks of a mixture-of-experts model, stepping together.
+
+    Every MoE layer gathers the tokens of all ranks (the experts are split over them, or sharded
+    across the data-parallel group), so vLLM runs each forward pass on every rank at once: a rank
+    pads its batch to the largest rank's tokens, and one with nothing to do runs a dummy batch
+    while any other has work. Each rank keeps its own queue and its own scheduler (vLLM's
+    data-parallel engines behind one load balancer); a step ends on all of them when the slowest
+    is done, so one rank's prefill chunk holds up the other's decodes, and the padded tokens pay
+    for the experts' all-gather too (`RolloutCostModel.step_time(..., pad_to)`)."""
+
+    def __init__(self, kernel: Kernel, engines: list[Engine]):
+        self.k, self.engines = kernel, engines
+        self.busy = self.stepping = False
+        self.steps = 0
+        for e in engines:
+            e.group = self
+            e.max_segment_steps = 1  # decode segments would let the ranks drift apart
+
+    def poke(self) -> None:
+        """Start the group's next step, unless one is running or being applied. A rank that was
+        interrupted during the step aborts now; a paused rank plans nothing (others go on)."""
+        if self.busy or self.stepping:
+            return
+        for e in self.engines:
+            e._abort_pending()
+        plans = [StepPlan() if e.paused else e.schedule() for e in self.engines]
+        if all(p.empty for p in plans):
+            return
+        pad = max(max(1, p.prefill_tokens + p.decode_seqs) for p in plans)
+        dt = max(e.step_seconds(p, pad) for e, p in zip(self.engines, plans, strict=True))
+        for e, p in zip(self.engines, plans, strict=True):
+            if not p.empty:
+                e.busy_s += dt
+                if e.tracer is not None:
+                    e.tracer.engine_span(e, self.k.now, self.k.now + dt, p.decode_seqs, p.prefill_tokens)
+        self.busy = True
+        self.steps += 1
+        self.k.after(dt, self._end, plans)
+
+    def _end(self, plans: list[StepPlan]) -> None:
+        self.busy, self.stepping = False, True
+        for e, p in zip(self.engines, plans, strict=True):
+            if not p.empty:
+                e.apply(p)
+        self.stepping = False
+        self.poke()
 
 
 def _order_of(seq: Seq) -> int:

@@ -1,46 +1,31 @@
-"""Model presets and the engine's configuration.
+"""The engine's configuration.
 
-Presets are a registry of named shapes (`tiny`, `small`) so that a command line, a test and a
-checkpoint agree on a model by one short name. `EngineConfig` is validated when it is built, so a
-bad value fails at start-up with one line naming the field, never mid-run.
+`EngineConfig` is validated when it is built, so a bad value fails at start-up with one line naming
+the field, never mid-run. Its `model` is a preset, a packaged model, a Hugging Face directory or a
+GGUF file (`sources.resolve`), whose shape sizes the KV cache.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    AfterValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from libra.runtime.engine.tokenizer import VOCAB_SIZE
+from libra.core.errors import ConfigError
+from libra.runtime.engine.presets import PRESETS, ModelPreset
+from libra.runtime.engine.sources import ModelSource, resolve
+from libra.runtime.http_limits import HttpLimitFields, RequestCapFields
 
-
-@dataclass(frozen=True, slots=True)
-class ModelPreset:
-    name: str
-    n_layers: int
-    d_model: int
-    n_heads: int
-    d_ff: int
-    max_model_len: int
-    vocab_size: int = VOCAB_SIZE
-    rope_theta: float = 10000.0
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
-        return 2 * self.n_layers * self.d_model * dtype_bytes
-
-
-# `tiny` is what CI and the gateway tests run: a few hundred thousand parameters, thousands of
-# tokens per second on one CPU core. `small` is for eyeballing batching effects with more compute.
-PRESETS: dict[str, ModelPreset] = {
-    "tiny": ModelPreset("tiny", n_layers=2, d_model=128, n_heads=4, d_ff=384, max_model_len=8192),
-    "small": ModelPreset("small", n_layers=4, d_model=256, n_heads=8, d_ff=768, max_model_len=8192),
-}
+__all__ = ["PRESETS", "EngineConfig", "ModelPreset"]
 
 
 def _visible(v: str) -> str:
@@ -52,8 +37,9 @@ def _visible(v: str) -> str:
 Visible = Annotated[str, AfterValidator(_visible)]
 
 
-class EngineConfig(BaseModel):
-    """Everything `libra serve engine` can be told. Field names match the CLI options."""
+class EngineConfig(HttpLimitFields, RequestCapFields):
+    """Everything `libra serve engine` can be told. Field names match the CLI options (the
+    connection limits and request caps are `http_limits`' fields, shared with the gateway)."""
 
     model_config = ConfigDict(allow_inf_nan=False, extra="forbid", frozen=True)
 
@@ -80,13 +66,12 @@ class EngineConfig(BaseModel):
     # When set, every step's composition and CPU seconds are appended to this JSONL file (the
     # serving profile of `libra costmodel profile --model builtin-M --device cpu`).
     step_log: str | None = None
-
-    @field_validator("model")
-    @classmethod
-    def _known_model(cls, v: str) -> str:
-        if v not in PRESETS:
-            raise ValueError("one of: " + ", ".join(sorted(PRESETS)))
-        return v
+    # A real checkpoint's context is often longer than a CPU's KV cache holds: this caps it.
+    max_model_len: int | None = Field(None, ge=16)
+    # One code path for both: the model, the KV cache and the step's tensors live on `device`.
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$")
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    _source: ModelSource = PrivateAttr()
 
     @field_validator("max_num_batched_tokens")
     @classmethod
@@ -98,33 +83,54 @@ class EngineConfig(BaseModel):
             raise ValueError(f"at least max_num_seqs ({seqs})")
         return v
 
-    @field_validator("kv_cache_mb")
-    @classmethod
-    def _holds_one_full_sequence(cls, v: int, info: ValidationInfo) -> int:
-        # One block is the zero "null" block, and a sequence at max_model_len must fit, otherwise
-        # preemption could never make room for it.
-        preset, bs = PRESETS.get(info.data.get("model", "")), info.data.get("block_size")
-        if preset is None or bs is None:
-            return v
-        need = (-(-preset.max_model_len // bs) + 1) * bs * preset.kv_bytes_per_token()
-        if v * 2**20 < need:
-            raise ValueError(f"at least {-(-need // 2**20)} MiB for model {preset.name!r}")
+    @model_validator(mode="after")
+    def _resolve_and_fit(self) -> EngineConfig:
+        # The model's shape comes from its checkpoint (or preset); one block is the zero "null"
+        # block, and a sequence at max_model_len must fit, otherwise preemption could never make
+        # room for it.
+        self._source = resolve(self.model, self.max_model_len)
+        spec = self._source.spec
+        need = (-(-spec.max_model_len // self.block_size) + 1) * self.block_size * spec.kv_bytes_per_token(self.dtype_bytes)  # fmt: skip
+        if self.kv_cache_mb * 2**20 < need:
+            more = (
+                ""
+                if self._source.builtin
+                else f" at a context of {spec.max_model_len} tokens (or a smaller max_model_len)"
+            )
+            raise ConfigError("kv_cache_mb", self.kv_cache_mb, f"at least {-(-need // 2**20)} MiB for model {self.model!r}{more}")  # fmt: skip
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
-        if v > ram:  # the cache is allocated at start: more than the machine has would never start
-            raise ValueError(f"at most this machine's memory ({ram} MiB)")
-        return v
+        if (
+            self.kv_cache_mb > ram
+        ):  # the cache is allocated at start: more than the machine has would never start
+            raise ConfigError("kv_cache_mb", self.kv_cache_mb, f"at most this machine's memory ({ram} MiB)")
+        return self
+
+    @property
+    def source(self) -> ModelSource:
+        return self._source
 
     @property
     def preset(self) -> ModelPreset:
-        return PRESETS[self.model]
+        return self._source.spec
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 2 if self.torch_dtype == "bfloat16" else 4
+
+    @property
+    def torch_dtype(self) -> str:
+        """The weights' and KV cache's dtype: float32 on CPU, bfloat16 on CUDA unless told."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"
 
     @property
     def served_name(self) -> str:
-        return self.name or self.model
+        return self.name or (self.model if self._source.kind != "hf" else self._source.path.name)
 
     def blocks_per_seq(self) -> int:
         return -(-self.preset.max_model_len // self.block_size)
 
     def num_blocks(self) -> int:
-        per_block = self.block_size * self.preset.kv_bytes_per_token()
+        per_block = self.block_size * self.preset.kv_bytes_per_token(self.dtype_bytes)
         return self.kv_cache_mb * 2**20 // per_block

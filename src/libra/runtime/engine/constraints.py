@@ -72,6 +72,29 @@ class Constraint(Protocol):
     def done(self) -> bool: ...
 
 
+class FreeText:
+    """A tokenizer's vocabulary: every token may come next (`None`: no mask), except the end
+    tokens under `ignore_eos`; `done` once an end token is taken."""
+
+    __slots__ = ("done", "_allowed", "_ends")
+
+    def __init__(self, codec, allow_end: bool = True) -> None:
+        self.done, self._ends = False, codec.end_ids
+        self._allowed = None if allow_end else _all_but(codec.vocab_size, codec.end_ids)
+
+    def allowed(self, budget: int) -> frozenset[int] | None:
+        return self._allowed
+
+    def advance(self, token: int) -> None:
+        if token in self._ends:
+            self.done = True
+
+
+@lru_cache(maxsize=8)
+def _all_but(vocab_size: int, banned: frozenset[int]) -> frozenset[int]:
+    return frozenset(range(vocab_size)) - banned
+
+
 class Utf8Text:
     """Printable valid UTF-8 or the end token; `done` once the end token is taken.
 

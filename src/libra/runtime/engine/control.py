@@ -10,13 +10,18 @@ SGLang's endpoints, with SGLang's request shapes and `{"success", "message", ...
   "shapes", "group_name", "weight_version"?}`, `POST /destroy_weights_update_group {"group_name"}`;
 - `GET /get_weight_version`, `POST /update_weight_version {"new_version"}`;
 - `POST /release_memory_occupation`, `POST /resume_memory_occupation` (the KV cache's memory is
-  given back and taken anew; a CPU engine keeps its weights), `GET /is_sleeping`.
+  given back and taken anew; with the tag `weights` the weights are discarded too, and the engine
+  serves nothing until every parameter is loaded again), `GET /is_sleeping`.
+
+`/flush_cache` also answers `GET` (slime sends it that way). `init_weights_update_group` takes an
+optional `timeout_s` (how long the rendezvous waits for every rank; default 300 s).
 
 and vLLM's names for the same operations (its dev-mode endpoints), so a gateway that speaks vLLM's
 dialect to a backend can be tested against this engine: `POST /pause?mode=abort|wait|keep`,
-`POST /resume`, `GET /is_paused`, `POST /reset_prefix_cache`, `POST /sleep?level=1`,
-`POST /wake_up`, `POST /init_weight_transfer_engine {"init_info"}`, `POST /update_weights
-{"update_info"}`.
+`POST /resume`, `GET /is_paused`, `POST /reset_prefix_cache`, `POST /sleep?level=1|2`,
+`POST /wake_up[?tags=weights|kv_cache]`, `POST /init_weight_transfer_engine {"init_info"}`,
+`POST /update_weights {"update_info"}` (packed or not), `GET /get_world_size`, and
+`POST /collective_rpc` with the worker methods SkyRL calls (`collective`).
 
 Every control call changes what the engine serves, so when the engine has an admin token they all
 need `Authorization: Bearer <token>`; generation calls never do. Loading a file and waiting on a
@@ -34,15 +39,22 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from libra.core.errors import ConfigError
+from libra.runtime.engine.collective import Collective
 from libra.runtime.engine.core import ControlError, PauseMode
 from libra.runtime.engine.model import read_checkpoint
 from libra.runtime.engine.protocol import clip, parse
-from libra.runtime.engine.weight_sync import TensorSpec, WeightGroup, dtype_of
+from libra.runtime.engine.weight_sync import PACKED_BUFFER_BYTES, TensorSpec, WeightGroup, dtype_of
 from libra.runtime.openai_errors import ApiError, read_json_object
 
 DEFAULT_GROUP = "weight_update_group"
 # How long joining a group or receiving an update waits for the other ranks.
 GROUP_TIMEOUT_S = 300.0
+# How long reading a weights file may take (a local file takes well under a second; a hung
+# network mount would block the reading thread forever).
+READ_TIMEOUT_S = 120.0
+# How long a control command may wait for the engine thread (a pause in "wait" mode lasts until
+# the requests in flight finish).
+CONTROL_TIMEOUT_S = 900.0
 VLLM_MODES = {"abort": PauseMode.ABORT, "wait": PauseMode.WAIT, "keep": PauseMode.IN_PLACE}
 
 
@@ -73,6 +85,8 @@ class GroupInit(_Body):
     world_size: int = Field(ge=2)
     group_name: str = Field(DEFAULT_GROUP, min_length=1, max_length=256)
     backend: str = "gloo"
+    # Libra's extension: how long the rendezvous waits for every rank before it gives up.
+    timeout_s: float = Field(GROUP_TIMEOUT_S, gt=0, le=3600)
 
 
 class DistUpdate(_Body):
@@ -83,18 +97,29 @@ class DistUpdate(_Body):
     weight_version: str | None = Field(None, min_length=1, max_length=256)
     abort_all_requests: bool = False
     load_format: Literal["auto"] | None = None
+    # vLLM's packed broadcast: the tensors come as uint8 buffers of about this many bytes each.
+    packed: bool = False
+    packed_buffer_size_bytes: int = Field(PACKED_BUFFER_BYTES, ge=1)
 
 
 class GroupName(_Body):
     group_name: str = DEFAULT_GROUP
 
 
+MEMORY_TAGS = ("kv_cache", "weights")
+
+
 class MemoryBody(_Body):
     tags: list[str] | None = None
 
-    def check(self) -> None:
-        if self.tags is not None and set(self.tags) - {"kv_cache"}:
-            raise ConfigError("tags", clip(self.tags), '["kv_cache"] or absent: a CPU engine keeps its weights resident')  # fmt: skip
+    def check(self) -> MemoryBody:
+        if self.tags is not None and set(self.tags) - set(MEMORY_TAGS):
+            raise ConfigError("tags", clip(self.tags), f"a subset of {list(MEMORY_TAGS)}, or absent (the KV cache)")  # fmt: skip
+        return self
+
+    def has(self, tag: str) -> bool:
+        """Absent tags mean the KV cache only: a CPU engine has no device to offload weights from."""
+        return tag == "kv_cache" if self.tags is None else tag in self.tags
 
 
 class VersionBody(_Body):
@@ -109,6 +134,7 @@ def register(app: web.Application, server) -> None:
         ("POST", "/pause_generation", c.pause_generation),
         ("POST", "/continue_generation", c.continue_generation),
         ("POST", "/flush_cache", c.flush_cache),
+        ("GET", "/flush_cache", c.flush_cache),
         ("POST", "/abort_request", c.abort_request),
         ("POST", "/update_weights_from_disk", c.update_from_disk),
         ("POST", "/init_weights_update_group", c.init_group),
@@ -128,6 +154,8 @@ def register(app: web.Application, server) -> None:
         ("POST", "/update_weights", c.vllm_update),
         ("POST", "/sleep", c.vllm_sleep),
         ("POST", "/wake_up", c.vllm_wake_up),
+        ("GET", "/get_world_size", c.world_size),
+        ("POST", "/collective_rpc", Collective(c).call),
     ]
     for method, path, fn in routes:
         app.router.add_route(method, path, c.guard(fn))
@@ -136,6 +164,15 @@ def register(app: web.Application, server) -> None:
 def close_groups(server) -> None:
     for group in getattr(server, "weight_groups", {}).values():
         group.close()
+
+
+async def _within(aw, seconds: float, what: str):
+    """`aw`, or a ControlError naming what did not finish within `seconds` (the thread it ran in
+    may stay blocked, but the call is answered and the engine keeps serving)."""
+    try:
+        return await asyncio.wait_for(aw, seconds)
+    except TimeoutError:
+        raise ControlError(f"{what} did not finish within {seconds:g} s") from None
 
 
 def _ok(message: str, **more) -> web.Response:
@@ -182,7 +219,21 @@ class Control:
         return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
 
     async def _run(self, kind: str, arg: object = None) -> dict:
-        return await asyncio.wrap_future(self.core.control(kind, arg))
+        """A command carried out by the engine thread between two steps; an error, not a wait
+        forever, when that thread has stopped or does not get to it (a pause that waits for
+        requests to finish takes as long as they do: CONTROL_TIMEOUT_S bounds it)."""
+        fut = asyncio.wrap_future(self.core.control(kind, arg))
+        deadline = asyncio.get_running_loop().time() + CONTROL_TIMEOUT_S
+        while True:
+            done, _ = await asyncio.wait({fut}, timeout=1.0)
+            if done:
+                return fut.result()
+            if not self.core.alive:
+                fut.cancel()
+                raise ApiError(503, f"the engine thread has stopped; {kind!r} was not carried out (see the engine log)")  # fmt: skip
+            if asyncio.get_running_loop().time() > deadline:
+                fut.cancel()
+                raise ControlError(f"the engine thread did not carry out {kind!r} within {CONTROL_TIMEOUT_S:g} s")  # fmt: skip
 
     # ---- pause, continue, abort, flush -----------------------------------------------------------
 
@@ -209,7 +260,8 @@ class Control:
     async def update_from_disk(self, request: web.Request) -> web.Response:
         req = parse(DiskUpdate, await _body(request))
         held = self.core.num_running + self.core.num_waiting if self.core.paused else 0
-        tensors = await asyncio.to_thread(read_checkpoint, self.server.model, req.model_path, "model_path")
+        read = asyncio.to_thread(read_checkpoint, self.server.model, req.model_path, "model_path")
+        tensors = await _within(read, READ_TIMEOUT_S, f"reading model_path {clip(req.model_path)!r}")
         out = await self._run("weights", (tensors, req.weight_version, req.abort_all_requests))
         return _ok(f"loaded {len(tensors)} tensors from {req.model_path}", num_paused_requests=held, **out)
 
@@ -229,7 +281,7 @@ class Control:
         self._joining.add(name)
         try:
             self.groups[name] = await asyncio.to_thread(
-                WeightGroup, req.master_address, req.master_port, req.rank_offset, req.world_size, name, GROUP_TIMEOUT_S
+                WeightGroup, req.master_address, req.master_port, req.rank_offset, req.world_size, name, req.timeout_s
             )  # fmt: skip
         except Exception as e:  # the store or the rendezvous failed: say so, keep serving
             raise ControlError(f"could not join group {name!r} at {req.master_address}:{req.master_port}: {type(e).__name__}: {str(e)[:200]}") from None  # fmt: skip
@@ -253,7 +305,12 @@ class Control:
     async def _receive(self, group: WeightGroup, specs: list[TensorSpec], req: DistUpdate) -> dict:
         async with self._locks.setdefault(group.name, asyncio.Lock()):  # broadcasts are ordered
             try:
-                tensors = await asyncio.to_thread(group.receive, specs)
+                if req.packed:
+                    tensors = await asyncio.to_thread(
+                        group.receive_packed, specs, req.packed_buffer_size_bytes
+                    )
+                else:
+                    tensors = await asyncio.to_thread(group.receive, specs)
             except Exception as e:
                 raise ControlError(f"receiving over {group.name!r} failed: {type(e).__name__}: {str(e)[:200]}") from None  # fmt: skip
         return await self._run("weights", (tensors, req.weight_version, req.abort_all_requests))
@@ -295,11 +352,14 @@ class Control:
     # ---- memory ----------------------------------------------------------------------------------------
 
     async def release_memory(self, request: web.Request) -> web.Response:
-        parse(MemoryBody, await _body(request)).check()
-        return _ok("KV cache released", **await self._run("release_memory"))
+        tags = parse(MemoryBody, await _body(request)).check()
+        out = await self._run("release_memory", tags.has("weights"))
+        return _ok(f"released {', '.join(out['released'])}", **out)
 
     async def resume_memory(self, request: web.Request) -> web.Response:
-        parse(MemoryBody, await _body(request)).check()
+        tags = parse(MemoryBody, await _body(request)).check()
+        if not tags.has("kv_cache"):  # weights only: they come back with the next update
+            return _ok("nothing to restore: discarded weights come back with the next update", weights_discarded=bool(self.core.discarded))  # fmt: skip
         return _ok("KV cache restored", **await self._run("resume_memory"))
 
     async def is_sleeping(self, request: web.Request) -> web.Response:
@@ -323,19 +383,23 @@ class Control:
         return web.json_response({"is_paused": self.core.paused is not None})
 
     async def vllm_sleep(self, request: web.Request) -> web.Response:
+        """vLLM's levels: 1 gives the KV cache back, 2 discards the weights too (until an update)."""
         level = request.query.get("level", "1")
-        if level != "1":
-            raise ConfigError(
-                "level", clip(level), "1 (level 2 discards the weights; a CPU engine keeps them)"
-            )
-        await self._run("release_memory")
+        if level not in ("1", "2"):
+            raise ConfigError("level", clip(level), "1 (the KV cache) or 2 (the KV cache and the weights)")
+        MemoryBody(tags=request.query.getall("tags", None)).check()
+        await self._run("release_memory", level == "2")
         return web.json_response({})
 
     async def vllm_wake_up(self, request: web.Request) -> web.Response:
-        tags = request.query.getall("tags", None)
-        MemoryBody(tags=tags).check()
-        await self._run("resume_memory")
+        tags = MemoryBody(tags=request.query.getall("tags", None)).check()
+        if tags.tags is None or tags.has("kv_cache"):
+            await self._run("resume_memory")
         return web.json_response({})
+
+    async def world_size(self, request: web.Request) -> web.Response:
+        """vLLM's /get_world_size: the ranks this engine takes in a weight-update group (one)."""
+        return web.json_response({"world_size": 1})
 
     async def vllm_init(self, request: web.Request) -> web.Response:
         info = (await _body(request)).get("init_info")
@@ -348,6 +412,12 @@ class Control:
         info = (await _body(request)).get("update_info")
         if not isinstance(info, dict):
             raise ConfigError("update_info", clip(info), "an object: names, dtype_names, shapes")
-        req = parse(DistUpdate, {**info, "dtypes": info.get("dtype_names")}, "update_info")
-        await self._receive(self._group(req.group_name), self._specs(req.names, req.dtypes, req.shapes), req)
+        await self.update_from_info(info, "update_info")
         return web.json_response({"message": "Weights updated"})
+
+    async def update_from_info(self, info: dict, field: str) -> dict:
+        """vLLM's `update_info` (names, dtype_names, shapes, packed, ...) received over the group."""
+        req = parse(DistUpdate, {**info, "dtypes": info.get("dtype_names")}, field)
+        return await self._receive(
+            self._group(req.group_name), self._specs(req.names, req.dtypes, req.shapes), req
+        )

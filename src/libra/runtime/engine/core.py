@@ -18,6 +18,12 @@ between); `wait` lets everything already submitted finish. Requests that arrive 
 held and join at continue. New weights are copied into the live model between two steps, and
 every sampled token is tagged with the weight version that produced it.
 
+Sleeping follows vLLM's levels: level 1 gives the KV cache back (a CPU engine has no device to
+offload its weights from, so they stay); level 2 also discards the weights (zeroed in place: their
+memory stays allocated, their values are gone). After a level-2 sleep the engine runs nothing,
+awake or not, until every parameter has been loaded again: requests are held, never served by
+discarded weights.
+
 A step that raises (a bug, or memory) fails every in-flight sequence with an error event instead
 of killing the thread, so clients get a 500 rather than a request that never answers; and if the
 thread does die, `/health` says so (503) so that a gateway stops sending it work.
@@ -41,7 +47,6 @@ from torch import Tensor
 from libra.runtime.engine.config import EngineConfig
 from libra.runtime.engine.kv_cache import BlockAllocator, KVCache
 from libra.runtime.engine.metrics import EngineMetrics
-from libra.runtime.engine.model import TinyTransformer
 from libra.runtime.engine.runner import ModelRunner
 from libra.runtime.engine.scheduler import Scheduler, StepPlan
 from libra.runtime.engine.sequence import FinishReason, SeqEvent, SeqStatus, Sequence
@@ -82,10 +87,13 @@ class ControlError(Exception):
 
 
 class EngineCore:
-    def __init__(self, cfg: EngineConfig, model: TinyTransformer, publish: Publish, metrics: EngineMetrics | None = None):  # fmt: skip
+    def __init__(self, cfg: EngineConfig, model: torch.nn.Module, publish: Publish, metrics: EngineMetrics | None = None):  # fmt: skip
+        """`model` is the built-in `TinyTransformer` or a checkpoint's `LlamaFamily`: both step
+        through `forward(StepBatch, KVCache)` (`runner`), so nothing here depends on which."""
         self.cfg, self.publish, self.metrics = cfg, publish, metrics or EngineMetrics()
         self.alloc = BlockAllocator(cfg.num_blocks(), cfg.block_size)
-        self.cache = KVCache(cfg.preset, cfg.num_blocks(), cfg.block_size)
+        dtype = next(model.parameters()).dtype
+        self.cache = KVCache(cfg.preset, cfg.num_blocks(), cfg.block_size, dtype, cfg.device)
         self.sched = Scheduler(self.alloc, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefill_chunk)
         self.runner = ModelRunner(model, self.cache, cfg.max_num_seqs, cfg.blocks_per_seq())
         self.model = model
@@ -97,6 +105,7 @@ class EngineCore:
         self.paused: PauseMode | None = None
         self._held: dict[Sequence, None] = {}  # submitted while paused (in order): join at continue
         self._drained: list[Future] = []  # `wait` pauses that answer once what ran has finished
+        self.discarded: set[str] = set()  # parameters a level-2 sleep zeroed and no update rewrote yet
         # `--step-log`: written by the engine thread only, after each step's CPU is read.
         self._step_log = open(cfg.step_log, "a", buffering=1, encoding="utf-8") if cfg.step_log else None  # noqa: SIM115
 
@@ -152,7 +161,7 @@ class EngineCore:
     def can_step(self) -> bool:
         """Not paused, or pausing with `wait` while what was submitted before still runs; and the
         KV cache is there."""
-        if self.cache.released:
+        if self.cache.released or self.discarded:
             return False
         return self.paused is None or (self.paused == PauseMode.WAIT and self.sched.has_work)
 
@@ -195,7 +204,7 @@ class EngineCore:
         if kind == "add":
             for seq in arg:
                 self._live.setdefault(seq.rid, []).append(seq)
-                if self.paused or self.sleeping:
+                if self.paused or self.sleeping or self.discarded:
                     self._held[seq] = None
                 else:
                     self.sched.add(seq)
@@ -259,29 +268,40 @@ class EngineCore:
         return {"resumed": True, "was": was.value if was else None, "released": released}
 
     def _release_held(self) -> int:
-        """Held requests join the scheduler, unless the cache is still given back."""
-        if self.sleeping:
+        """Held requests join the scheduler, unless the cache is still given back or the weights
+        are still discarded."""
+        if self.sleeping or self.discarded:
             return 0
         for seq in self._held:
             self.sched.add(seq)
         released, self._held = len(self._held), {}
         return released
 
-    def _do_release_memory(self, _arg) -> dict:
-        """Give the KV cache's memory back (vLLM's sleep); requests that arrive meanwhile are held."""
+    def _do_release_memory(self, discard_weights: bool = False) -> dict:
+        """Give the KV cache's memory back (vLLM's sleep); requests that arrive meanwhile are held.
+        `discard_weights` (level 2): the weights go too, until every parameter is loaded again."""
         live = sum(1 for group in self._live.values() for s in group if s.status != SeqStatus.FINISHED)
         if live:
             raise ControlError(f"{live} requests are in flight or held; let them finish or pause with mode abort first")  # fmt: skip
-        if self.sleeping:
-            return {"released": ["kv_cache"], "freed_mb": 0}
-        freed = self.cache.release()
-        return {"released": ["kv_cache"], "freed_mb": round(freed / 2**20, 1)}
+        released = ["kv_cache", "weights"] if discard_weights else ["kv_cache"]
+        if discard_weights:
+            with torch.no_grad():
+                for name, param in self.model.named_parameters():
+                    param.zero_()
+                    self.discarded.add(name)
+        freed = 0 if self.sleeping else self.cache.release()
+        return {
+            "released": released,
+            "freed_mb": round(freed / 2**20, 1),
+            "weights_discarded": bool(self.discarded),
+        }
 
     def _do_resume_memory(self, _arg) -> dict:
         if self.sleeping:
             self.cache.restore()
             self.runner.forget_blocks()
-        return {"resumed": ["kv_cache"], "released": self._release_held() if self.paused is None else 0}
+        released = self._release_held() if self.paused is None else 0
+        return {"resumed": ["kv_cache"], "released": released, "weights_discarded": bool(self.discarded)}
 
     def _do_abort_requests(self, rid: str | None) -> dict:
         """SGLang's /abort_request: one request (by id) or all, answered with what they have."""
@@ -303,13 +323,22 @@ class EngineCore:
         """Copy new weights into the live model between two steps; optionally abort first."""
         tensors, version, abort_first = arg
         aborted = self._abort_all("aborted for a weight update") if abort_first else 0
-        params = self.model.state_dict()
-        with torch.no_grad():
-            for name, t in tensors.items():
-                params[name].copy_(t)
+        if "lora.scale" in tensors:  # an adapter: merged onto the kept base weights
+            self.model.apply_adapter(tensors)
+        else:
+            params = self.model.state_dict()
+            with torch.no_grad():
+                for name, t in tensors.items():
+                    params[name].copy_(t)  # cast to the model's dtype and device
         if version is not None:
             self.weight_version = version
-        return {"weight_version": self.weight_version, "updated": len(tensors), "aborted": aborted}
+        out = {"weight_version": self.weight_version, "updated": len(tensors), "aborted": aborted}
+        if self.discarded:
+            self.discarded.difference_update(tensors)
+            out["weights_missing"] = len(self.discarded)
+            if not self.discarded and self.paused is None:
+                out["released"] = self._release_held()
+        return out
 
     def _do_version(self, version: str) -> dict:
         self.weight_version = version

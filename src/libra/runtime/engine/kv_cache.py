@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from libra.runtime.engine.config import ModelPreset
+    from libra.runtime.engine.presets import ModelPreset
 
 NULL_BLOCK = 0
 
@@ -59,20 +59,20 @@ class BlockAllocator:
 
 
 class KVCache:
-    """Keys and values of every layer, [n_layers, num_blocks * block_size, n_heads, head_dim]."""
+    """Keys and values of every layer, [n_layers, num_blocks * block_size, n_kv_heads, head_dim]."""
 
-    __slots__ = ("k", "v", "block_size", "num_blocks", "shape", "dtype")
+    __slots__ = ("k", "v", "block_size", "num_blocks", "shape", "dtype", "device")
 
-    def __init__(self, preset: ModelPreset, num_blocks: int, block_size: int, dtype=torch.float32):
-        self.shape = (preset.n_layers, num_blocks * block_size, preset.n_heads, preset.head_dim)
-        self.block_size, self.num_blocks, self.dtype = block_size, num_blocks, dtype
+    def __init__(self, preset: ModelPreset, num_blocks: int, block_size: int, dtype=torch.float32, device: str = "cpu"):  # fmt: skip
+        self.shape = (preset.n_layers, num_blocks * block_size, preset.n_kv_heads, preset.head_dim)
+        self.block_size, self.num_blocks, self.dtype, self.device = block_size, num_blocks, dtype, device
         self.restore()
 
     def restore(self) -> None:
         """(Re)allocate the tensors. `empty`, not `zeros`: pages are touched only when a block is
         first used, so the resident memory follows the load rather than --kv-cache-mb."""
-        self.k = torch.empty(self.shape, dtype=self.dtype)
-        self.v = torch.empty(self.shape, dtype=self.dtype)
+        self.k = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        self.v = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         self.k[:, : self.block_size].zero_()
         self.v[:, : self.block_size].zero_()
 

@@ -22,6 +22,7 @@ Weights are random (seeded) or loaded from a local `state_dict` file; nothing is
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,8 +31,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from libra.core.errors import ConfigError
-from libra.runtime.engine.config import ModelPreset
 from libra.runtime.engine.kv_cache import KVCache
+from libra.runtime.engine.presets import ModelPreset
+from libra.runtime.regular_file import FileRefused, read_regular
 
 NORM_EPS = 1e-5
 
@@ -112,22 +114,26 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, b: StepBatch, kc: Tensor, vc: Tensor) -> Tensor:
-    """q, k, v: [T, H, D] for this step's tokens; kc, vc: the layer's cache [slots, H, D]."""
+    """q: [T, H, D], k, v: [T, KVH, D] for this step's tokens; kc, vc: the layer's cache
+    [slots, KVH, D]. With fewer KV heads than query heads (grouped-query attention), each KV head
+    serves H / KVH consecutive query heads, as in transformers' `repeat_kv`."""
     out = torch.empty_like(q)
-    nd = b.n_decode
+    nd, gqa = b.n_decode, k.shape[1] != q.shape[1]
     if nd:
         keys, vals = _gather(kc, b.decode_blocks, b.block_size), _gather(vc, b.decode_blocks, b.block_size)
-        o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys, vals, attn_mask=b.decode_mask)
+        o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys.to(q.dtype), vals.to(q.dtype), attn_mask=b.decode_mask, enable_gqa=gqa)  # fmt: skip
         out[:nd] = o.squeeze(2)
     for c in b.prefills:
         rows = slice(c.row0, c.row0 + c.n)
         qs = q[rows].transpose(0, 1).unsqueeze(0)
         if c.blocks is None:  # a fresh prompt: its own keys are the whole context
             ks, vs = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
         else:
             ks, vs = _gather(kc, c.blocks, b.block_size), _gather(vc, c.blocks, b.block_size)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=c.mask)
+            o = F.scaled_dot_product_attention(
+                qs, ks.to(q.dtype), vs.to(q.dtype), attn_mask=c.mask, enable_gqa=gqa
+            )
         out[rows] = o[0].transpose(0, 1)
     return out
 
@@ -240,18 +246,42 @@ def load_checkpoint(model: TinyTransformer, path: str | Path) -> None:
 
 
 def read_checkpoint(model: TinyTransformer, path: str | Path, field: str = "checkpoint") -> dict[str, Tensor]:
-    """The tensors of a `state_dict` file for `model`, checked against its shapes, not loaded:
-    a live engine copies them in between two steps. Errors name `field`."""
+    """The tensors of a `state_dict` file for `model`, checked against its shapes and for
+    non-finite values, not loaded: a live engine copies them in between two steps. Only a regular
+    file is read (a FIFO or a device is refused unopened: `regular_file`). Errors name `field`."""
     try:
-        state = torch.load(Path(path), map_location="cpu", weights_only=True)
-    except (FileNotFoundError, IsADirectoryError):
-        raise ConfigError(field, str(path), "an existing file") from None
-    except Exception as e:  # torch raises many types for a file that is not a checkpoint
-        raise ConfigError(field, str(path), f"a torch state_dict file ({type(e).__name__})") from None
-    if not isinstance(state, dict):
-        raise ConfigError(field, str(path), "a torch state_dict (a mapping of tensors)")
+        raw = read_regular(path)
+    except FileRefused as e:
+        raise ConfigError(field, str(path), f"an existing file, and a regular one ({e})") from None
+    state = parse_state_dict(raw, str(path), field)
+    if "lora.scale" in state and hasattr(model, "check_adapter"):  # a LoRA adapter (train/lora.py)
+        model.check_adapter(state, str(path), field)
+        return state
     _check_shapes(model, state, path, field)
+    bad = first_non_finite(state)
+    if bad is not None:
+        raise ConfigError(field, str(path), f"finite weights ({bad} holds NaN or infinity)")
     return state
+
+
+def parse_state_dict(raw: bytes, where: str, field: str) -> dict:
+    """torch.load of a file's bytes (weights only: no pickled code runs); one clear error for
+    anything torch cannot read, without torch's advice to load untrusted files unsafely."""
+    try:
+        state = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many types for a file that is not a checkpoint
+        raise ConfigError(field, where, f"a torch state_dict file (torch could not read it: {type(e).__name__})") from None  # fmt: skip
+    if not isinstance(state, dict):
+        raise ConfigError(field, where, "a torch state_dict (a mapping of tensors)")
+    return state
+
+
+def first_non_finite(state: dict) -> str | None:
+    """The first tensor of `state` holding NaN or an infinity, or None."""
+    for name, t in state.items():
+        if isinstance(t, Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
 
 
 def _check_shapes(model: TinyTransformer, state: dict, path: str | Path, field: str = "checkpoint") -> None:

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from libra.core.errors import ConfigError
 from libra.runtime.engine.protocol import (
+    CODEC,
     ChoiceState,
     SamplingRequest,
     check_token_ids,
@@ -37,7 +38,6 @@ from libra.runtime.engine.protocol import (
     token_text,
 )
 from libra.runtime.engine.sequence import FinishReason, SamplingParams, TextOutput
-from libra.runtime.engine.tokenizer import render_prompt
 
 # SGLang's default when a request gives no max_new_tokens.
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -47,7 +47,6 @@ NEUTRAL_SAMPLING: dict[str, tuple] = {
     "frequency_penalty": (0, 0.0),
     "presence_penalty": (0, 0.0),
     "repetition_penalty": (1, 1.0),
-    "min_new_tokens": (0,),
     "n": (1,),
     "json_schema": (None,),
     "regex": (None,),
@@ -89,7 +88,7 @@ class GenerateSampling(BaseModel):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    min_new_tokens: int = 0
+    min_new_tokens: int = Field(0, ge=0)
     n: int = 1
     json_schema: object = None
     regex: object = None
@@ -108,7 +107,7 @@ class GenerateSampling(BaseModel):
             "min_p": self.min_p, "logit_bias": self.logit_bias, "stop": self.stop,
             "stop_token_ids": self.stop_token_ids, "include_stop_str_in_output": self.no_stop_trim,
             "skip_special_tokens": self.skip_special_tokens, "ignore_eos": self.ignore_eos,
-            "seed": self.sampling_seed,
+            "seed": self.sampling_seed, "min_tokens": self.min_new_tokens, "max_tokens": self.max_new_tokens,
         }  # fmt: skip
         return parse(SamplingRequest, data, "sampling_params")
 
@@ -165,7 +164,7 @@ class GenerateRequest(BaseModel):
         if self.input_ids is not None:
             return [list(p) for p in self.input_ids] if self.batched else [list(self.input_ids)]
         texts = self.text if isinstance(self.text, list) else [self.text]
-        return [render_prompt(t) for t in texts]
+        return [CODEC.get().prompt(t) for t in texts]
 
     def params(self, seed: int) -> SamplingParams:
         sp = self.sampling_params

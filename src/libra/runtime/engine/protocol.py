@@ -9,7 +9,8 @@ servers do, but a known option the engine cannot honour (penalties, `echo`, `bes
 vLLM's extensions that RL trainers use are honoured: `return_token_ids` (the prompt's and each
 choice's token ids), `return_tokens_as_token_ids` (logprob tokens written `token_id:N`), token-id
 prompts on /v1/completions, `top_k`, `min_p`, `logit_bias`, `stop_token_ids`,
-`include_stop_str_in_output`, `skip_special_tokens` and `ignore_eos`. Every response also carries
+`include_stop_str_in_output`, `skip_special_tokens`, `ignore_eos` and `min_tokens` (no end token,
+stop token or stop string before that many tokens; SkyRL sends 1 by default). Every response also carries
 the `weight_version` that produced it (SGLang's name), and the version of each token when a
 request spanned a weight update.
 
@@ -19,6 +20,7 @@ accumulators that turn a sequence's events into a `choices[i]` entry.
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
@@ -33,12 +35,21 @@ from pydantic import (
 )
 
 from libra.core.errors import ConfigError
+from libra.runtime.engine.codec import BYTES, Codec
 from libra.runtime.engine.sequence import SamplingParams, SeqEvent, TextOutput, TokenLogprob
-from libra.runtime.engine.tokenizer import NUM_BYTES, SPECIAL_TEXT, VOCAB_SIZE, ChatMessage, ToolCallText
+from libra.runtime.engine.tokenizer import ChatMessage, ToolCallText
 
 TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"
-TOKEN_IDS = f"token ids from 0 to {VOCAB_SIZE - 1}"
 MAX_ECHO = 60  # characters of a bad value an error repeats
+# The codec of the engine serving the request being handled: its vocabulary bounds token ids, and
+# it writes logprob tokens and texts. The server sets it for each request's task (a ContextVar, so
+# engines of different models in one process never see each other's); the default is the built-in.
+CODEC: ContextVar[Codec] = ContextVar("libra_engine_codec", default=BYTES)
+
+
+def token_ids_rule() -> str:
+    return f"token ids from 0 to {CODEC.get().vocab_size - 1}"
+
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -72,9 +83,9 @@ def parse(model: type[M], data: dict, prefix: str = "") -> M:
 
 def check_token_ids(ids: list[int]) -> list[int]:
     if not ids:
-        raise ValueError(f"a non-empty list of {TOKEN_IDS}")
-    if min(ids) < 0 or max(ids) >= VOCAB_SIZE:
-        raise ValueError(TOKEN_IDS)
+        raise ValueError(f"a non-empty list of {token_ids_rule()}")
+    if min(ids) < 0 or max(ids) >= CODEC.get().vocab_size:
+        raise ValueError(token_ids_rule())
     return ids
 
 
@@ -151,7 +162,6 @@ NEUTRAL: dict[str, tuple] = {
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),
-    "min_tokens": (None, 0),
     "prompt_logprobs": (None,),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -181,7 +191,7 @@ class SamplingRequest(_Model):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, le=VOCAB_SIZE)
+    top_k: int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     logit_bias: dict[str, float] | None = None
     n: int = Field(1, ge=1, le=16)
@@ -200,7 +210,7 @@ class SamplingRequest(_Model):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    min_tokens: int | None = Field(None, ge=0)
     prompt_logprobs: int | None = None
     echo: bool | None = None
     suffix: str | None = None
@@ -216,6 +226,14 @@ class SamplingRequest(_Model):
     @classmethod
     def _refused(cls, v: object, info: ValidationInfo) -> object:
         return refuse_unless_neutral(v, info, NEUTRAL)
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_within_max(cls, v: int | None, info: ValidationInfo) -> int | None:
+        most = info.data.get("max_tokens")
+        if v and most is not None and v > most:
+            raise ValueError(f"at most max_tokens ({most})")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -233,8 +251,8 @@ class SamplingRequest(_Model):
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not key.isdigit() or int(key) >= VOCAB_SIZE or not -100 <= bias <= 100:
-                raise ValueError(f"a mapping of {TOKEN_IDS} (as strings) to biases from -100 to 100")
+            if not key.isdigit() or int(key) >= CODEC.get().vocab_size or not -100 <= bias <= 100:
+                raise ValueError(f"a mapping of {token_ids_rule()} (as strings) to biases from -100 to 100")
         return v
 
     @field_validator("response_format")
@@ -247,6 +265,13 @@ class SamplingRequest(_Model):
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v > CODEC.get().vocab_size:
+            raise ValueError(f"at most the vocabulary size ({CODEC.get().vocab_size}); 0 or -1: off")
+        return v
+
     def params(self, max_tokens: int, seed: int, logprobs: bool, top: int) -> SamplingParams:
         bias = tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items())
         return SamplingParams(max_tokens, self.temperature, self.top_p, self.stops(), seed, logprobs, top,
@@ -254,7 +279,8 @@ class SamplingRequest(_Model):
 
     def text_output(self) -> TextOutput:
         return TextOutput(self.stops(), self.ignore_eos, frozenset(self.stop_token_ids or ()),
-                          self.include_stop_str_in_output, not self.skip_special_tokens)  # fmt: skip
+                          self.include_stop_str_in_output, not self.skip_special_tokens, self.min_tokens or 0,
+                          codec=CODEC.get())  # fmt: skip
 
 
 class ChatRequest(SamplingRequest):
@@ -369,11 +395,14 @@ class ReplyOptions:
 
 
 def token_text(token: int, as_ids: bool = False) -> tuple[str, list[int]]:
+    """A token as logprobs show it: its text and its bytes (a special token by its name)."""
     if as_ids:  # vLLM's return_tokens_as_token_ids: unambiguous even for partial UTF-8 bytes
         return f"token_id:{token}", list(f"token_id:{token}".encode())
-    if token < NUM_BYTES:
-        return bytes((token,)).decode("utf-8", errors="replace"), [token]
-    text = SPECIAL_TEXT.get(token, f"<|unused{token}|>")
+    codec = CODEC.get()
+    if not codec.is_special(token):
+        raw = codec.token_bytes(token)
+        return raw.decode("utf-8", errors="replace"), list(raw)
+    text = codec.label(token)
     return text, list(text.encode())
 
 
@@ -401,8 +430,10 @@ class ChoiceState:
     matched: int | str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    raw: str | None = None
 
     def add(self, ev: SeqEvent) -> None:
+        self.raw = ev.raw or self.raw
         self.text.append(ev.text)
         self.call = self.call or ev.tool_call
         self.args.append(ev.tool_args)
@@ -414,9 +445,12 @@ class ChoiceState:
             self.prompt_tokens, self.completion_tokens = ev.prompt_tokens, ev.completion_tokens
 
     def message(self) -> dict:
-        msg: dict = {"role": "assistant", "content": "".join(self.text) if not self.call else None}
+        text = "".join(self.text)
+        msg: dict = {"role": "assistant", "content": (text or None) if self.call else text}
         if self.call:
             msg["tool_calls"] = [tool_call(self.call, "".join(self.args))]
+        if self.raw is not None:  # Libra's: a Hermes call's text as the model wrote it
+            msg["raw_content"] = self.raw
         return msg
 
     def ids_fields(self, opts: ReplyOptions) -> dict:

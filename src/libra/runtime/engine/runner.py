@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from libra.runtime.engine.kv_cache import NULL_BLOCK, KVCache
-from libra.runtime.engine.model import PrefillChunk, StepBatch, TinyTransformer
+from libra.runtime.engine.model import PrefillChunk, StepBatch
 from libra.runtime.engine.scheduler import Chunk, StepPlan
 from libra.runtime.engine.sequence import Sequence, TokenLogprob
 
@@ -31,13 +31,16 @@ class MaskTable:
         self._ids: OrderedDict[frozenset[int], int] = OrderedDict()
         self._rows = torch.zeros(64, vocab_size, dtype=torch.bool)
 
-    def rows(self, sets: Seq[frozenset[int]]) -> Tensor:
+    def rows(self, sets: Seq[frozenset[int] | None]) -> Tensor | None:
+        """One mask row per set (None: every token), or None when no row masks anything."""
+        if all(s is None for s in sets):
+            return None
         if len(self._ids) + len(sets) > self.capacity:  # tool names vary by request: bound growth
             self._ids.clear()
         ids = [self._id(s) for s in sets]
         return self._rows[torch.tensor(ids, dtype=torch.long)]
 
-    def _id(self, s: frozenset[int]) -> int:
+    def _id(self, s: frozenset[int] | None) -> int:
         i = self._ids.get(s)
         if i is None:
             i = self._ids[s] = len(self._ids)
@@ -45,8 +48,11 @@ class MaskTable:
                 grown = torch.zeros(2 * self._rows.shape[0], self.vocab_size, dtype=torch.bool)
                 grown[: self._rows.shape[0]] = self._rows
                 self._rows = grown
-            self._rows[i].zero_()
-            self._rows[i, list(s)] = True
+            if s is None:
+                self._rows[i].fill_(True)
+            else:
+                self._rows[i].zero_()
+                self._rows[i, list(s)] = True
         return i
 
 
@@ -58,9 +64,12 @@ SAMPLING_EPS = 1e-5
 def sample(
     logits: Tensor, seqs: Seq[Sequence], masks: MaskTable
 ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """One token per row of `logits` [S, V], under each sequence's constraint and parameters."""
+    """One token per row of `logits` [S, V], under each sequence's constraint and parameters.
+    Sampling runs on the CPU in float32 whatever device and dtype the model ran in."""
+    logits = logits.float().cpu()
     allowed = masks.rows([s.allowed() for s in seqs])
-    masked = _biased(logits.masked_fill(~allowed, float("-inf")), seqs)
+    masked = logits.clone() if allowed is None else logits.masked_fill(~allowed, float("-inf"))
+    masked = _biased(masked, seqs)
     picked = masked.argmax(dim=-1)
     random_rows = [i for i, s in enumerate(seqs) if s.params.temperature >= SAMPLING_EPS]
     if random_rows:
@@ -125,9 +134,22 @@ def _logprobs(logits: Tensor, tokens: list[int], seqs: Seq[Sequence]) -> list[To
     return out
 
 
+def _to_device(b: StepBatch, device: str) -> StepBatch:
+    """The step's index tensors on the model's device (CUDA): one code path, moved at the end."""
+    move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+    out = StepBatch(move(b.tokens), move(b.prev_tokens), move(b.positions), move(b.slots), b.n_decode,
+                    move(b.decode_blocks), move(b.decode_mask), block_size=b.block_size)  # fmt: skip
+    out.prefills = [PrefillChunk(c.row0, c.n, c.pos0, move(c.blocks), move(c.mask)) for c in b.prefills]
+    out.sample_rows = move(b.sample_rows)
+    return out
+
+
 class ModelRunner:
-    def __init__(self, model: TinyTransformer, cache: KVCache, max_rows: int, blocks_per_seq: int):
+    def __init__(self, model, cache: KVCache, max_rows: int, blocks_per_seq: int):
+        """`model`: the built-in `TinyTransformer` or a checkpoint's `LlamaFamily` (the same
+        `forward(StepBatch, KVCache)`); the step's tensors go to the cache's device."""
         self.model, self.cache, self.bs = model, cache, cache.block_size
+        self.device = cache.device
         self.table = torch.full((max_rows, blocks_per_seq), NULL_BLOCK, dtype=torch.long)
         self.masks = MaskTable(model.preset.vocab_size)
         self._ar = torch.arange(max(blocks_per_seq * self.bs, 1))
@@ -164,7 +186,7 @@ class ModelRunner:
         )
         batch.prefills = self._prefill_chunks(plan.prefills, nd)
         batch.sample_rows = torch.tensor(sample_rows, dtype=torch.long)
-        return batch, sampling
+        return (batch if self.device == "cpu" else _to_device(batch, self.device)), sampling
 
     def _sync_block_tables(self, chunks: list[Chunk]) -> None:
         for c in chunks:

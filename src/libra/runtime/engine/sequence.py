@@ -14,9 +14,10 @@ import random
 import secrets
 from dataclasses import dataclass, field
 from enum import IntEnum
+from functools import lru_cache
 
-from libra.runtime.engine.constraints import END, ToolCallGrammar, Utf8Text
-from libra.runtime.engine.tokenizer import NUM_BYTES, SPECIAL_TEXT
+from libra.runtime.engine.codec import BYTES, Codec, parse_hermes
+from libra.runtime.engine.constraints import FreeText, ToolCallGrammar, Utf8Text, _all_but
 
 
 class SeqStatus(IntEnum):
@@ -69,22 +70,72 @@ class SeqEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    raw: str | None = None  # a Hermes tool-call turn's whole text, markup included (see HermesOutput)
+
+
+class AtLeast:
+    """vLLM's `min_tokens` over another constraint: until `left` more tokens are sampled, neither
+    the end token nor a stop token may be (their logits are masked, as vLLM masks them)."""
+
+    __slots__ = ("inner", "left", "banned", "vocab_size")
+
+    def __init__(self, inner: Utf8Text | FreeText, n: int, banned: frozenset[int], vocab_size: int):
+        """`banned`: the stop tokens and the codec's end tokens."""
+        self.inner, self.left, self.banned, self.vocab_size = inner, n, banned, vocab_size
+
+    def allowed(self, budget: int) -> frozenset[int]:
+        allowed = self.inner.allowed(budget)
+        if self.left <= 0:
+            return allowed
+        return _all_but(self.vocab_size, self.banned) if allowed is None else _without(allowed, self.banned)
+
+    def advance(self, token: int) -> None:
+        self.inner.advance(token)
+        self.left -= 1
+
+    @property
+    def done(self) -> bool:
+        return self.inner.done
+
+
+@lru_cache(maxsize=256)
+def _without(allowed: frozenset[int], banned: frozenset[int]) -> frozenset[int]:
+    return allowed - banned
 
 
 class TextOutput:
-    """Plain text: valid UTF-8, stop strings and stop token ids honoured.
+    """Plain text: stop strings and stop token ids honoured; with the built-in codec, only valid
+    printable UTF-8 is sampled (`Utf8Text`), with a tokenizer's vocabulary anything is (`FreeText`).
 
-    By default (OpenAI's and vLLM's) a stop string is cut from the text and never sent even in
-    part; `include_stop` keeps it (vLLM's include_stop_str_in_output, SGLang's no_stop_trim), and
-    `specials` writes the end token by its name (skip_special_tokens false). The token ids always
-    hold every sampled token, so a client can train on exactly what was sampled.
+    Text is built from each token's bytes (`Codec.token_bytes`), so a character or a stop string
+    split over tokens comes out whole. By default (OpenAI's and vLLM's) a stop string is cut from
+    the text and never sent even in part; `include_stop` keeps it (vLLM's
+    include_stop_str_in_output, SGLang's no_stop_trim), and `specials` writes the end token by its
+    name (skip_special_tokens false). The token ids always hold every sampled token, so a client
+    can train on exactly what was sampled. With `min_tokens` nothing ends the text before that
+    many tokens: the end and stop tokens are masked and stop strings are not looked for.
     """
 
-    __slots__ = ("constraint", "buf", "sent", "stops", "stop_ids", "include_stop", "specials", "_utf8")
+    __slots__ = (
+        "constraint",
+        "buf",
+        "sent",
+        "stops",
+        "stop_ids",
+        "include_stop",
+        "specials",
+        "codec",
+        "_utf8",
+        "_early",
+    )
 
     def __init__(self, stops: tuple[str, ...] = (), ignore_eos: bool = False, stop_ids: frozenset[int] = frozenset(),
-                 include_stop: bool = False, specials: bool = False):  # fmt: skip
-        self.constraint = Utf8Text(allow_end=not ignore_eos)
+                 include_stop: bool = False, specials: bool = False, min_tokens: int = 0, codec: Codec = BYTES):  # fmt: skip
+        self.codec = codec
+        text = Utf8Text(allow_end=not ignore_eos) if codec is BYTES else FreeText(codec, not ignore_eos)
+        banned = stop_ids | codec.end_ids
+        self.constraint = AtLeast(text, min_tokens, banned, codec.vocab_size) if min_tokens > 0 else text
+        self._early = min_tokens  # tokens still to come before a stop string may end the text
         self.buf, self.sent = bytearray(), 0
         self.stops = [s.encode() for s in stops if s]
         self.stop_ids, self.include_stop, self.specials = stop_ids, include_stop, specials
@@ -92,25 +143,35 @@ class TextOutput:
 
     def feed(self, token: int, ev: SeqEvent) -> str | None:
         self.constraint.advance(token)
-        if token == END or token >= NUM_BYTES or token in self.stop_ids:
+        if self.codec.ends_text(token) or token in self.stop_ids:
             return self._stop_token(token, ev)
-        self.buf.append(token)
-        hit = max((s for s in self.stops if self.buf.endswith(s)), key=len, default=b"")
-        if hit:  # the longest stop ending here, so no part of any stop is left in the text
-            if not self.include_stop:
-                del self.buf[-len(hit) :]
+        start = len(self.buf)
+        self.buf += self.codec.token_bytes(token)
+        self._early -= 1
+        hit = self._stop_at(start) if self._early <= 0 else None
+        if hit is not None:  # the earliest (so longest) stop reaching into this token's bytes
+            at, stop = hit
+            del self.buf[at + (len(stop) if self.include_stop else 0) :]
             ev.text += self._send(len(self.buf), final=True)
-            ev.matched = hit.decode("utf-8", "replace")
+            ev.matched = stop.decode("utf-8", "replace")
             return FinishReason.STOP
         ev.text += self._send(len(self.buf) - self._held(), final=False)
         return None
 
+    def _stop_at(self, start: int) -> tuple[int, bytes] | None:
+        best = None
+        for s in self.stops:
+            i = self.buf.find(s, max(0, start - len(s) + 1))
+            if i >= 0 and (best is None or i < best[0] or (i == best[0] and len(s) > len(best[1]))):
+                best = (i, s)
+        return best
+
     def _stop_token(self, token: int, ev: SeqEvent) -> str:
-        if self.include_stop and token < NUM_BYTES:
-            self.buf.append(token)
+        if self.include_stop and not self.codec.is_special(token):
+            self.buf += self.codec.token_bytes(token)
         ev.text += self._send(len(self.buf), final=True)
-        if self.include_stop and self.specials and token >= NUM_BYTES:
-            ev.text += SPECIAL_TEXT.get(token, "")
+        if self.include_stop and self.specials and self.codec.is_special(token):
+            ev.text += self.codec.label(token)
         ev.matched = token
         return FinishReason.STOP
 
@@ -159,6 +220,72 @@ class ToolOutput:
         """Nothing is held back: a cut-off call keeps the arguments it had (finish: length)."""
 
 
+class HermesOutput:
+    """Text in which the model may call a tool, Hermes-style: `<tool_call>{json}</tool_call>`.
+
+    Text before the call streams as it comes; from `<tool_call>` on it is held, and when the turn
+    ends the first well-formed call becomes the choice's tool call (finish reason `tool_calls`). A
+    call that does not parse stays text. The tokens are whatever the model sampled: nothing is
+    forced (the grammar of `ToolOutput` is the built-in model's).
+    """
+
+    __slots__ = ("text", "constraint", "call_id", "pending", "held", "in_call", "call")
+
+    OPEN = "<tool_call>"
+
+    def __init__(self, text: TextOutput, call_id: str | None = None):
+        self.text, self.constraint = text, text.constraint
+        self.call_id = call_id or f"call_{secrets.token_hex(12)}"
+        self.pending, self.held, self.in_call = "", "", False
+        self.call: tuple[str, str] | None = None  # (name, arguments) once parsed
+
+    def feed(self, token: int, ev: SeqEvent) -> str | None:
+        inner = SeqEvent(ev.index)
+        reason = self.text.feed(token, inner)
+        ev.matched = inner.matched
+        self._route(inner.text, ev)
+        if reason is not None:
+            return self._end(reason, ev)
+        return None
+
+    def _route(self, delta: str, ev: SeqEvent) -> None:
+        if self.in_call:
+            self.held += delta
+            return
+        self.pending += delta
+        at = self.pending.find(self.OPEN)
+        if at >= 0:
+            ev.text += self.pending[:at]
+            self.held, self.pending, self.in_call = self.pending[at:], "", True
+            return
+        keep = next((k for k in range(min(len(self.OPEN) - 1, len(self.pending)), 0, -1) if self.OPEN.startswith(self.pending[-k:])), 0)  # fmt: skip
+        ev.text += self.pending[: len(self.pending) - keep]
+        self.pending = self.pending[len(self.pending) - keep :]
+
+    def _end(self, reason: str, ev: SeqEvent) -> str:
+        parsed = parse_hermes(self.held) if self.in_call else None
+        if parsed is None or reason != FinishReason.STOP:
+            self.flush(ev)
+            return reason
+        _, name, args = parsed
+        self.call = (name, args)
+        ev.tool_call, ev.tool_args = (self.call_id, name), args
+        # What the model wrote, for a client to send back verbatim as the assistant turn's content,
+        # so that the next prompt holds the very tokens it sampled (a trainer needs that).
+        ev.raw = self.raw
+        return FinishReason.TOOL_CALLS
+
+    def flush(self, ev: SeqEvent) -> None:
+        """What was held is text after all (a cut-off or malformed call)."""
+        self.text.flush(ev)
+        ev.text += self.pending + self.held
+        self.pending = self.held = ""
+
+    @property
+    def raw(self) -> str:
+        return self.text.buf.decode("utf-8", errors="replace")
+
+
 class Sequence:
     __slots__ = (
         "rid", "index", "sink", "tokens", "n_prompt", "num_computed", "status", "blocks", "row",
@@ -167,7 +294,7 @@ class Sequence:
     )  # fmt: skip
 
     def __init__(self, rid: str, index: int, prompt: list[int], params: SamplingParams,
-                 output: TextOutput | ToolOutput, sink: object, max_model_len: int, arrived: float = 0.0):  # fmt: skip
+                 output: TextOutput | ToolOutput | HermesOutput, sink: object, max_model_len: int, arrived: float = 0.0):  # fmt: skip
         self.rid, self.index, self.sink = rid, index, sink
         self.tokens, self.n_prompt, self.num_computed = list(prompt), len(prompt), 0
         self.status, self.blocks, self.row, self.synced = SeqStatus.WAITING, [], -1, 0

@@ -28,25 +28,40 @@ from pathlib import Path
 from aiohttp import web
 
 from libra.core.errors import ConfigError, LibraError
+from libra.runtime.admin_guard import admin_middleware
 from libra.runtime.engine import control
 from libra.runtime.engine import protocol as p
+from libra.runtime.engine.codec import BYTES, Codec
 from libra.runtime.engine.config import EngineConfig
 from libra.runtime.engine.core import EngineCore
+from libra.runtime.engine.lm import load_lm
 from libra.runtime.engine.metrics import EngineMetrics
-from libra.runtime.engine.model import TinyTransformer, build_model, save_checkpoint
+from libra.runtime.engine.model import save_checkpoint
 from libra.runtime.engine.native import GenerateFormat, GenerateRequest
-from libra.runtime.engine.sequence import SamplingParams, SeqEvent, Sequence, ToolOutput
-from libra.runtime.engine.tokenizer import encode, render, render_chat, render_prompt
+from libra.runtime.engine.sequence import (
+    HermesOutput,
+    SamplingParams,
+    SeqEvent,
+    Sequence,
+    TextOutput,
+    ToolOutput,
+)
+from libra.runtime.engine.tokens_api import TokensFormat, TokensRequest, loads
+from libra.runtime.http_limits import batch_size
 from libra.runtime.openai_errors import ApiError, json_error, read_json_object
-from libra.runtime.serving import serve_until_signalled
+from libra.runtime.serving import limited_runner, serve_until_signalled
 
 log = logging.getLogger("libra.engine")
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # On SIGTERM, requests in flight get this long to finish; then they are failed with a 503.
 DRAIN_SECONDS = 5.0
+# How often a request waiting for its tokens checks that the engine thread is still alive.
+ENGINE_CHECK_S = 5.0
 # The shortest tool call plus this many tokens is the budget of a tool turn with no max_tokens.
 TOOL_HEADROOM = 16
+# SGLang's /health_generate waits this long for its one-token generation.
+HEALTH_GENERATE_S = 20.0
 
 
 @dataclass(slots=True, eq=False)
@@ -197,8 +212,10 @@ def sse(obj: dict | str) -> bytes:
 
 
 class EngineServer:
-    def __init__(self, cfg: EngineConfig, model: TinyTransformer):
-        self.cfg, self.metrics, self.model = cfg, EngineMetrics(), model
+    def __init__(self, cfg: EngineConfig, model, codec: Codec = BYTES):
+        """`model`: the built-in `TinyTransformer` or a checkpoint's `LlamaFamily`; `codec` its
+        tokenizer and chat template (`lm.load_lm` gives both)."""
+        self.cfg, self.metrics, self.model, self.codec = cfg, EngineMetrics(), model, codec
         self.core = EngineCore(cfg, model, self._publish, self.metrics)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._seeds = random.Random(cfg.seed)
@@ -207,15 +224,23 @@ class EngineServer:
         self._closing = False
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=int(self.cfg.max_body_mb * 2**20), middlewares=[self._errors])
+        guard = admin_middleware(lambda: self.cfg.admin_token, _unauthorized)
+        app = web.Application(
+            client_max_size=int(self.cfg.max_body_mb * 2**20), middlewares=[self._errors, guard]
+        )
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/generate", self.generate)
+        app.router.add_post("/inference/v1/generate", self.tokens_generate)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model_id}", self.model_card)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/health_generate", self.health_generate)
+        app.router.add_get("/server_info", self.server_info)
+        app.router.add_get("/get_server_info", self.server_info)
+        app.router.add_get("/v1/loads", self.loads)
         app.router.add_get("/metrics", self.prometheus)
         control.register(app, self)
         app.on_startup.append(self._on_startup)
@@ -253,25 +278,37 @@ class EngineServer:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = await self._parse(request, p.ChatRequest)
-        tools = p.tool_mode(req, self.cfg.tool_rounds)
         schemas = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        prompt = render_chat([m.to_template() for m in req.messages], schemas)
+        prompt = self.codec.chat([m.to_template() for m in req.messages], schemas)
         self._check_prompt(len(prompt), "messages")
+        make, tools = self._chat_output(req)
         max_tokens = self._max_tokens(req.token_limit(), tools)
+        self._check_queue([prompt], req.token_limit(), max_tokens, req.n, "messages", "max_tokens")
         top = req.top_logprobs or 0
-        make = (lambda: ToolOutput(tools)) if tools else req.text_output
         specs = [(prompt, self._params(req, max_tokens, i, req.logprobs, top), make()) for i in range(req.n)]
         job = self._start("chatcmpl-", specs)
         opts = p.ReplyOptions(req.logprobs, req.return_token_ids, req.return_tokens_as_token_ids)
         fmt = ChatFormat(job.rid, req.model, opts, [prompt], self.version)
         return await self._respond(request, job, fmt, req.stream, _include_usage(req))
 
+    def _chat_output(self, req: p.ChatRequest) -> tuple[Callable, dict | None]:
+        """How a chat turn's tokens become a message: the built-in model's calls are written under
+        the grammar when the tool rule says so (`tool_mode`); a checkpoint's model writes its own
+        Hermes calls in its text whenever tools are offered (tool_choice "none": plain text)."""
+        if self.codec.tool_format == "hermes":
+            if req.tools and req.tool_choice != "none":
+                return (lambda: HermesOutput(req.text_output())), None
+            return req.text_output, None
+        tools = p.tool_mode(req, self.cfg.tool_rounds)
+        return ((lambda: ToolOutput(tools)) if tools else req.text_output), tools
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = await self._parse(request, p.CompletionRequest)
-        prompts = [render_prompt(x) if isinstance(x, str) else list(x) for x in req.prompts()]
+        req = await self._parse(request, p.CompletionRequest, batch="prompt")
+        prompts = [self.codec.prompt(x) if isinstance(x, str) else list(x) for x in req.prompts()]
         for ids in prompts:
             self._check_prompt(len(ids), "prompt")
         max_tokens = self._max_tokens(req.max_tokens, None)
+        self._check_queue(prompts, req.max_tokens, max_tokens, req.n, "prompt", "max_tokens")
         lp = req.logprobs is not None
         specs = [(ids, self._params(req, max_tokens, k * req.n + i, lp, req.logprobs or 0), req.text_output())
                  for k, ids in enumerate(prompts) for i in range(req.n)]  # fmt: skip
@@ -283,10 +320,15 @@ class EngineServer:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         """SGLang's native API (see `native`)."""
         data, _ = await read_json_object(request)
+        field = "input_ids" if data.get("input_ids") is not None else "text"
+        self._check_count(data.get(field), field)
         req = p.parse(GenerateRequest, data)
         prompts = req.prompts()
         for ids in prompts:
-            self._check_prompt(len(ids), "input_ids" if req.input_ids is not None else "text")
+            self._check_prompt(len(ids), field)
+        sp = req.sampling_params
+        asked = sp.max_new_tokens if "max_new_tokens" in sp.model_fields_set else None
+        self._check_queue(prompts, asked, sp.max_new_tokens, 1, field, "sampling_params.max_new_tokens")
         base = req.params(0)
         specs = []
         for ids in prompts:
@@ -299,6 +341,21 @@ class EngineServer:
         fmt = GenerateFormat(job.rid, req, prompts, self.version)
         return await self._respond(request, job, GenerateStream(fmt), req.stream, False)
 
+    async def tokens_generate(self, request: web.Request) -> web.Response:
+        """vLLM's token-in/token-out API (see `tokens_api`)."""
+        data, _ = await read_json_object(request)
+        req = p.parse(TokensRequest, data)
+        comp = req.completion(self.cfg.served_name)
+        self._check_model(comp.model)
+        self._check_prompt(len(req.token_ids), "token_ids")
+        lp = comp.logprobs is not None
+        max_tokens = self._max_tokens(comp.max_tokens, None)
+        specs = [(list(req.token_ids), self._params(comp, max_tokens, i, lp, comp.logprobs or 0), comp.text_output()) for i in range(comp.n)]  # fmt: skip
+        if req.request_id is not None and req.request_id in self._jobs:
+            raise ApiError(400, f"request_id {req.request_id!r} is already in flight", param="request_id", code="duplicate_request_id")  # fmt: skip
+        job = self._start("gen-", specs, rid=req.request_id)
+        return await self._respond(request, job, TokensFormat(job.rid, lp, self.version), False, False)
+
     # ---- models and tokens ------------------------------------------------------------------------
 
     def _card(self) -> dict:
@@ -307,7 +364,7 @@ class EngineServer:
             "object": "model",
             "created": self.started,
             "owned_by": "libra",
-            "root": self.cfg.model,
+            "root": self.cfg.model if self.cfg.source.builtin else self.cfg.preset.arch,
             "max_model_len": self.cfg.preset.max_model_len,
             "tp_label": self.cfg.tp_label,
         }
@@ -327,9 +384,9 @@ class EngineServer:
             self._check_model(req.model)
         if req.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            ids = render_chat([m.to_template() for m in req.messages], tools)
+            ids = self.codec.chat([m.to_template() for m in req.messages], tools)
         else:
-            ids = render_prompt(req.prompt) if req.add_special_tokens else encode(req.prompt)
+            ids = self.codec.prompt(req.prompt) if req.add_special_tokens else self.codec.encode(req.prompt)
         limit = self.cfg.preset.max_model_len
         return web.json_response(
             {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": None}
@@ -339,7 +396,7 @@ class EngineServer:
         req = p.parse(p.DetokenizeRequest, (await read_json_object(request))[0])
         if req.model is not None:
             self._check_model(req.model)
-        return web.json_response({"prompt": render(req.tokens)})
+        return web.json_response({"prompt": self.codec.render(req.tokens)})
 
     async def health(self, request: web.Request) -> web.Response:
         core = self.core
@@ -362,6 +419,47 @@ class EngineServer:
             },
         )
 
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """SGLang's /health_generate: one greedy token through the engine. A paused, sleeping or
+        weightless engine answers at once (it is alive; it is not meant to generate now)."""
+        core = self.core
+        if not core.alive:
+            raise ApiError(503, "the engine thread stopped", code="engine_dead")
+        if core.paused or core.sleeping or core.discarded:
+            return web.json_response({"status": "ok", "generated": False, "paused": core.paused is not None, "sleeping": core.sleeping})  # fmt: skip
+        seed = self._seeds.getrandbits(63)
+        probe = self.codec.prompt("") or [0]  # a tokenizer may add nothing to an empty text
+        job = self._start(
+            "health-", [(probe, SamplingParams(1, 0.0, seed=seed), TextOutput(codec=self.codec))]
+        )
+        try:
+            await asyncio.wait_for(self._collect(job), HEALTH_GENERATE_S)
+        except asyncio.TimeoutError:
+            raise ApiError(503, f"no token within {HEALTH_GENERATE_S:g} s", code="engine_stalled") from None
+        finally:
+            self._jobs.pop(job.rid, None)
+            if not job.done:
+                self.core.abort(job.rid)
+        return web.json_response({"status": "ok", "generated": True})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        """SGLang's /server_info (/get_server_info), in the fields frameworks read: slime infers
+        an external engine's GPUs and checks its settings from it (slime/backends/sglang_utils/
+        external.py). One process, so one rank: tp_size 1 whatever bucket label it carries."""
+        cfg, core = self.cfg, self.core
+        return web.json_response({
+            "model_path": cfg.model, "served_model_name": cfg.served_name, "tp_size": 1, "pp_size": 1,
+            "dp_size": 1, "ep_size": 1, "tp_label": cfg.tp_label,
+            "context_length": cfg.preset.max_model_len, "max_running_requests": cfg.max_num_seqs,
+            "disaggregation_mode": "null", "enable_memory_saver": False, "version": "libra-builtin",
+            "weight_version": core.weight_version, "world_size": 1,
+        })  # fmt: skip
+
+    async def loads(self, request: web.Request) -> web.Response:
+        core = self.core
+        usage = round(core.alloc.used_count / (core.alloc.num_blocks - 1), 4)
+        return web.json_response(loads(core.num_running, core.num_waiting, usage))
+
     async def prometheus(self, request: web.Request) -> web.Response:
         resp = web.Response(body=self.metrics.render())
         resp.headers["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
@@ -369,8 +467,10 @@ class EngineServer:
 
     # ---- request plumbing -----------------------------------------------------------------------
 
-    async def _parse(self, request: web.Request, model: type[p.SamplingRequest]) -> p.SamplingRequest:
+    async def _parse(self, request: web.Request, model: type[p.SamplingRequest], batch: str | None = None) -> p.SamplingRequest:  # fmt: skip
         data, _ = await read_json_object(request)
+        if batch is not None:  # counted before validation, which would copy every prompt
+            self._check_count(data.get(batch), batch)
         req = p.parse(model, data)
         self._check_model(req.model)
         return req
@@ -385,6 +485,31 @@ class EngineServer:
         if n_tokens >= limit:
             msg = f"the prompt is {n_tokens} tokens; this engine's context is {limit} tokens (prompt must be shorter)"  # fmt: skip
             raise ApiError(400, msg, param=param, code="context_length_exceeded")
+
+    def _check_count(self, value: object, param: str) -> None:
+        """A batch of more prompts than `max_prompts_per_request` is refused before any is read."""
+        n = batch_size(value)
+        cap = self.cfg.max_prompts_per_request
+        if n > cap:
+            msg = f"{param!r} holds {n} prompts; this engine takes at most {cap} per request (max_prompts_per_request)"  # fmt: skip
+            raise ApiError(400, msg, param=param, code="too_many_prompts")
+
+    def _check_queue(self, prompts: list[list[int]], asked: int | None, max_tokens: int, n: int, param: str, tokens_param: str) -> None:  # fmt: skip
+        """vLLM's rule for an explicit max_tokens (prompt + max_tokens within the context, else a
+        400 naming max_tokens, never a silent clamp), then the request's whole queue: over its
+        sequences, prompt tokens plus the tokens each may generate, at most `max_request_tokens`."""
+        limit = self.cfg.preset.max_model_len
+        total = 0
+        for ids in prompts:
+            if asked is not None and len(ids) + asked > limit:
+                msg = (f"'{tokens_param}' is too large: {asked}. This model's maximum context length is {limit} tokens "
+                       f"and your request has {len(ids)} input tokens ({asked} > {limit} - {len(ids)})")  # fmt: skip
+                raise ApiError(400, msg, param=tokens_param, code="context_length_exceeded")
+            total += (len(ids) + min(max_tokens, limit - len(ids))) * n
+        cap = self.cfg.max_request_tokens
+        if total > cap:
+            msg = f"this request would queue {total} tokens ({len(prompts)} prompts x n={n}, prompt plus {tokens_param} each); this engine takes at most {cap} (max_request_tokens)"  # fmt: skip
+            raise ApiError(400, msg, param=param, code="request_too_large")
 
     def _max_tokens(self, asked: int | None, tools: dict | None) -> int:
         if asked is not None:
@@ -420,7 +545,7 @@ class EngineServer:
         states = [p.ChoiceState(i) for i in range(job.n)]
         left = job.n
         while left:
-            ev = await job.sink.get()
+            ev = (await self._events(job, one=True))[0]
             if ev.error:
                 job.done = True
                 raise ApiError(503 if self._closing else 500, ev.error, code="engine_error")
@@ -438,7 +563,7 @@ class EngineServer:
             await resp.write(b"".join(sse(h) for h in heads if h))
             left = job.n
             while left:
-                events = merge(await _drain(job.sink))
+                events = merge(await self._events(job))
                 if any(ev.error for ev in events):
                     job.done = True
                     await resp.write(sse({"error": {"message": events[0].error or "engine error", "type": "server_error"}}))  # fmt: skip
@@ -457,10 +582,22 @@ class EngineServer:
             pass
         return resp
 
+    async def _events(self, job: Job, one: bool = False) -> list[SeqEvent]:
+        """What the engine thread has published for `job` (at least one event); an error event
+        instead of a wait forever if that thread has stopped (a bug: its log says why)."""
+        while True:
+            try:
+                async with asyncio.timeout(ENGINE_CHECK_S):
+                    return [await job.sink.get()] if one else await _drain(job.sink)
+            except TimeoutError:
+                if not self.core.alive and job.sink.empty():
+                    return [SeqEvent(0, error="the engine thread has stopped; see the engine log")]
+
     # ---- errors ---------------------------------------------------------------------------------
 
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        p.CODEC.set(self.codec)  # this request's task parses and answers with this engine's tokenizer
         try:
             resp = await handler(request)
         except ApiError as e:
@@ -497,6 +634,12 @@ def _http_message(e: web.HTTPException, request: web.Request, max_body_mb: float
     return template.format(method=request.method, path=request.path, max_body_mb=max_body_mb)
 
 
+def _unauthorized(request: web.Request) -> web.Response:
+    """The admin token's refusal, in SGLang's shape (every guarded engine route is a control call)."""
+    msg = "control calls need 'Authorization: Bearer <admin token>' (--admin-token)"
+    return web.json_response({"success": False, "message": msg, "param": "Authorization"}, status=401)
+
+
 def _include_usage(req: p.SamplingRequest) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
 
@@ -519,7 +662,7 @@ async def _drain(q: asyncio.Queue) -> list[SeqEvent]:
 def write_checkpoint(cfg: EngineConfig, path: str) -> tuple[Path, int]:
     """Write the weights the config would serve (random from its seed, or its checkpoint) to
     `path`: (the file, the parameter count)."""
-    model = build_model(cfg.preset, cfg.seed, cfg.checkpoint)
+    model, _ = load_lm(cfg)
     try:
         out = save_checkpoint(model, path)
     except OSError as e:
@@ -529,13 +672,13 @@ def write_checkpoint(cfg: EngineConfig, path: str) -> tuple[Path, int]:
 
 def serve(cfg: EngineConfig, sock: socket.socket, access_log: bool = False) -> None:
     """Build the model, start the engine thread and serve on `sock` until SIGINT or SIGTERM."""
-    model = build_model(cfg.preset, cfg.seed, cfg.checkpoint)
-    asyncio.run(_serve(EngineServer(cfg, model), sock, access_log))
+    model, codec = load_lm(cfg)
+    asyncio.run(_serve(EngineServer(cfg, model, codec), sock, access_log))
 
 
 async def _serve(server: EngineServer, sock: socket.socket, access_log: bool) -> None:
     kwargs = {} if access_log else {"access_log": None}
-    runner = web.AppRunner(server.app(), handler_cancellation=True, shutdown_timeout=2.0, **kwargs)
+    runner = limited_runner(server.app(), server.cfg.http_limits(), handler_cancellation=True, shutdown_timeout=2.0, **kwargs)  # fmt: skip
     await runner.setup()
     await web.SockSite(runner, sock).start()
     host, port = sock.getsockname()[:2]

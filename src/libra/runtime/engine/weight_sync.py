@@ -5,12 +5,16 @@ This is SGLang's distributed weight update (`/init_weights_update_group`,
 transfer, with gloo standing in for NCCL on CPU. Both sides use this module, so they agree on the
 rendezvous and the order of tensors:
 
-- rank 0 (the trainer) hosts a `TCPStore` on `master_address:master_port`; engines join it at
-  ranks `rank_offset ..`. The group is a `ProcessGroupGloo` built on that store under
-  `group_name`, not the process's default group, so a process can hold several groups and an
-  engine never calls `init_process_group` (which would claim the process for one job);
+- the group is made the way torch.distributed's own `init_process_group` makes one, with a
+  group name, as SGLang's engines (`init_custom_process_group`), slime's trainer and SkyRL's do:
+  rank 0 (the trainer) hosts the `tcp://master_address:master_port` rendezvous store, the store is
+  prefixed with `group_name`, and `_new_process_group_helper` layers the group's and the device's
+  prefixes over it. So a trainer that creates its side with torch's own calls meets the engines'
+  keys, and a process can hold several groups without claiming its default group;
 - an update is a list of (name, dtype, shape): rank 0 broadcasts each tensor in that order and
-  every engine receives into a fresh tensor of that dtype and shape.
+  every engine receives into a fresh tensor of that dtype and shape. A packed update (vLLM's
+  `packed: true`) broadcasts the same tensors as uint8 buffers of about `packed_buffer_size_bytes`
+  each, filled in order, and the receiver cuts them apart by the same rule (`packed_chunks`).
 
 Everything here blocks (rendezvous waits for every rank), so the engine calls it from a worker
 thread, never from its event loop or its engine thread. `open_group` and `push_weights` are the
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
+from torch.distributed.rendezvous import rendezvous
 
 from libra.core.errors import ConfigError
 
@@ -71,14 +78,47 @@ def manifest(named: dict[str, Tensor]) -> dict:
     }
 
 
+# vLLM's default packed buffer (vllm/distributed/weight_transfer/packed_tensor.py): both sides must
+# cut the stream of tensors at the same places.
+PACKED_BUFFER_BYTES = 1 << 30
+
+
+def packed_chunks(specs: list[TensorSpec], buffer_bytes: int = PACKED_BUFFER_BYTES) -> list[list[TensorSpec]]:
+    """The buffers a packed update is sent in: tensors in order, a buffer closed after the tensor
+    that takes it past `buffer_bytes` (the rule of vLLM's packed_broadcast_producer/consumer)."""
+    out: list[list[TensorSpec]] = [[]]
+    size = 0
+    for s in specs:
+        out[-1].append(s)
+        size += nbytes(s)
+        if size > buffer_bytes:
+            out.append([])
+            size = 0
+    return [c for c in out if c]
+
+
+def nbytes(s: TensorSpec) -> int:
+    return math.prod(s.shape) * s.dtype.itemsize
+
+
+def _tcp(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"tcp://{host}:{port}"
+
+
 class WeightGroup:
     """One member of a weight-update group (rank 0 sends, the others receive)."""
 
     def __init__(self, master_address: str, master_port: int, rank: int, world_size: int, group_name: str, timeout_s: float = 600.0):  # fmt: skip
         timeout = datetime.timedelta(seconds=timeout_s)
         self.name, self.rank, self.world_size = group_name, rank, world_size
-        self._store = dist.TCPStore(master_address, master_port, world_size, rank == 0, timeout=timeout)
-        self._pg = dist.ProcessGroupGloo(dist.PrefixStore(group_name, self._store), rank, world_size, timeout)
+        # What torch's init_process_group does, under a name of its own (see the module's docstring).
+        store, _, _ = next(rendezvous(_tcp(master_address, master_port), rank, world_size, timeout=timeout))
+        store.set_timeout(timeout)
+        self._pg, _ = _new_process_group_helper(
+            world_size, rank, [], Backend("gloo"), dist.PrefixStore(group_name, store),
+            group_name=group_name, timeout=timeout,
+        )  # fmt: skip
+        _world.pg_group_ranks[self._pg] = {i: i for i in range(world_size)}
 
     def broadcast(self, tensors: list[Tensor]) -> None:
         """Rank 0's tensors to every rank, in order (in place on the receivers)."""
@@ -93,14 +133,27 @@ class WeightGroup:
         self.broadcast(list(out.values()))
         return out
 
+    def receive_packed(
+        self, specs: list[TensorSpec], buffer_bytes: int = PACKED_BUFFER_BYTES
+    ) -> dict[str, Tensor]:
+        """A packed update: each chunk arrives as one uint8 buffer, cut into its tensors."""
+        out: dict[str, Tensor] = {}
+        for chunk in packed_chunks(specs, buffer_bytes):
+            buf = torch.empty(sum(nbytes(s) for s in chunk), dtype=torch.uint8)
+            self.broadcast([buf])
+            for s, piece in zip(chunk, buf.split([nbytes(s) for s in chunk]), strict=True):
+                out[s.name] = piece.clone().view(s.dtype).reshape(s.shape)  # a fresh, aligned copy
+        return out
+
     def send(self, named: dict[str, Tensor]) -> None:
         """Rank 0: broadcast `named` in order (contiguous CPU copies of the trainer's tensors)."""
         self.broadcast([t.detach().to("cpu").contiguous() for t in named.values()])
 
     def close(self) -> None:
+        """Leave the group and free its name in this process (a group of the same name can follow)."""
         try:
-            self._pg.shutdown()
-        except RuntimeError:  # already broken (a peer died): nothing left to release
+            dist.destroy_process_group(self._pg)
+        except (RuntimeError, ValueError):  # already broken (a peer died) or gone: nothing to release
             pass
 
 

@@ -25,9 +25,11 @@ Sessions and learning:
                                           rebuilt every K steps from recent trajectories);
 - `GET  /admin/tree`, `POST /admin/tree/save`   the persisted causal tree.
 
-With an `admin_token` in the gateway's config, the /admin endpoints need `Authorization: Bearer
-<token>`, as the control plane (`control`) does; sessions and steps are the rollout's own feedback
-and stay open. Without one, the gateway binds to 127.0.0.1 unless told otherwise.
+With an `admin_token` in the gateway's config, every endpoint here that changes state (and every
+/admin one) needs `Authorization: Bearer <token>`, as the control plane (`control`) does: finishing
+a session feeds the router's tree and ending a step rebuilds routers. The server's middleware
+(`libra.runtime.admin_guard`) checks it for every route; `/admin/*` is also guarded here. Without
+a token, the gateway binds to 127.0.0.1 unless told otherwise.
 """
 
 from __future__ import annotations

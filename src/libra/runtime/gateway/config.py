@@ -23,6 +23,7 @@ from libra.core.errors import ConfigError
 from libra.costmodel.efficiency import DEFAULT_ENGINE, EngineName
 from libra.rollout.base import Bucket
 from libra.rollout.tool_state import SizeThresholds
+from libra.runtime.http_limits import HttpLimitFields, RequestCapFields
 
 BACKEND_SPEC = "URL,bucket=NAME,tp=T,max_context=N[,cap=C][,node=K][,name=ID][,api_key=KEY][,control=sglang|vllm][,admin_token=T]"  # fmt: skip
 BACKEND_KEYS = ("bucket", "tp", "max_context", "cap", "node", "name", "api_key", "control", "admin_token")
@@ -130,6 +131,14 @@ class SessionConfig(_Strict):
     key_field: str | None = Field(None, min_length=1, max_length=64, description="Another body field that names the session.")  # fmt: skip
 
 
+class AffinityConfig(_Strict):
+    """Keyless turns that extend an earlier turn go where it ran (`affinity`)."""
+
+    enabled: bool = Field(True, description="Follow prompt prefixes of requests that name no session.")
+    block: int = Field(64, ge=1, le=4096, description="Tokens (or characters) per hashed block.")
+    capacity: int = Field(100_000, ge=1, description="Block keys remembered (least recently used go first).")
+
+
 class CostModelConfig(_Strict):
     """What the backends serve on, for the cost model (`libra costmodel report` lists both)."""
 
@@ -140,8 +149,9 @@ class CostModelConfig(_Strict):
     )
 
 
-class GatewayConfig(_Strict):
-    """Everything `libra serve gateway` can be told (YAML keys and `--set` paths)."""
+class GatewayConfig(_Strict, HttpLimitFields, RequestCapFields):
+    """Everything `libra serve gateway` can be told (YAML keys and `--set` paths); the connection
+    limits and request caps are `http_limits`' fields, shared with the engine."""
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -155,6 +165,7 @@ class GatewayConfig(_Strict):
     tree_save_interval_s: float = Field(60.0, gt=0)
     health: HealthConfig = Field(default_factory=HealthConfig)
     sessions: SessionConfig = Field(default_factory=SessionConfig)
+    affinity: AffinityConfig = Field(default_factory=AffinityConfig)
     tool_state: SizeThresholds = Field(default_factory=SizeThresholds)
     cost_model: CostModelConfig | None = Field(
         None,

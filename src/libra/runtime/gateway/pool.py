@@ -34,7 +34,12 @@ log = logging.getLogger("libra.gateway")
 
 
 # The generation endpoints the gateway routes, by the kind of request (OpenAI's and SGLang's).
-ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "generate": "/generate"}
+ENDPOINTS = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "generate": "/generate",
+    "tokens": "/inference/v1/generate",  # vLLM's token-in/token-out API (SkyRL)
+}
 
 
 class AdminState(IntEnum):

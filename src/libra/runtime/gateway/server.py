@@ -5,8 +5,9 @@ session:
 
 1. the session is found (a header: the configured one, `X-Session-ID`, slime's
    `X-SMG-Routing-Key`; else a body field: the configured one, SkyRL's `trajectory_id`, `user`;
-   else the request is a one-turn session of its own), the conversation is scanned for new tool
-   returns, and a prompt sent as token ids is counted exactly;
+   else the request is a one-turn session of its own, which stays on the instance of the turn its
+   prompt extends, if any: `affinity`), the conversation is scanned for new tool returns, and a
+   prompt sent as token ids is counted exactly;
 2. the router is asked, with the same `RouteRequest` and `InstanceView`s the simulator builds;
 3. the decision is carried out: the body is sent as is to the chosen instance, and the response is
    returned as is (streams pass through chunk by chunk). A change of instance is a migration: the
@@ -24,9 +25,10 @@ counts), not decoded. Control calls are not routed but broadcast to every engine
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
-import resource
+import secrets
 import socket
 import time
 
@@ -42,22 +44,26 @@ from libra.rollout.base import (
     bucket_for_length,
 )
 from libra.rollout.placement import choose_instance, healthy_exists
-from libra.runtime.gateway import admin, control, upstream
+from libra.runtime.admin_guard import admin_middleware
+from libra.runtime.gateway import admin, control, upstream, workers
+from libra.runtime.gateway.affinity import PrefixIndex, continuations, prompt_units
 from libra.runtime.gateway.config import MAX_HEADER_TEXT, GatewayConfig, header_safe
 from libra.runtime.gateway.conversation import prompt_key, prompt_size
 from libra.runtime.gateway.errors import ApiError, http_message, json_error
 from libra.runtime.gateway.metrics import GatewayMetrics
 from libra.runtime.gateway.pool import AdminState, Health, HealthChecker, Instance, Pool, StateError
-from libra.runtime.gateway.sessions import Session, SessionError, SessionTracker, TurnRecord
+from libra.runtime.gateway.sessions import Session, SessionError, SessionTracker, TurnRecord, tokens_of_chars
 from libra.runtime.gateway.tree_store import TreeStore
+from libra.runtime.http_limits import batch_size
 from libra.runtime.openai_errors import read_json_object
-from libra.runtime.serving import serve_until_signalled
+from libra.runtime.serving import limited_runner, serve_until_signalled
 
 log = logging.getLogger("libra.gateway")
 perf = time.perf_counter
 STEP = re.compile(r"[0-9]{1,9}")
 FAILOVER_POLL_S = 0.05
 UPSTREAM_S = web.RequestKey("upstream_s", float)  # time spent waiting on the backend
+PREFIX = web.RequestKey("prefix", object)  # a keyless turn's prompt, to record with its response
 # Where a session's name is found, after the configured header or field: the header Libra
 # documents, then SGLang's router's (slime sets it per sample); the body field SkyRL sets, then
 # OpenAI's `user`.
@@ -84,20 +90,26 @@ class Gateway:
         self.started = int(time.time())
         self.known_models: frozenset[str] = frozenset(cfg.models)
         self.http: aiohttp.ClientSession | None = None
+        self.control = None  # the control plane's broadcaster (control.register sets it)
         self.health: HealthChecker | None = None
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s, sock_read=cfg.request_timeout_s)  # fmt: skip
         self._tasks: list[asyncio.Task] = []
         sc = cfg.sessions
         self.session_headers = ((sc.key_header,) if sc.key_header else ()) + SESSION_HEADERS
         self.session_fields = ((sc.key_field,) if sc.key_field else ()) + SESSION_FIELDS
+        aff = cfg.affinity
+        self.affinity = PrefixIndex(aff.block, aff.capacity) if aff.enabled else None
+        self.identity = secrets.token_hex(8)  # tells a registration of the gateway's own URL (workers)
 
     def app(self) -> web.Application:
+        guard = admin_middleware(lambda: self.cfg.admin_token, _unauthorized)
         app = web.Application(
-            client_max_size=int(self.cfg.max_body_mb * 2**20), middlewares=[self._middleware]
+            client_max_size=int(self.cfg.max_body_mb * 2**20), middlewares=[self._middleware, guard]
         )
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/generate", self.generate)
+        app.router.add_post("/inference/v1/generate", self.tokens)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model_id}", self.model_card)
         for path, method in PROXIED.items():
@@ -106,6 +118,7 @@ class Gateway:
         app.router.add_get("/metrics", self.prometheus)
         admin.register(app, self)
         control.register(app, self)
+        workers.register(app, self)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
@@ -182,6 +195,8 @@ class Gateway:
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "'messages' is required: a non-empty list of chat messages", "messages", "invalid_value")  # fmt: skip
         self._check_model(data)
+        asked = data.get("max_completion_tokens", data.get("max_tokens"))
+        self._check_queue(1, tokens_of_chars(len(body)), asked, data.get("n"), "messages")
         return await self._proxy(request, "chat", data, body, messages, 0)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -190,19 +205,30 @@ class Gateway:
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt)):
             raise ApiError(400, "'prompt' is required: a string, token ids, or a non-empty list of either", "prompt", "invalid_value")  # fmt: skip
         self._check_model(data)
+        self._check_batch(prompt, data.get("max_tokens"), data.get("n"), "prompt")
         chars, tokens = prompt_size(prompt)
         return await self._proxy(request, "completions", data, body, None, chars, tokens, prompt)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         """SGLang's native /generate: `input_ids` (counted exactly) or `text`."""
         data, body = await self._read(request)
-        prompt = data.get("input_ids")
-        if prompt is None:
-            prompt = data.get("text")
+        field = "input_ids" if data.get("input_ids") is not None else "text"
+        prompt = data.get(field)
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt)):
             raise ApiError(400, "'text' or 'input_ids' is required: a string, token ids, or a non-empty list of either", "input_ids", "invalid_value")  # fmt: skip
+        sp = data.get("sampling_params")
+        self._check_batch(prompt, sp.get("max_new_tokens") if isinstance(sp, dict) else None, 1, field)
         chars, tokens = prompt_size(prompt)
         return await self._proxy(request, "generate", data, body, None, chars, tokens, prompt)
+
+    async def tokens(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's token-in/token-out /inference/v1/generate (SkyRL): `token_ids`, counted exactly."""
+        data, body = await self._read(request)
+        prompt = data.get("token_ids")
+        if not (isinstance(prompt, list) and prompt):
+            raise ApiError(400, "'token_ids' is required: a non-empty list of token ids", "token_ids", "invalid_value")  # fmt: skip
+        chars, tokens = prompt_size(prompt)
+        return await self._proxy(request, "tokens", data, body, None, chars, tokens, prompt)
 
     async def models(self, request: web.Request) -> web.Response:
         cards = self.pool.cards()
@@ -259,6 +285,28 @@ class Gateway:
     async def _read(self, request: web.Request) -> tuple[dict, bytes]:
         return await read_json_object(request)
 
+    def _check_batch(self, prompt: object, asked: object, n: object, field: str) -> None:
+        """A batch's prompts within `max_prompts_per_request`, then its tokens (below)."""
+        count, cap = batch_size(prompt), self.cfg.max_prompts_per_request
+        if count > cap:
+            msg = f"{field!r} holds {count} prompts; this gateway takes at most {cap} per request (max_prompts_per_request)"  # fmt: skip
+            raise ApiError(400, msg, field, "too_many_prompts")
+        batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+        items = prompt if batch else [prompt]
+        tokens = sum(len(x) if isinstance(x, list) else tokens_of_chars(len(x)) if isinstance(x, str) else 0 for x in items)  # fmt: skip
+        self._check_queue(len(items), tokens, asked, n, field)
+
+    def _check_queue(self, prompts: int, prompt_tokens: int, asked: object, n: object, field: str) -> None:
+        """What the request would queue on an engine, at most `max_request_tokens`: over its
+        sequences (prompts x n), prompt tokens (token ids exactly, text estimated from its length)
+        plus max_tokens (absent: 0 here, the backend applies its own default)."""
+        n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+        asked = asked if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0 else 0
+        total, cap = (prompt_tokens + prompts * asked) * n, self.cfg.max_request_tokens
+        if total > cap:
+            msg = f"this request would queue about {total} tokens ({prompts} prompts x n={n}, prompt plus max_tokens each); this gateway takes at most {cap} (max_request_tokens)"  # fmt: skip
+            raise ApiError(400, msg, field, "request_too_large")
+
     def _check_model(self, data: dict) -> None:
         model = data.get("model")
         if not isinstance(model, str) or not model:
@@ -305,9 +353,10 @@ class Gateway:
     async def _proxy(self, request: web.Request, kind: str, data: dict, body: bytes, messages: list | None, chars: int, tokens: int | None = None, prompt: object = None) -> web.StreamResponse:  # fmt: skip
         s = self._session(request, data)
         key = prompt_key(prompt) if messages is None and s.prompt_id is None else ""
+        follows = self._follow(request, s, kind, data, messages)
         req = self.tracker.begin_turn(s, messages, chars, tokens, key)
         prev_bucket, prev_inst = s.bucket, s.instance
-        dec = await self._route(req)
+        dec = self._stay(req) if follows and healthy_exists(self.pool.views) else await self._route(req)
         rec = self.tracker.routed(s, req, dec)
         self.metrics.decision(dec.bucket)
         if rec.migrated:
@@ -327,6 +376,33 @@ class Gateway:
                 inst.view.outstanding -= 1
             inst = await self._failover(s, rec, req, inst)
         raise AssertionError("unreachable")
+
+    def _follow(self, request: web.Request, s: Session, kind: str, data: dict, messages: list | None) -> bool:
+        """A keyless turn whose prompt extends an earlier turn's prompt and response starts on that
+        turn's instance (the placement rule keeps it there if it can). True when one was found."""
+        if s.id or self.affinity is None:
+            return False
+        units = prompt_units(kind, data, messages)
+        if units is None:
+            return False
+        request[PREFIX] = units
+        inst = self.pool.instances.get(self.affinity.lookup(units) or "")
+        if inst is None or not inst.view.healthy:
+            return False
+        s.instance, s.bucket = inst.id, inst.view.bucket
+        return True
+
+    def _remember(self, request: web.Request, kind: str, out: bytes, inst: Instance) -> None:
+        """Record a keyless turn's prompt + response (each choice) as served by `inst`."""
+        units = request.get(PREFIX)
+        if units is None:
+            return
+        try:
+            answer = json.loads(out)
+        except (ValueError, RecursionError):
+            return
+        for seq in continuations(kind, units, answer):
+            self.affinity.record(seq, inst.id)
 
     def _moved(self, s: Session, rec: TurnRecord, prev_bucket: int | None, prev_inst: str | None) -> None:
         """A session changed instance. When the one it left is gone (down, removed) or failed
@@ -453,8 +529,11 @@ class Gateway:
         self.metrics.upstream_time(inst.view.bucket, up)
         if resp.status == 200:
             usage = upstream.generate_usage(out) if kind == "generate" else upstream.usage_in_body(out)
+            if kind == "tokens":
+                usage = upstream.tokens_usage(out, s.anchor_tokens)
             if usage is not None:
                 self.tracker.metered(s, usage)
+            self._remember(request, kind, out, inst)
         headers = self._libra_headers(s, inst)
         headers["Content-Type"] = resp.headers.get("Content-Type", "application/json")
         return web.Response(body=out, status=resp.status, headers=headers)
@@ -521,6 +600,11 @@ class Gateway:
         return resp
 
 
+def _unauthorized(request: web.Request) -> web.Response:
+    msg = "this call needs 'Authorization: Bearer <admin token>' (the gateway's admin_token)"
+    return json_error(401, msg, "Authorization", "unauthorized")
+
+
 def _check_id(value: str | None, field: str) -> str | None:
     """A session or prompt id goes back out in headers and keys the router's trees: printable
     (no control characters, which a header cannot carry) and at most MAX_HEADER_TEXT long."""
@@ -557,24 +641,13 @@ async def _forever(loop_fn) -> None:
 # ---- running it -------------------------------------------------------------------------------------
 
 
-def raise_fd_limit() -> None:
-    """Each session holds a client and a backend connection; the default 1024 fds is too few."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (ValueError, OSError):
-            pass
-
-
 def serve(gw: Gateway, sock: socket.socket, access_log: bool = False) -> None:
-    raise_fd_limit()
     asyncio.run(_serve(gw, sock, access_log))
 
 
 async def _serve(gw: Gateway, sock: socket.socket, access_log: bool) -> None:
     kwargs = {} if access_log else {"access_log": None}
-    runner = web.AppRunner(gw.app(), handler_cancellation=True, **kwargs)
+    runner = limited_runner(gw.app(), gw.cfg.http_limits(), handler_cancellation=True, **kwargs)
     await runner.setup()
     await web.SockSite(runner, sock, backlog=4096).start()
     host, port = sock.getsockname()[:2]

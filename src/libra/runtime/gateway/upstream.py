@@ -114,6 +114,18 @@ def generate_usage(body: bytes) -> dict | None:
     return {"prompt_tokens": int(p.group(1)), "completion_tokens": int(c.group(1))}
 
 
+_TOKEN_IDS = re.compile(rb'"token_ids":\s*\[([0-9,\s]*)\]')
+
+
+def tokens_usage(body: bytes, prompt_tokens: int | None) -> dict | None:
+    """The counts of a /inference/v1/generate answer, which carries no usage: its choices'
+    `token_ids` (counted by bytes, not decoded) and the prompt's size, known from the request."""
+    generated = sum(len(m.group(1).split(b",")) for m in _TOKEN_IDS.finditer(body) if m.group(1).strip())
+    if prompt_tokens is None:
+        return {"completion_tokens": generated}
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": generated}
+
+
 class GenerateUsage(SSEUsage):
     """The token counts of a streamed /generate: each chunk holds them so far; the last wins."""
 

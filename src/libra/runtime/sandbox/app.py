@@ -59,11 +59,11 @@ async def serve(cfg: ServiceConfig, iso: Isolation, uids: UidRange | None) -> No
     from aiohttp import web
 
     from libra.runtime.sandbox.service import ActionsService
-    from libra.runtime.serving import serve_until_signalled
+    from libra.runtime.serving import limited_runner, serve_until_signalled
 
     service = ActionsService(cfg, iso, uids)
     # A client that goes away cancels its handler: a queued action is withdrawn (dispatch.py).
-    runner = web.AppRunner(service.app(), access_log=None, handler_cancellation=True)
+    runner = limited_runner(service.app(), cfg.http_limits(), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, backlog=4096)
     await site.start()

@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from libra.actions.quota import QuotaSpec
+from libra.runtime.http_limits import HttpLimitFields
 
 
 class SandboxConfig(BaseModel):
@@ -77,7 +78,10 @@ class HttpToolConfig(BaseModel):
     max_response_bytes: int = Field(1_000_000, ge=1024)
 
 
-class ServiceConfig(BaseModel):
+class ServiceConfig(HttpLimitFields):
+    """The service's settings; the connection limits are `http_limits`' fields, shared with the
+    engine and the gateway."""
+
     model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
@@ -93,6 +97,11 @@ class ServiceConfig(BaseModel):
     max_queue: int = Field(10_000, ge=1, description="Waiting actions beyond this are refused with 503.")
     max_body_bytes: int = Field(16 * 2**20, ge=1024, description="Largest request body.")
     max_code_bytes: int = Field(4 * 2**20, ge=16, description="Largest `code` or `command`.")
+    max_response_bytes: int = Field(
+        64 * 2**20,
+        ge=4096,
+        description="One action's whole response as sent (outputs, then fetched files in base64); beyond it outputs are cut and files not returned.",  # fmt: skip
+    )
     max_parallel: int = Field(64, ge=1, description="The most cores one action may be granted.")
     warm_pool: int = Field(
         4, ge=0, le=256, description="Python sandboxes kept started for /run_code (0: none)."

@@ -11,7 +11,7 @@ defines them, so a dataset's time limits and expected outputs mean the same here
 | cpp        | g++ -std=c++17 main.cpp -o main    | ./main                                         |
 | rust       | rustc main.rs -o main              | ./main                                         |
 | go         | go build -o main main.go           | ./main                                         |
-| go_test    | -                                  | go test main_test.go                           |
+| go_test    | -                                  | go test -exec CAP main_test.go (CAP: the output limit) |
 | java       | javac -cp .:JARS Main.java         | java -cp .:JARS -ea Main                       |
 | junit      | javac -cp .:JUNIT:JARS *.java      | java -jar JUNIT --class-path ... --scan-class-path |
 | nodejs     | -                                  | node main.js                                   |
@@ -59,6 +59,14 @@ JAVAC_FLAGS = ("-J-XX:TieredStopAtLevel=1", "-J-XX:+UseSerialGC", "{javac_jvm}")
 # space the Go, V8 and JVM runtimes get beyond the memory limit for what they reserve but never use.
 JVM_FALLBACK_FLAGS = ("-XX:CompressedClassSpaceSize=64m", "-XX:ReservedCodeCacheSize=64m")
 RESERVE_MB = 1024
+# go test holds a test binary's whole output in memory before printing it (cmd/go buffers it, to
+# cache and to scan it), so a test printing 1 GB was killed for memory instead of cut at the output
+# limit. The binary runs through this wrapper (`go test -exec`), which passes the first N bytes and
+# counts the rest, with the marker every other language's cut output ends with (sandbox.py).
+GO_TEST_CAP = (
+    """bash -c '"$@" 2>&1 | { head -c {n}; k=$(wc -c); if [ "$k" -gt 0 ]; then """
+    """printf "\\n[... truncated %s bytes of output ...]\\n" "$k"; fi; }; exit ${PIPESTATUS[0]}' libra-output-cap"""
+)
 TS_RUN = (
     'esbuild "$1" --bundle --platform=node --format=cjs --packages=external --sourcemap=inline '
     "--log-level=error --outfile=/tmp/.libra-main.js && exec node --enable-source-maps /tmp/.libra-main.js"
@@ -91,7 +99,7 @@ LANGUAGES = {
                  package="rustc"),
         Language("go", "main.go", ("./main",), ("go", "build", "-o", "main", "{src}"), needs=("go",),
                  package="golang-go", env=GO_ENV, cache="go", reserves_mb=RESERVE_MB),
-        Language("go_test", "main_test.go", ("go", "test", "{src}"), needs=("go",),
+        Language("go_test", "main_test.go", ("go", "test", "{go_exec}", "{src}"), needs=("go", "bash"),
                  package="golang-go (and golang-github-stretchr-testify-dev for testify)", env=GO_ENV,
                  cache="go", reserves_mb=RESERVE_MB),
         Language("java", "Main.java", ("java", "{jvm}", "-cp", "{classpath}", "-ea", "Main"),
@@ -168,15 +176,23 @@ def source_name(lang: Language, code: str) -> str:
     return lang.source.format(**{"class": m.group(1) if m else "Main"})
 
 
+def inner_cap(output_bytes: int) -> int:
+    """What a harness's wrapper passes: the output limit less room for the harness's own lines
+    (go test's FAIL summary) and the marker, so the service's cap does not cut those off."""
+    return max(output_bytes // 2, output_bytes - 4096)
+
+
 def render(lang: Language, argv: tuple[str, ...], src: str, python: str, toolchains: Toolchains,
-           memory_mb: int, file_names: list[str], address_space: bool) -> list[str]:  # fmt: skip
+           memory_mb: int, file_names: list[str], address_space: bool, output_bytes: int) -> list[str]:  # fmt: skip
     """A step's argv with its placeholders filled in (`file_names`: every file of the request;
-    `address_space`: memory is an rlimit on address space, not a cgroup)."""
+    `address_space`: memory is an rlimit on address space, not a cgroup; `output_bytes`: the
+    output limit, applied inside harnesses that would otherwise hold a test's whole output)."""
     jars = [n for n in file_names if n.endswith(".jar") and not n.startswith("/")]
     java_files = sorted({src, *(n for n in file_names if n.endswith(".java") and not n.startswith("/"))})
     classpath = ":".join([".", *([JUNIT_JAR] if lang.name == "junit" else []), *jars])
     jvm = [f"-XX:MaxRAM={memory_mb * 2**20}", *(JVM_FALLBACK_FLAGS if address_space else ())]
     values = {"{src}": [src], "{python}": [python], "{cxxlibs}": list(toolchains.cxxlibs),
               "{java_files}": java_files, "{classpath}": [classpath], "{jvm}": jvm,
-              "{javac_jvm}": [f"-J{f}" for f in jvm]}  # fmt: skip
+              "{javac_jvm}": [f"-J{f}" for f in jvm],
+              "{go_exec}": ["-exec", GO_TEST_CAP.replace("{n}", str(inner_cap(output_bytes)))]}  # fmt: skip
     return [x for arg in argv for x in values.get(arg, [arg])]

@@ -17,17 +17,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import uuid
 from dataclasses import dataclass, field
 
 from libra.actions import ActionState, Start
 from libra.runtime.sandbox import languages, schemas
 from libra.runtime.sandbox.boxes import Box
+from libra.runtime.sandbox.budget import ResponseBudget
 from libra.runtime.sandbox.caches import SharedCache
 from libra.runtime.sandbox.sandbox import ExecResult, Limits, RunStatus, execute
 from libra.runtime.sandbox.storage import Target, areas_of, decode_files, locate, require_relative
 
 FETCH_MAX_BYTES = 8 * 2**20
+# The marker a harness's output wrapper writes where it cut (languages.GO_TEST_CAP).
+HARNESS_CUT = re.compile(r"\n\[\.\.\. truncated (\d+) bytes of output \.\.\.\]\n")
 WARM_MIN_MB = 64  # a warm zygote holds ~15 MB already: below this, a fresh sandbox
 
 
@@ -97,6 +101,7 @@ class OneShot:
         self.cache: SharedCache | None = None
         self.fetched: dict[str, str] = {}
         self.skipped: dict[str, str] = {}
+        self.budget = ResponseBudget(svc.cfg.max_response_bytes)  # outputs, then files
 
     async def answer(self) -> dict:
         svc, job = self.svc, self.job
@@ -105,7 +110,7 @@ class OneShot:
             if job.lang.compile is not None:
                 out = await svc.dispatch.run(svc.cpu_action(f"compile:{job.lang.name}", job.traj, job.reserve_mb),
                                              self._compile)  # fmt: skip
-                compiled = out.result
+                compiled = self.budget.charge(out.result)
                 svc.metrics.finished("compile", status_label(compiled), out.act_s, out.queue_s)
                 if compiled.status != RunStatus.FINISHED or compiled.return_code != 0:
                     return response(compiled, None, {}, {})
@@ -137,7 +142,15 @@ class OneShot:
         svc, job = self.svc, self.job
         fallback = not svc.iso.memory_cgroup
         return languages.render(
-            job.lang, step, job.src, svc.python, svc.toolchains, lim.memory_mb, names, fallback
+            job.lang,
+            step,
+            job.src,
+            svc.python,
+            svc.toolchains,
+            lim.memory_mb,
+            names,
+            fallback,
+            lim.output_bytes,
         )
 
     async def _compile(self, start: Start) -> tuple[ExecResult, ActionState]:
@@ -149,13 +162,13 @@ class OneShot:
         sb = warm.take() if self.box is None and job.warm_eligible else None
         if sb is not None:
             res, self.fetched, self.skipped = await warm.run(
-                sb, job.files, job.src, start.cores, job.run_lim, job.stdin, job.fetch, FETCH_MAX_BYTES
-            )
+                sb, job.files, job.src, start.cores, job.run_lim, job.stdin, job.fetch, FETCH_MAX_BYTES, self.budget
+            )  # fmt: skip
             return res, state_of(res)
-        res = await self._step(job.lang.run, job.run_lim, start, job.stdin)
+        res = self.budget.charge(await self._step(job.lang.run, job.run_lim, start, job.stdin))
         if self.box is not None:
             self.fetched, self.skipped = await asyncio.to_thread(
-                self.svc.boxes.storages.fetch, self.box.storage, job.fetch, FETCH_MAX_BYTES
+                self.svc.boxes.storages.fetch, self.box.storage, job.fetch, FETCH_MAX_BYTES, self.budget
             )
         return res, state_of(res)
 
@@ -190,16 +203,19 @@ def status_label(res: ExecResult) -> str:
 
 
 def notes(res: ExecResult) -> list[str]:
-    """What the response's `message` says about one execution besides its output."""
+    """What the response's `message` says about one execution besides its output: how it died
+    (the signal and the limit: `sandbox.explain`) and what of its output was cut."""
     parts = [res.message] if res.message else []
-    if res.oom_killed:
-        parts.append("killed by the kernel: over its memory limit")
-    elif res.return_code is not None and res.return_code < 0:
-        parts.append(f"killed by signal {-res.return_code}")
-    if res.status == RunStatus.TIMEOUT:
-        parts.append("time limit exceeded; the whole process tree was killed")
-    if res.truncated:
-        parts.append(f"output truncated at the output limit ({res.truncated} bytes dropped)")
+    if res.death:
+        parts.append(res.death)
+    inner = HARNESS_CUT.search(res.stdout) if not res.truncated and res.stdout else None
+    if res.truncated or inner:
+        dropped = res.truncated or int(inner.group(1))
+        parts.append(f"output truncated at the output limit ({dropped} bytes dropped)")
+    if res.capped:
+        parts.append(
+            f"output cut to fit the response cap ({res.capped} characters dropped, max_response_bytes)"
+        )
     if res.leftovers_killed:
         parts.append(f"{res.leftovers_killed} leftover processes killed")
     return parts

@@ -74,6 +74,8 @@ class ExecResult:
     leftovers_killed: int = 0
     message: str = ""
     oom_killed: bool = False  # the kernel killed a process of it for memory (cgroup limit)
+    death: str = ""  # how it ended, when not by exiting normally: the signal and the limit (`explain`)
+    capped: int = 0  # characters of output cut so the response fits max_response_bytes (budget.py)
 
 
 @dataclass(slots=True)
@@ -357,8 +359,66 @@ async def supervise(iso: Isolation, proc: asyncio.subprocess.Process, box: Box, 
     wall = time.monotonic() - t0
     leftovers, oom = await asyncio.to_thread(box.settle, iso.sandboxed)
     code = proc.returncode if status == RunStatus.FINISHED else None
-    return ExecResult(status, code, out.text(), err.text(), wall, out.dropped + err.dropped, leftovers,
-                      oom_killed=oom)  # fmt: skip
+    res = ExecResult(status, code, out.text(), err.text(), wall, out.dropped + err.dropped, leftovers,
+                     oom_killed=oom)  # fmt: skip
+    res.death = explain(res, lim, address_space=not iso.memory_cgroup)
+    return res
+
+
+# Signals that end a process: the name of the limit that sends each, where one does.
+_LIMIT_SIGNALS = {signal.SIGXCPU: "cpu", signal.SIGXFSZ: "fsize"}
+# What a program prints when a limit made a call fail rather than killed it (Python ignores
+# SIGXFSZ, a failed fork is an error): the last few KB of its stderr are searched for these.
+_FAILED_CALLS = (
+    ("nproc", ("Resource temporarily unavailable", "can't start new thread", "failed to create new OS thread",
+               "fork: retry", "pthread_create failed", "unable to create native thread")),
+    ("fsize", ("File too large", "File size limit exceeded")),
+    ("memory", ("MemoryError", "std::bad_alloc", "Cannot allocate memory", "out of memory", "OutOfMemoryError",
+                "JavaScript heap out of memory")),
+)  # fmt: skip
+
+
+def signal_of(code: int | None) -> int | None:
+    """The signal that ended a process, from its return code: -N (a direct child) or 128+N (how
+    the sandbox's init, like a shell, reports a child killed by N). A program that exits with
+    128+N itself reads the same: there is no telling them apart from outside."""
+    if code is None or code == 0:
+        return None
+    n = -code if code < 0 else code - 128
+    return n if n in {s.value for s in signal.Signals} else None
+
+
+def explain(res: ExecResult, lim: Limits, address_space: bool) -> str:
+    """How an execution ended, when not by exiting on its own: the signal's name and which limit
+    killed it (time, memory, file size, processes), or the limit a failed call points to."""
+    if res.status == RunStatus.TIMEOUT:
+        return f"killed at the time limit ({lim.timeout_s:g} s of wall-clock time); the whole process tree was killed"  # fmt: skip
+    limits = {
+        "cpu": f"over its CPU time limit ({lim.cpu_s} s of CPU)",
+        "fsize": f"over the file size limit ({lim.fsize_mb} MB per file, sandbox.fsize_mb)",
+        "memory": f"over its memory limit ({lim.memory_mb} MB)",
+        "nproc": f"at the process limit ({lim.nproc} processes and threads, sandbox.nproc)",
+    }
+    sig = signal_of(res.return_code)
+    if res.oom_killed:
+        return f"killed by the kernel ({_name(sig or signal.SIGKILL)}): {limits['memory']}"
+    tail = res.stderr[-4096:] + res.stdout[-1024:] if res.return_code else ""
+    hint = next((k for k, marks in _FAILED_CALLS if any(m in tail for m in marks)), None)
+    if sig is None:
+        return f"it exited with code {res.return_code}, likely {limits[hint]}" if hint else ""
+    why = _LIMIT_SIGNALS.get(signal.Signals(sig))
+    text = f"killed by signal {_name(sig)}"
+    if why is not None:
+        return f"{text}: {limits[why]}"
+    if hint is not None:
+        return f"{text}, likely {limits[hint]}"
+    if address_space and sig in (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT):
+        return f"{text} (memory is an address-space limit of {lim.memory_mb} MB here: a failed allocation can end this way)"  # fmt: skip
+    return text
+
+
+def _name(sig: int) -> str:
+    return f"{signal.Signals(sig).name} ({signal.strsignal(sig)})"
 
 
 def _kill(proc: asyncio.subprocess.Process) -> None:

@@ -19,9 +19,13 @@ TOOLS = ("python_tests",)
 
 
 class RunCodeRequest(BaseModel):
+    """SandboxFusion's fields, as strict as SandboxFusion is: `language` is required (it has no
+    default there), and its lenient coercions are kept (pydantic's lax mode, as its FastAPI
+    server validates: `run_timeout` "10" or true is a number, docs/actions.md)."""
+
     model_config = ConfigDict(allow_inf_nan=False, extra="ignore")
     code: str
-    language: str = "python"
+    language: str
     compile_timeout: float = Field(10.0, gt=0)
     run_timeout: float = Field(10.0, gt=0)
     memory_limit_MB: int = Field(-1, description="<= 0: no limit of its own (the service's ceiling holds)")

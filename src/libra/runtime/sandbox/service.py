@@ -31,6 +31,7 @@ from libra.core.errors import ConfigError, LibraError
 from libra.runtime.jsonbody import BodyError, parse_body
 from libra.runtime.sandbox import languages, runcode, schemas
 from libra.runtime.sandbox.boxes import Box, Boxes
+from libra.runtime.sandbox.budget import ResponseBudget
 from libra.runtime.sandbox.caches import SharedCache, build_go_cache
 from libra.runtime.sandbox.config import ServiceConfig
 from libra.runtime.sandbox.dispatch import Dispatcher, Outcome
@@ -48,6 +49,7 @@ from libra.runtime.sandbox.storage import Storages, Target, areas_of, decode_fil
 from libra.runtime.sandbox.tools import call_http_tool, parse_summary, python_tests_argv
 from libra.runtime.sandbox.uidrange import UidPool, UidRange
 from libra.runtime.sandbox.warm import WarmPool
+from libra.runtime.serving import BodyTimeout, read_body
 
 log = logging.getLogger("libra.actions")
 
@@ -253,7 +255,10 @@ class ActionsService:
                 400, "request body too large", limit_bytes=limit, got_bytes=request.content_length
             )
         try:
-            return await request.read()
+            return await read_body(request)
+        except BodyTimeout as e:
+            self.metrics.rejected.labels("body_timeout").inc()
+            raise HttpError(408, str(e), field="body_timeout_s", limit_s=e.seconds) from None
         except web.HTTPRequestEntityTooLarge:
             await _discard(request, 4 * limit)
             self.metrics.rejected.labels("too_large").inc()
@@ -399,8 +404,10 @@ class ActionsService:
         else:
             argv = ["bash", "-c", req.command.replace("{parallel}", str(start.units))]
         res = await execute(self.iso, argv, s.box, start.cores, lim, (req.stdin or "").encode())
+        budget = ResponseBudget(self.cfg.max_response_bytes)  # outputs, then files
+        budget.charge(res)
         fetched, skipped = await asyncio.to_thread(
-            storages.fetch, s.box.storage, fetch, runcode.FETCH_MAX_BYTES
+            storages.fetch, s.box.storage, fetch, runcode.FETCH_MAX_BYTES, budget
         )
         return (res, fetched, skipped), runcode.state_of(res)
 

@@ -31,8 +31,10 @@ import shutil
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import Protocol
 
 from libra.core.errors import ConfigError
+from libra.runtime.regular_file import read_upto
 from libra.runtime.sandbox import mounts
 
 WORKSPACE, TMP = "/workspace", "/tmp"
@@ -146,6 +148,16 @@ class Storage:
             sorted(f"/{p.name}" for p in (self.root / "a").iterdir()) if (self.root / "a").is_dir() else []
         )
         return [WORKSPACE, TMP, *extra]
+
+
+class FetchBudget(Protocol):
+    """What a response has left for fetched files (`budget.ResponseBudget`)."""
+
+    def file_room(self, name: str) -> int: ...
+
+    def charge_file(self, name: str, size: int) -> None: ...
+
+    def refusal(self, size: int) -> str: ...
 
 
 class Storages:
@@ -283,21 +295,27 @@ class Storages:
     # ---- files out ---------------------------------------------------------------------------
 
     def fetch(
-        self, st: Storage, targets: list[Target], max_bytes: int
+        self, st: Storage, targets: list[Target], max_bytes: int, budget: FetchBudget | None = None
     ) -> tuple[dict[str, str], dict[str, str]]:
         """Base64 of each requested regular file, and why each other one was not read (missing, a
-        link, a FIFO, a socket, a device, a directory, too large): never followed, never blocked on."""
+        link, a FIFO, a socket, a device, a directory, too large for one file or for what the
+        response has left of its `budget`): never followed, never blocked on, never read past a cap."""
         out, skipped = {}, {}
         for t in targets:
+            if t.name in out or t.name in skipped:
+                continue  # named twice: returned once
             try:
-                out[t.name] = base64.b64encode(self._read_one(st, t, max_bytes)).decode()
+                data = self._read_one(st, t, max_bytes, budget)
+                if budget is not None:
+                    budget.charge_file(t.name, len(data))
+                out[t.name] = base64.b64encode(data).decode()
             except FileNotFoundError:
                 skipped[t.name] = "missing"
             except OSError as e:
                 skipped[t.name] = e.strerror or str(e)
         return out, skipped
 
-    def _read_one(self, st: Storage, t: Target, max_bytes: int) -> bytes:
+    def _read_one(self, st: Storage, t: Target, max_bytes: int, budget: FetchBudget | None = None) -> bytes:  # fmt: skip
         if not st.host_dir(t.area).is_dir():
             raise FileNotFoundError(t.name)
         parent = self._open_dir(st, t, create=False)
@@ -316,11 +334,9 @@ class Storages:
                 raise OSError(errno.EINVAL, "not a regular file")
             if size > max_bytes:
                 raise OSError(errno.EFBIG, f"{size} bytes, more than the {max_bytes} a fetched file may have")
-            chunks, left = [], size
-            while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
-                chunks.append(chunk)
-                left -= len(chunk)
-            return b"".join(chunks)
+            if budget is not None and size > budget.file_room(t.name):
+                raise OSError(errno.EFBIG, budget.refusal(size))
+            return read_upto(fd, size)  # never more than fstat said
         finally:
             os.close(fd)
 

@@ -25,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from libra.runtime.sandbox.boxes import Box, Boxes
+from libra.runtime.sandbox.budget import ResponseBudget
 from libra.runtime.sandbox.sandbox import ExecResult, Isolation, Limits, RunStatus, spawn, supervise
 from libra.runtime.sandbox.storage import Target
 
@@ -153,7 +154,8 @@ class WarmPool:
         return None
 
     async def run(self, sb: WarmSandbox, files: dict[Target, bytes], script: str, cores, lim: Limits,
-                  stdin: bytes, fetch: list[Target], fetch_max: int) -> tuple[ExecResult, dict[str, str], dict[str, str]]:  # fmt: skip
+                  stdin: bytes, fetch: list[Target], fetch_max: int,
+                  budget: ResponseBudget) -> tuple[ExecResult, dict[str, str], dict[str, str]]:  # fmt: skip
         t0 = time.monotonic()
         try:
             try:
@@ -165,9 +167,9 @@ class WarmPool:
                 await self._retire(sb)
                 return ExecResult(RunStatus.ERROR, None, "", "", 0.0, message=problem), {}, {}
             self._send(sb, script, cores, lim)
-            res = await supervise(self.iso, sb.proc, sb.box, lim, stdin, t0)
+            res = budget.charge(await supervise(self.iso, sb.proc, sb.box, lim, stdin, t0))
             fetched, skipped = await asyncio.to_thread(
-                self.boxes.storages.fetch, sb.box.storage, fetch, fetch_max
+                self.boxes.storages.fetch, sb.box.storage, fetch, fetch_max, budget
             )
             return res, fetched, skipped
         finally:

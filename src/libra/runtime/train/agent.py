@@ -56,7 +56,9 @@ class CalcLoop:
                     *messages,
                     {
                         "role": "assistant",
-                        "content": None,
+                        # A checkpoint model's call goes back as it wrote it, so the next prompt
+                        # holds its sampled tokens (the built-in model's is rebuilt from the call).
+                        "content": turn.raw,
                         "tool_calls": [
                             {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
                         ],
@@ -76,7 +78,24 @@ class CalcLoop:
             traj.migrations, traj.failovers = summary.migrations, summary.failovers
 
 
-LOOPS: dict[str, type] = {"calc": CalcLoop}
+class AnswerLoop:
+    """The single-turn form of the task: the question without tools, one answer, scored the same
+    way (what TRL's GRPOTrainer runs in `benchmarks/bench_vs_trl.py`)."""
+
+    async def run(self, problem: Problem, traj: Trajectory, env: AgentEnv) -> None:
+        session = SessionInfo(traj.id, problem.id, traj.batch)
+        try:
+            turn = await env.chat.turn(session, problem.messages(), [], env.sampling)
+            traj.turns.append(turn)
+            traj.finish(reward(problem, turn.text if turn.finish_reason in ("stop", "length") else None))
+        except TurnFailed as e:
+            traj.drop(e.reason, e.detail)
+        finally:
+            last = traj.turns[-1] if traj.turns else None
+            await env.chat.finish(session, len(last.prompt_ids) + len(last.token_ids) if last else 0)
+
+
+LOOPS: dict[str, type] = {"calc": CalcLoop, "answer": AnswerLoop}
 
 
 def make_agent_loop(name: str) -> AgentLoop:

@@ -44,6 +44,11 @@ class Padded:
     old: Tensor  # [B, T - 1]
     adv: Tensor  # [B]
 
+    def to(self, device: torch.device) -> Padded:
+        if device.type == "cpu":
+            return self
+        return Padded(self.tokens.to(device), self.mask.to(device), self.old.to(device), self.adv.to(device))
+
 
 def pad(samples: list[TrainSample]) -> Padded:
     t = max(len(s.ids) for s in samples)

@@ -96,16 +96,22 @@ def parse_choice(data: dict) -> Turn:
         finish_reason=str(choice.get("finish_reason")),
         text=msg.get("content") or "",
         tool_call=call,
+        raw=msg.get("raw_content"),
     )
 
 
 class GatewayChat:
-    def __init__(self, url: str, model: str, http: aiohttp.ClientSession, timeout_s: float = 300.0):
+    def __init__(self, url: str, model: str, http: aiohttp.ClientSession, timeout_s: float = 300.0, admin_token: str | None = None):  # fmt: skip
         self.url, self.model, self.http = url.rstrip("/"), model, http
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        # Finishing a session feeds the router's tree: with the gateway's admin token set, it
+        # needs it (turns never carry it: the gateway passes a client's Authorization upstream).
+        self.admin = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
 
     async def turn(self, s: SessionInfo, messages: list[dict], tools: list[dict], sampling: Sampling) -> Turn:  # fmt: skip
-        headers = {"X-Session-ID": s.session_id, "X-Prompt-ID": s.prompt_id, "X-Libra-Step": str(s.step)}
+        headers = {"X-Session-ID": s.session_id, "X-Prompt-ID": s.prompt_id}
+        if s.step >= 0:  # a measurement outside training (the base model's) belongs to no step
+            headers["X-Libra-Step"] = str(s.step)
         body = chat_body(self.model, messages, tools, sampling)
         t0 = time.time()
         try:
@@ -131,7 +137,7 @@ class GatewayChat:
         """End the gateway session, so its path feeds the router's tree; what the gateway did with
         it comes back. Best effort: a session the gateway no longer has (it restarted) is no loss."""
         try:
-            async with self.http.post(f"{self.url}/sessions/{s.session_id}/finish", json={"final_tokens": final_tokens}, timeout=self.timeout) as r:  # fmt: skip
+            async with self.http.post(f"{self.url}/sessions/{s.session_id}/finish", json={"final_tokens": final_tokens}, headers=self.admin, timeout=self.timeout) as r:  # fmt: skip
                 data = await r.json(content_type=None)
             turns = data["session"]["turns"] if r.status == 200 else []
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):

@@ -10,8 +10,9 @@ The processes, each a `ProcessSpec` with its own log under `RUN/logs/`:
 - the trainer replicas (`python -m libra.runtime.train.worker`), rank 0 first: it prints the
   rendezvous store's address, which the other ranks are started with.
 
-Everything that can start at once does; `RUN/processes.json` lists each process's name, pid, URL
-and log, so an operator (or a fault test) can find any of them.
+Everything that can start at once does; `RUN/processes.json` lists each running process's name,
+pid, URL and log (rewritten when the pool or the fleet starts or stops one), so an operator (or a
+fault test) can find any of them.
 """
 
 from __future__ import annotations
@@ -61,6 +62,16 @@ class Cluster:
     def dead(self) -> list[Proc]:
         return [p for p in self.procs if p.handle.returncode() is not None]
 
+    def add(self, p: Proc) -> None:
+        """A process started during the run (a hybrid trainer, a restarted engine): stopped with
+        the run whatever happens, and listed in processes.json."""
+        self.procs.append(p)
+        self.write_index()
+
+    def remove(self, p: Proc) -> None:
+        self.procs.remove(p)
+        self.write_index()
+
     def write_index(self) -> None:
         rows = [{"name": p.handle.name, "role": p.role, "pid": p.handle.pid, "url": p.url, "bucket": p.bucket, "log": str(p.handle.log)} for p in self.procs]  # fmt: skip
         (self.run / "processes.json").write_text(json.dumps(rows, indent=1) + "\n")
@@ -105,6 +116,8 @@ def engine_specs(cfg: TrainConfig, logs: Path) -> list[tuple[ProcessSpec, str]]:
                        "--tp-label", f"tp{b.tp}", "--seed", str(cfg.seed), "--max-num-seqs", str(e.max_num_seqs),
                        "--max-num-batched-tokens", str(batched_tokens(cfg)), "--kv-cache-mb", str(e.kv_cache_mb),
                        "--threads", str(e.threads), "--tool-rounds", "1")  # fmt: skip
+            if e.max_model_len is not None:
+                args += ("--max-model-len", str(e.max_model_len))
             if e.step_log:
                 args += ("--step-log", str(logs / f"{name}-steps.jsonl"))
             out.append((ProcessSpec(name, args, logs / f"{name}.log", cpus=1.0, gpus=0.0), b.name))

@@ -11,13 +11,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from libra.core.config import apply_overrides, build, load_yaml
 from libra.core.errors import ConfigError
 from libra.planner.config import ElasticConfig, PlannerConfig
 from libra.runtime.elastic.config import ElasticRuntimeConfig
-from libra.runtime.engine.config import PRESETS
+from libra.runtime.engine.sources import resolve
 
 CONFIGS = "libra.runtime.train.configs"
 
@@ -30,6 +30,10 @@ class TaskConfig(_Strict):
     lo: int = Field(10, ge=0, le=9999, description="Smallest operand.")
     hi: int = Field(99, ge=0, le=9999, description="Largest operand.")
     ops: str = Field("+-", pattern=r"^[-+*]{1,3}$", description="Operators to draw from.")
+    prompt: str = Field("What is {expr}?", min_length=1, max_length=2000, description="The user turn; {expr} is the problem.")  # fmt: skip
+    system: str | None = Field(None, max_length=4000, description="A system turn before it (a checkpoint model's task).")  # fmt: skip
+    base_eval: int = Field(0, ge=0, le=4096, description="Held-out problems the model is measured on before training, greedy and sampled (0: none).")  # fmt: skip
+    answer: Literal["exact", "last_number"] = Field("exact", description="exact: the answer is the whole text; last_number: the text's last integer.")  # fmt: skip
     tool: Literal["sandbox", "in_process"] = Field("sandbox", description="Where calc runs.")
     slow_tool_s: float = Field(0.0, ge=0, le=600, description="A workload shift: each tool call waits this long ...")  # fmt: skip
     slow_tool_from: int = Field(0, ge=0, description="... once this many steps have trained.")
@@ -67,18 +71,21 @@ class BucketSpec(_Strict):
 
 
 class EngineSettings(_Strict):
-    model: str = "tiny"
+    model: str = Field("tiny", description="A preset, smollm2-135m, a Hugging Face directory or a .gguf file (docs/models.md).")  # fmt: skip
+    max_model_len: int | None = Field(None, ge=16, le=1 << 20, description="Cap a checkpoint's context (each engine's KV cache must hold one).")  # fmt: skip
     max_num_seqs: int = Field(64, ge=1, le=4096)
     kv_cache_mb: int = Field(32, ge=17, le=65536)
     threads: int = Field(1, ge=1, le=256)
     step_log: bool = Field(False, description="Each engine appends its steps (composition, CPU seconds) to RUN/logs/ENGINE-steps.jsonl.")  # fmt: skip
 
-    @field_validator("model")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        if v not in PRESETS:
-            raise ValueError("one of: " + ", ".join(sorted(PRESETS)))
-        return v
+    @model_validator(mode="after")
+    def _known(self) -> EngineSettings:
+        resolve(self.model, self.max_model_len, "engine.model")  # a missing file or extra stops the run here
+        return self
+
+    @property
+    def builtin(self) -> bool:
+        return resolve(self.model, self.max_model_len, "engine.model").builtin
 
 
 class GatewaySettings(_Strict):
@@ -93,6 +100,14 @@ class ActionsSettings(_Strict):
     )
     warm_pool: int = Field(4, ge=0, le=256)
     connect_timeout_s: float = Field(10.0, gt=0, le=600, description="How long to wait for it at start.")
+
+
+class LoraSettings(_Strict):
+    """peft's LoRA on a checkpoint model: only the adapters train, and only they are published."""
+
+    r: int = Field(0, ge=0, le=1024, description="Adapter rank (0: full fine-tuning).")
+    alpha: float = Field(16.0, gt=0)
+    targets: list[str] = Field(["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1, description="Module names that get adapters.")  # fmt: skip
 
 
 class TrainerConfig(_Strict):
@@ -113,6 +128,9 @@ class TrainerConfig(_Strict):
     threads: int = Field(1, ge=1, le=256)
     collective_timeout_s: float = Field(120.0, gt=0, le=3600, description="A replica waiting longer on its peers fails.")  # fmt: skip
     keep_checkpoints: int = Field(3, ge=1, le=1000)
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$", description="cpu (gloo) or cuda (NCCL between replicas).")  # fmt: skip
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: float32 on CPU, bfloat16 on CUDA.")  # fmt: skip
+    lora: LoraSettings = LoraSettings()
 
 
 class WarmStartConfig(_Strict):

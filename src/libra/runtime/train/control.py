@@ -26,6 +26,11 @@ class TrainerLost(RuntimeError):
     """A trainer replica died or its collective failed."""
 
 
+class TrainerRefused(RuntimeError):
+    """A replica refused the call for a reason that retrying cannot fix: a checkpoint it cannot
+    use, or a step whose weights are not finite (its message says which)."""
+
+
 class PublishFailed(RuntimeError):
     """The engines could not take the new weights."""
 
@@ -59,6 +64,8 @@ class Trainers:
                 data = await r.json(content_type=None)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             raise TrainerLost(f"trainer {url} did not answer {path} ({type(e).__name__}: {e})") from None
+        if r.status == 422 and isinstance(data, dict) and data.get("refused"):
+            raise TrainerRefused(str(data.get("error")))
         if r.status != 200:
             raise TrainerLost(f"trainer {url} failed {path}: HTTP {r.status}: {data}")
         return data
@@ -140,7 +147,7 @@ class Publisher:
         """Engines the gateway has taken out (killed or unhealthy): a failed update there is no
         split-brain, since they get no turns."""
         try:
-            async with self.http.get(self.url + "/admin/instances", timeout=self.timeout) as r:
+            async with self.http.get(self.url + "/admin/instances", headers=self.headers, timeout=self.timeout) as r:  # fmt: skip
                 data = await r.json(content_type=None)
             return {i["id"] for i in data["instances"] if not i["routable"]}
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
@@ -148,5 +155,5 @@ class Publisher:
 
     async def end_step(self) -> None:
         """The RL step ended: the gateway's router rebuilds its tree every K steps."""
-        async with self.http.post(self.url + "/steps/end", json={}, timeout=self.timeout) as r:
+        async with self.http.post(self.url + "/steps/end", json={}, headers=self.headers, timeout=self.timeout) as r:  # fmt: skip
             await r.read()

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
 
+from libra.core.curves import CurveOptions
 from libra.core.errors import InfeasibleError
 from libra.planner.staleness import StalenessGate
 from libra.runtime.launch.base import Launcher, LaunchError
@@ -29,7 +30,14 @@ from libra.runtime.train import cluster as procs
 from libra.runtime.train.agent import AgentEnv, make_agent_loop
 from libra.runtime.train.chat import GatewayChat, Sampling
 from libra.runtime.train.config import TrainConfig
-from libra.runtime.train.control import Publisher, PublishFailed, TrainerLost, Trainers, TrainResult
+from libra.runtime.train.control import (
+    Publisher,
+    PublishFailed,
+    TrainerLost,
+    TrainerRefused,
+    Trainers,
+    TrainResult,
+)
 from libra.runtime.train.fleet import LiveFleet
 from libra.runtime.train.gateway_admin import GatewayAdmin
 from libra.runtime.train.metrics import DriverMetrics
@@ -41,6 +49,9 @@ from libra.runtime.train.samples import to_samples
 from libra.runtime.train.steps import StepClock, step_record, trace_step
 from libra.runtime.train.task import ProblemStream
 from libra.runtime.train.tools import ActionsUnreachable, InProcessTools, SandboxTools, SlowFrom
+from libra.runtime.train.trajectory import Trajectory, TrajState
+
+BASE_STREAM = 2_000_003  # added to the seed: the base measurement's problems, drawn by nothing else
 
 
 class RunStopped(RuntimeError):
@@ -54,8 +65,11 @@ class Start:
     checkpoint: str
 
 
-async def train(cfg: TrainConfig, run: Path, launcher: Launcher, resume: bool, progress=None) -> dict:
-    folder, metrics = RunFolder(run, time.time()), DriverMetrics()
+async def train(cfg: TrainConfig, run: Path, launcher: Launcher, resume: ckpt.CheckpointInfo | None, progress=None,
+                curves: CurveOptions | None = None) -> dict:  # fmt: skip
+    """Run `cfg` in the run folder `run`, from the verified checkpoint `resume` (`ckpt.resume_point`)
+    or from a warm-start; per-step curves go where `curves` says."""
+    folder, metrics = RunFolder(run, time.time(), curves), DriverMetrics()
     port = metrics.serve(cfg.metrics_port)
     if progress is not None and port:
         progress.note(f"driver metrics on http://127.0.0.1:{port}/metrics")
@@ -66,7 +80,7 @@ async def train(cfg: TrainConfig, run: Path, launcher: Launcher, resume: bool, p
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
             await _loop(cfg, cluster, http, folder, metrics, resume, progress)
-    except (TrainerLost, RolloutFailed, ActionsUnreachable, PublishFailed) as e:
+    except (TrainerLost, TrainerRefused, RolloutFailed, ActionsUnreachable, PublishFailed) as e:
         raise RunStopped(stop_message(e, run)) from None
     finally:
         await asyncio.to_thread(cluster.save_metrics)
@@ -76,7 +90,7 @@ async def train(cfg: TrainConfig, run: Path, launcher: Launcher, resume: bool, p
 
 
 def stop_message(e: Exception, run: Path) -> str:
-    what = {TrainerLost: "a trainer replica was lost", RolloutFailed: "rollout failed",
+    what = {TrainerLost: "a trainer replica was lost", TrainerRefused: "a trainer refused to go on", RolloutFailed: "rollout failed",
             ActionsUnreachable: "the actions service is unreachable", PublishFailed: "weight publication failed"}[type(e)]  # fmt: skip
     found = ckpt.latest(run / "checkpoints")
     where = (f"the newest checkpoint is step {found.step} ({found.path}); resume with: libra train --out {run} --resume"
@@ -89,6 +103,10 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
     publisher = Publisher(cluster.gateway_url, http, cfg.publish.pause_mode, cfg.publish.admin_token)
     start = await _guard(cluster, _prepare(cfg, trainers, folder, resume, progress))
     await publisher.publish(str(Path(start.checkpoint) / ckpt.MODEL), start.version)
+    if cfg.task.base_eval and start.step == 0:
+        folder.base = await _guard(cluster, base_success(cfg, _env(cfg, cluster, http)))
+        if progress is not None:
+            progress.note(f"base model: success {folder.base['greedy']} greedy, {folder.base['sampled']} sampled ({cfg.task.base_eval} problems)")  # fmt: skip
     rollouts = _rollouts(cfg, cluster, http, start.step)
     admin = GatewayAdmin(cluster.gateway_url, http, cfg.publish.admin_token)
     controller = make_controller(cfg)
@@ -128,8 +146,11 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
             _observe(metrics, rec)
             if progress is not None:
                 progress.step(rec)
-        folder.unfinished = rollouts.running()
+    except asyncio.CancelledError:  # interrupted (Ctrl-C): the steps so far stay, counted as such
+        folder.interrupted = True
+        raise
     finally:
+        folder.unfinished = rollouts.running()  # 0 after the last step; on an interrupt, counted
         await rollouts.stop()
         await pool.stop()
         await fleet.stop()
@@ -155,9 +176,9 @@ async def _train(cfg: TrainConfig, trainers: Trainers, pool, step: int, samples,
     return result
 
 
-async def _prepare(cfg: TrainConfig, trainers: Trainers, folder: RunFolder, resume: bool, progress) -> Start:
-    """Resume the newest checkpoint, or warm-start from scratch."""
-    found = ckpt.latest(folder.path / "checkpoints") if resume else None
+async def _prepare(cfg: TrainConfig, trainers: Trainers, folder: RunFolder, resume: ckpt.CheckpointInfo | None, progress) -> Start:  # fmt: skip
+    """Resume the checkpoint the CLI verified, or warm-start from scratch."""
+    found = resume
     if found is not None:
         await trainers.resume(str(found.path))
         folder.load_previous(found.step)
@@ -171,15 +192,37 @@ async def _prepare(cfg: TrainConfig, trainers: Trainers, folder: RunFolder, resu
     return Start(0, 0, next(r["checkpoint"] for r in out if r.get("checkpoint")))
 
 
-def _rollouts(cfg: TrainConfig, cluster, http: aiohttp.ClientSession, step: int) -> Rollouts:
+def _env(cfg: TrainConfig, cluster, http: aiohttp.ClientSession) -> AgentEnv:
     r = cfg.rollout
-    chat = GatewayChat(cluster.gateway_url, procs.MODEL_NAME, http, r.turn_timeout_s)
+    chat = GatewayChat(cluster.gateway_url, procs.MODEL_NAME, http, r.turn_timeout_s, cfg.publish.admin_token)
     tools = SandboxTools(cluster.actions_url, http) if cfg.task.tool == "sandbox" else InProcessTools()
     tools = SlowFrom(tools, cfg.task.slow_tool_s, cfg.task.slow_tool_from)
-    env = AgentEnv(chat, tools, Sampling(r.temperature, r.top_p, r.max_tokens))
+    return AgentEnv(chat, tools, Sampling(r.temperature, r.top_p, r.max_tokens))
+
+
+async def base_success(cfg: TrainConfig, env: AgentEnv) -> dict:
+    """The model's success before training on `task.base_eval` held-out problems (a stream neither
+    training nor the warm-start draws), greedy (temperature 0) and sampled (the rollouts')."""
+    out = {"problems": cfg.task.base_eval}
+    for label, temp in (("greedy", 0.0), ("sampled", cfg.rollout.temperature)):
+        problems = ProblemStream.of(cfg.seed + BASE_STREAM, cfg.task)
+        run_env = replace(env, sampling=replace(env.sampling, temperature=temp))
+        loop = make_agent_loop(cfg.rollout.agent_loop)
+        trajs = [Trajectory(f"base-{label}-{i}", f"base{i}", i, -1) for i in range(cfg.task.base_eval)]
+        await asyncio.gather(*(loop.run(problems.next(), t, run_env) for t in trajs))
+        done = [t for t in trajs if t.state == TrajState.FINISHED]
+        out[label] = sum(t.success for t in done) / len(done) if done else None
+        out[f"{label}_dropped"] = len(trajs) - len(done)
+    return out
+
+
+def _rollouts(cfg: TrainConfig, cluster, http: aiohttp.ClientSession, step: int) -> Rollouts:
+    r = cfg.rollout
+    env = _env(cfg, cluster, http)
+    tools = env.tools
     gate = StalenessGate(cfg.pipeline.staleness, cfg.pipeline.consume)
     # Each resumed step draws fresh problems: the stream is seeded by the step it starts at.
-    problems = ProblemStream(cfg.seed * 1_000_003 + 2 + step, cfg.task.lo, cfg.task.hi, cfg.task.ops)
+    problems = ProblemStream.of(cfg.seed * 1_000_003 + 2 + step, cfg.task)
     shape = RolloutShape(r.groups_per_step, r.group_size, r.max_drop_fraction)
     rollouts = Rollouts(shape, gate, problems, make_agent_loop(r.agent_loop), env, step, cfg.steps - 1)
     tools.trained = lambda: rollouts.trained

@@ -23,13 +23,20 @@ from libra.planner.staleness import StalenessGate
 from libra.runtime.engine import protocol as p
 from libra.runtime.engine.config import EngineConfig
 from libra.runtime.engine.core import EngineCore
-from libra.runtime.engine.model import TinyTransformer, build_model
-from libra.runtime.engine.sequence import SamplingParams, SeqEvent, Sequence, TextOutput, ToolOutput
-from libra.runtime.engine.tokenizer import render_chat
-from libra.runtime.train.agent import AgentEnv, CalcLoop
+from libra.runtime.engine.lm import load_lm
+from libra.runtime.engine.sequence import (
+    HermesOutput,
+    SamplingParams,
+    SeqEvent,
+    Sequence,
+    TextOutput,
+    ToolOutput,
+)
+from libra.runtime.train.agent import AgentEnv, make_agent_loop
 from libra.runtime.train.chat import RouteSummary, Sampling, SessionInfo, chat_body
 from libra.runtime.train.config import TrainConfig
 from libra.runtime.train.learner import Learner
+from libra.runtime.train.models import train_model
 from libra.runtime.train.reducer import LocalReducer
 from libra.runtime.train.rollout import Rollouts, RolloutShape
 from libra.runtime.train.samples import figures, to_samples
@@ -43,7 +50,7 @@ from libra.runtime.train.worker import clip_of, optim_of
 class LocalChat:
     def __init__(self, cfg: EngineConfig, seed: int = 0):
         self.cfg, self.version = cfg, 0
-        self.model = build_model(cfg.preset, cfg.seed)
+        self.model, self.codec = load_lm(cfg)
         self.core = EngineCore(cfg, self.model, self._publish)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count()
@@ -57,7 +64,7 @@ class LocalChat:
     async def __aexit__(self, *exc) -> None:
         await asyncio.to_thread(self.core.stop)
 
-    def load(self, model: TinyTransformer, version: int) -> None:
+    def load(self, model: torch.nn.Module, version: int) -> None:
         """New weights, between batches (no sequence may be running: the engine thread is idle)."""
         if self.core.num_running or self.core.num_waiting:
             raise RuntimeError("weights change only while the engine is idle")
@@ -77,12 +84,11 @@ class LocalChat:
 
     async def turn(self, s: SessionInfo, messages: list[dict], tools: list[dict], sampling: Sampling) -> Turn:  # fmt: skip
         req = build(p.ChatRequest, chat_body(self.cfg.served_name, messages, tools, sampling))
-        mode = p.tool_mode(req, self.cfg.tool_rounds)
-        prompt = render_chat([m.to_template() for m in req.messages], [t.model_dump(exclude_none=True) for t in req.tools or ()])  # fmt: skip
+        prompt = self.codec.chat([m.to_template() for m in req.messages], [t.model_dump(exclude_none=True) for t in req.tools or ()])  # fmt: skip
         seed = self._turn_seed(s, messages)
         params = SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                                 seed=seed, logprobs=True)  # fmt: skip
-        out = ToolOutput(mode, call_id(random.Random(seed))) if mode else TextOutput()
+        out = self._output(req, call_id(random.Random(seed)))
         sink: asyncio.Queue = asyncio.Queue()
         seq = Sequence(f"r{next(self._ids)}", 0, prompt, params, out, sink, self.cfg.preset.max_model_len)
         t0 = time.time()
@@ -94,9 +100,18 @@ class LocalChat:
                 raise RuntimeError(ev.error)
             state.add(ev)
         ids = seq.tokens[len(prompt) :]
-        call = (out.call_id, out.constraint.name, "".join(state.args)) if state.call else None
+        call = (out.call_id, state.call[1], "".join(state.args)) if state.call else None
         return Turn(list(prompt), ids, [lp.logprob for lp in state.logprobs], [self.version] * len(ids),
-                    state.finish, "".join(state.text), call, started=t0, ended=time.time())  # fmt: skip
+                    state.finish, "".join(state.text), call, raw=state.raw, started=t0, ended=time.time())  # fmt: skip
+
+    def _output(self, req: p.ChatRequest, cid: str):
+        """As the server decides (`EngineServer._chat_output`): the built-in model's grammar by the
+        tool rule, a checkpoint model's own Hermes calls whenever tools are offered."""
+        text = TextOutput(codec=self.codec)
+        if self.codec.tool_format == "hermes":
+            return HermesOutput(text, cid) if req.tools else text
+        mode = p.tool_mode(req, self.cfg.tool_rounds)
+        return ToolOutput(mode, cid) if mode else text
 
     async def finish(self, s: SessionInfo, final_tokens: int) -> RouteSummary:
         return RouteSummary()
@@ -120,17 +135,23 @@ async def quick_grpo(cfg: TrainConfig, on_step=None, on_sft=None) -> QuickRun:
     """The warm-start (to the probe's target), then `cfg.steps` synchronous GRPO steps, with
     `libra train`'s config, task, agent loop and learner. Synchronous (staleness 0) because this
     engine takes new weights only while idle; the live run pipelines by `pipeline.staleness`."""
-    ecfg = EngineConfig(model=cfg.engine.model, kv_cache_mb=64, seed=cfg.seed)
-    learner = Learner(ecfg.preset, cfg.seed, optim_of(cfg, cfg.warmstart.lr), LocalReducer())
+    ecfg = EngineConfig(model=cfg.engine.model, max_model_len=cfg.engine.max_model_len, kv_cache_mb=max(64, cfg.engine.kv_cache_mb), seed=cfg.seed, max_num_seqs=cfg.engine.max_num_seqs)  # fmt: skip
+    learner = Learner(
+        None, cfg.seed, optim_of(cfg, cfg.warmstart.lr), LocalReducer(), train_model(cfg, cfg.seed)
+    )
     ws = warm_start(learner, cfg.warmstart, cfg.task, cfg.seed, on_step=on_sft)
     learner.reset_optimizer(optim_of(cfg, cfg.trainer.lr))
     r, out = cfg.rollout, []
     async with LocalChat(ecfg, cfg.seed) as chat:
         chat.load(learner.model, 0)
         env = AgentEnv(chat, InProcessTools(), Sampling(r.temperature, r.top_p, r.max_tokens))
-        problems = ProblemStream(cfg.seed * 1_000_003 + 2, cfg.task.lo, cfg.task.hi, cfg.task.ops)
+        problems = ProblemStream.of(cfg.seed * 1_000_003 + 2, cfg.task)
         ro = Rollouts(
-            RolloutShape(r.groups_per_step, r.group_size), StalenessGate(0), problems, CalcLoop(), env
+            RolloutShape(r.groups_per_step, r.group_size),
+            StalenessGate(0),
+            problems,
+            make_agent_loop(r.agent_loop),
+            env,
         )
         ro.start()
         try:

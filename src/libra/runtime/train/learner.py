@@ -55,15 +55,23 @@ class StepStats:
 
 
 class Learner:
-    def __init__(self, preset: ModelPreset, seed: int, optim: OptimConfig, reducer: Reducer):
-        self.model = TinyTransformer(preset, seed, embed_std=TRAIN_EMBED_STD).train()
+    def __init__(self, preset: ModelPreset | None, seed: int, optim: OptimConfig, reducer: Reducer, model: torch.nn.Module | None = None):  # fmt: skip
+        """Trains `model` (a checkpoint's `LlamaFamily`, `models.train_model`), or the built-in
+        model of `preset` from `seed`. Only parameters that require gradients train (LoRA)."""
+        self.model = (
+            model if model is not None else TinyTransformer(preset, seed, embed_std=TRAIN_EMBED_STD).train()
+        )
+        self.device = next(self.model.parameters()).device
         self.optim_cfg, self.reducer = optim, reducer
         self.opt = self._new_optimizer()
         self.step, self.version = 0, 0
 
     def _new_optimizer(self) -> torch.optim.AdamW:
         o = self.optim_cfg
-        return torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        return torch.optim.AdamW(self.trainable(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+
+    def trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def reset_optimizer(self, optim: OptimConfig | None = None) -> None:
         """Fresh AdamW moments, optionally new settings (the warm-start and RL differ in both)."""
@@ -82,7 +90,7 @@ class Learner:
         no reduction, no update (an elastic partner also calls it for a replica's missing share)."""
         st = StepStats(samples=len(samples))
         for mb in micro_batches(samples, self.optim_cfg.micro_batch_tokens):
-            b = pad(mb)
+            b = pad(mb).to(self.device)
             new = token_logprobs(self.model, b.tokens)
             parts = policy_loss(new, b.old, b.adv, b.mask, clip, global_tokens)
             parts.loss.backward()
@@ -101,7 +109,7 @@ class Learner:
         samples = [TrainSample(ids=ids, mask=mask, logprobs=[0.0] * len(ids)) for ids, mask in batch]
         total = 0.0
         for mb in micro_batches(samples, self.optim_cfg.micro_batch_tokens):
-            b = pad(mb)
+            b = pad(mb).to(self.device)
             logits = self.model.forward_train(b.tokens[:, :-1])
             nll = F.cross_entropy(logits.flatten(0, 1).float(), b.tokens[:, 1:].flatten(), reduction="none")
             loss = (nll * b.mask.flatten()).sum() / global_tokens
@@ -112,7 +120,7 @@ class Learner:
 
     def _apply(self) -> float:
         """Reduce, clip, step. Replicas with no samples still take part with zero gradients."""
-        for p in self.model.parameters():
+        for p in self.trainable():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         self.reducer.reduce(self.model)
@@ -121,14 +129,14 @@ class Learner:
     def update(self) -> float:
         """Clip the reduced gradients by global norm and take the AdamW step (a hybrid replica
         applies the partner's summed gradients through this very call, so it stays bitwise equal)."""
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable(), self.optim_cfg.grad_clip)
         self.opt.step()
         return float(norm)
 
     def logprobs(self, samples: list[TrainSample]) -> list[list[float]]:
         """The current model's log-prob of every token (position 0 gets 0.0), without gradients."""
         with torch.no_grad():
-            b = pad(samples)
+            b = pad(samples).to(self.device)
             lp = token_logprobs(self.model, b.tokens)
         return [[0.0, *lp[i, : len(s.ids) - 1].tolist()] for i, s in enumerate(samples)]
 
@@ -151,5 +159,8 @@ def weights_digest(model: torch.nn.Module) -> str:
     """sha256 of every parameter's bytes, in order (16 hex digits)."""
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().numpy().tobytes())
+        t = p.detach()
+        h.update(
+            (t if t.dtype == torch.float32 and t.device.type == "cpu" else t.float().cpu()).numpy().tobytes()
+        )
     return h.hexdigest()[:16]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from libra.core.specs import ModelSpec
 from libra.core.trajectory import ToolStatus
 from libra.core.trajectory import Trajectory as PlanTrajectory
 from libra.core.trajectory import Turn as PlanTurn
@@ -32,7 +33,7 @@ from libra.planner.cpu_fit import MIB, CpuFitSelector, DenseDims
 from libra.planner.fleet import FleetPlanner
 from libra.planner.problem import PlanningProblem
 from libra.planner.staleness import Finished
-from libra.runtime.engine.config import PRESETS
+from libra.runtime.engine.sources import resolve
 from libra.runtime.train import cluster as procs
 from libra.runtime.train.batch import TrainSample
 from libra.runtime.train.config import TrainConfig
@@ -78,7 +79,7 @@ def step_report(
 def live_problem(cfg: TrainConfig) -> PlanningProblem:
     """The planning problem of a live run: its model and engines as the cost model knows them."""
     cat, e = load_catalog(), cfg.engine
-    model = cat.model(f"builtin-{e.model}", "engine.model")
+    model = catalog_model(cfg) if not e.builtin else cat.model(f"builtin-{e.model}", "engine.model")
     hw, batched = cat.hardware(BUILTIN_HARDWARE), procs.batched_tokens(cfg)
     # The cost model derives an engine's KV cache from its memory; give the host exactly the
     # memory that leaves the engine's configured --kv-cache-mb for KV.
@@ -89,6 +90,15 @@ def live_problem(cfg: TrainConfig) -> PlanningProblem:
     return PlanningProblem(hw, 1, model, r.groups_per_step, r.group_size, max(b.max_context for b in cfg.buckets),
                            e.max_num_seqs, batched, 1.0, staleness=p.staleness, consume=p.consume,
                            engine=BUILTIN_ENGINE)  # fmt: skip
+
+
+def catalog_model(cfg: TrainConfig) -> ModelSpec:
+    """A checkpoint model as the cost model reads it: its shape from its own config. (Priced on the
+    built-in engine's CPU terms, which were fitted on the built-in model: a first estimate.)"""
+    p = resolve(cfg.engine.model, cfg.engine.max_model_len, "engine.model").spec
+    return ModelSpec(name=f"checkpoint-{p.arch}", layers=p.n_layers, hidden=p.d_model, heads=p.n_heads,
+                     kv_heads=p.n_kv_heads, head_dim=p.head_dim, intermediate=p.d_ff, vocab=p.vocab_size,
+                     bytes_per_param=4, source=cfg.engine.model)  # fmt: skip
 
 
 def fleet_plan(cfg: TrainConfig, instances: Sequence[int], tops: Sequence[int]) -> Plan:
@@ -133,7 +143,7 @@ class StageLayout:
 
     def __init__(self, cfg: TrainConfig):
         t = cfg.trainer
-        dims = DenseDims.of(PRESETS[cfg.engine.model])
+        dims = DenseDims.of(resolve(cfg.engine.model, cfg.engine.max_model_len, "engine.model").spec)
         # `trainer.micro_batch_tokens` is the largest packing it may choose (the default run's).
         packings = tuple(p for p in (1 << k for k in range(8, 18)) if p <= t.micro_batch_tokens) or (
             t.micro_batch_tokens,

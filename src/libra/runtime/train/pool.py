@@ -154,7 +154,7 @@ class HybridPool:
             # Drained: nothing in flight, so a short grace (then SIGKILL) loses nothing; the
             # engine's own shutdown waits for its generation thread, ~10 s on a loaded machine.
             p.handle.stop(timeout=DRAINED_STOP_S)
-            self.cluster.procs.remove(p)
+            self.cluster.remove(p)
 
     async def _standby(self, slot: Slot) -> None:
         t0 = time.monotonic()
@@ -167,8 +167,9 @@ class HybridPool:
     def _start_hybrid(self, slot: Slot) -> procs.Proc:
         spec = procs.hybrid_spec(self.cfg, self.cluster.run, slot.index, self.cluster.store)
         p = procs.Proc("hybrid", self.cluster.launcher.start(spec))
-        self.cluster.procs.append(p)
+        self.cluster.add(p)
         p.url = wait_for_line(p.handle, LISTENING, procs.START_TIMEOUT_S).group(1)
+        self.cluster.write_index()
         return p
 
     # ---- each step --------------------------------------------------------------------------------
@@ -214,7 +215,7 @@ class HybridPool:
     async def _start_engine(self, slot: Slot) -> procs.Proc:
         t0 = time.monotonic()
         p = procs.Proc("standby", self.cluster.launcher.start(slot.engine), bucket=slot.backend["bucket"])
-        self.cluster.procs.append(p)  # stopped with the run whatever happens
+        self.cluster.add(p)  # stopped with the run whatever happens
         p.url = (await asyncio.to_thread(wait_for_line, p.handle, LISTENING, procs.START_TIMEOUT_S)).group(1)
         self._event(slot, f"engine started ({time.monotonic() - t0:.1f} s), not yet serving")
         return p
@@ -240,10 +241,11 @@ class HybridPool:
             except (AdminFailed, aiohttp.ClientError, asyncio.TimeoutError) as e:
                 self._event(slot, f"engine could not rejoin the gateway: {e}; trying again")
                 await asyncio.to_thread(p.handle.stop, 10.0)
-                self.cluster.procs.remove(p)
+                self.cluster.remove(p)
                 self._restart_engine(slot)
                 continue
             p.role = "engine"
+            self.cluster.write_index()
             self._back_to_rollout(slot)
             slot.standby = asyncio.create_task(self._standby(slot), name=f"standby {slot.index}")
 
@@ -256,7 +258,7 @@ class HybridPool:
         while p.handle.returncode() is None and time.monotonic() < deadline and not slot.failed:
             await asyncio.sleep(0.1)
         await asyncio.to_thread(p.handle.stop, 10.0)
-        self.cluster.procs.remove(p)
+        self.cluster.remove(p)
 
     def _back_to_rollout(self, slot: Slot) -> None:
         r = slot.replica

@@ -27,7 +27,7 @@ class SumAllReduce:
         self.group = group
 
     def reduce(self, model: nn.Module) -> None:
-        grads = [p.grad for p in model.parameters()]
+        grads = [p.grad for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
         offset = 0

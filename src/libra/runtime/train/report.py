@@ -8,6 +8,7 @@ RUN/summary.json    the figures of the final table
 RUN/metrics.prom    the driver's Prometheus metrics at the end
 RUN/checkpoints/    step-NNNNNN/{model.pt, optimizer.pt, state.json}
 RUN/logs/           one log per process; processes.json says which is which
+RUN/tb/, RUN/wandb/ the per-step curves (`curves`), when their extras are installed or asked for
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from libra.core.curves import CurveOptions, Curves, flatten
 
 MOVING = 5  # steps in the moving average that `steps_to_success_0_8` and `final_success` use
 
@@ -43,6 +46,7 @@ class StepRecord:
     selector: dict | None = None  # EARL: this step's packing, and what was refused and why
     elastic: dict | None = None  # the hybrid pool: joins, releases, rollbacks, hybrid_active, states
     fleet: dict | None = None  # the re-planned layout: buckets' boundaries and engines, what moved
+    memory: dict | None = None  # each trainer replica's peak resident memory (and CUDA peak), by rank
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -139,13 +143,36 @@ class WarmStartRecord:
     probe_success: float | None
 
 
+def curve_scalars(rec: dict) -> dict[str, float]:
+    """What TensorBoard and W&B show per step: reward and success, the step time split,
+    tokens/s, staleness, the loss's statistics, and the controller's decisions."""
+    planner, pool = rec.get("planner") or {}, rec.get("elastic") or {}
+    picked = {
+        "reward": rec["reward"], "success": rec["success"], "weight_version": rec["weight_version"],
+        "step_time_s": {"total": rec["step_time_s"], "rollout_wait": rec["rollout_wait_s"],
+                        "train": rec["train_s"], "publish": rec["publish_s"]},
+        "tokens_per_s": rec["tokens_per_s"], "trained": rec["trained"],
+        "dropped": rec["dropped"]["trajectories"],
+        "staleness": {"mean": rec["staleness"]["mean"], "max": rec["staleness"]["max"]},
+        "loss": rec["loss"],
+        "controller": {"replan": planner.get("replan") is not None,
+                       "ratio": (planner.get("report") or {}).get("ratio"),
+                       "hybrid_active": pool.get("hybrid_active"), "joins": pool.get("joins"),
+                       "releases": pool.get("releases"), "rollbacks": pool.get("rollbacks")},
+    }  # fmt: skip
+    return flatten("", picked)
+
+
 class RunFolder:
-    def __init__(self, path: Path, t0: float):
+    def __init__(self, path: Path, t0: float, curves: CurveOptions | None = None):
         self.path = path
+        self.curves = Curves(path, curves or CurveOptions(), name=path.name)
         self.timeline = Timeline(t0)
         self.records: list[dict] = []
         self.unfinished = 0  # trajectories still generating when the run ended
+        self.interrupted = False  # stopped by an interrupt before its last step
         self.warmstart: WarmStartRecord | None = None
+        self.base: dict | None = None  # the model's success before any training (task.base_eval)
 
     def save_trajectories(self, step: int, groups) -> None:
         """Every trained trajectory of the step, turn by turn, as the engines reported it."""
@@ -166,6 +193,7 @@ class RunFolder:
     def record(self, rec: StepRecord) -> None:
         self.records.append(rec.as_dict())
         self._write("steps.json", self.records)
+        self.curves.log(rec.step, curve_scalars(self.records[-1]))
 
     def _write(self, name: str, obj: object) -> None:
         tmp = self.path / (name + ".tmp")
@@ -173,8 +201,10 @@ class RunFolder:
         tmp.replace(self.path / name)
 
     def finish(self, metrics_text: bytes | None) -> dict:
+        self.curves.close()
         ws = asdict(self.warmstart) if self.warmstart is not None else None
-        summary = {**summarize(self.records), "unfinished": self.unfinished, "warmstart": ws}
+        summary = {**summarize(self.records), "unfinished": self.unfinished, "interrupted": self.interrupted,
+                   "warmstart": ws, "base_success": self.base}  # fmt: skip
         self._write("summary.json", summary)
         self._write("trace.json", self.timeline.chrome())
         if metrics_text is not None:

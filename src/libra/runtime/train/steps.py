@@ -73,6 +73,9 @@ def step_record(step: int, groups: list[Finished[Group]], samples: list[TrainSam
         },
         replicas_equal=train.equal,
         planner=None,
+        memory={
+            f"rank{r.get('rank', i)}": r["memory"] for i, r in enumerate(train.replicas) if r.get("memory")
+        },
     )
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import inspect
 import json
 import random
+import re
 from dataclasses import dataclass
 
 from libra.runtime.engine.tokenizer import (
@@ -89,6 +90,9 @@ class Problem:
     a: int
     op: str
     b: int
+    template: str = "What is {expr}?"  # the user turn (task.prompt)
+    system: str | None = None  # a system turn before it (task.system)
+    answer_mode: str = "exact"  # exact | last_number (task.answer)
 
     @property
     def expr(self) -> str:
@@ -96,31 +100,55 @@ class Problem:
 
     @property
     def question(self) -> str:
-        return f"What is {self.expr}?"
+        return self.template.replace("{expr}", self.expr)
 
     @property
     def answer(self) -> str:
         return evaluate(self.expr)
 
     def messages(self) -> list[dict]:
-        return [{"role": "user", "content": self.question}]
+        user = [{"role": "user", "content": self.question}]
+        return [{"role": "system", "content": self.system}, *user] if self.system else user
+
+
+_INT = re.compile(r"-?\d[\d,]*")
+
+
+def final_answer(problem: Problem, text: str) -> str:
+    """The answer a text gives: all of it (`exact`, the built-in model's task) or its last integer
+    (`last_number`: a pretrained model writes sentences; thousands separators are dropped)."""
+    if problem.answer_mode == "exact":
+        return text.strip()
+    found = _INT.findall(text)
+    return found[-1].replace(",", "") if found else ""
 
 
 def reward(problem: Problem, final_text: str | None) -> float:
     """1 if the final answer is exactly the true value (surrounding space ignored), else 0."""
-    return 1.0 if final_text is not None and final_text.strip() == problem.answer else 0.0
+    return 1.0 if final_text is not None and final_answer(problem, final_text) == problem.answer else 0.0
 
 
 class ProblemStream:
     """Seeded problems, the same sequence for the same seed: operands in [lo, hi], ops + - *."""
 
-    def __init__(self, seed: int, lo: int = 10, hi: int = 99, ops: str = "+-*"):
+    def __init__(self, seed: int, lo: int = 10, hi: int = 99, ops: str = "+-*", template: str = "What is {expr}?",
+                 system: str | None = None, answer_mode: str = "exact"):  # fmt: skip
         self.rng, self.lo, self.hi, self.ops, self.n = random.Random(seed), lo, hi, ops, 0
+        self.shape = (template, system, answer_mode)
+
+    @classmethod
+    def of(cls, seed: int, task) -> ProblemStream:
+        """The stream of a `TaskConfig`."""
+        return cls(seed, task.lo, task.hi, task.ops, task.prompt, task.system, task.answer)
 
     def next(self) -> Problem:
         r = self.rng
         p = Problem(
-            f"p{self.n}", r.randint(self.lo, self.hi), r.choice(self.ops), r.randint(self.lo, self.hi)
+            f"p{self.n}",
+            r.randint(self.lo, self.hi),
+            r.choice(self.ops),
+            r.randint(self.lo, self.hi),
+            *self.shape,
         )
         self.n += 1
         return p

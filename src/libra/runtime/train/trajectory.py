@@ -34,6 +34,7 @@ class Turn:
     finish_reason: str
     text: str = ""  # the answer text (a text turn)
     tool_call: tuple[str, str, str] | None = None  # (call id, name, arguments JSON)
+    raw: str | None = None  # a checkpoint model's call as it wrote it (the engine's raw_content)
     bucket: str = ""
     instance: str = ""
     started: float = 0.0  # wall clock (time.time) for the timeline

@@ -41,13 +41,14 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from libra.runtime.elastic import ElasticReducer
-from libra.runtime.engine.config import PRESETS
 from libra.runtime.serving import bind, serve_until_signalled
 from libra.runtime.train import checkpoint as ckpt
 from libra.runtime.train.batch import TrainSample, sample_tokens
 from libra.runtime.train.config import TrainConfig
 from libra.runtime.train.grpo import Clip
 from libra.runtime.train.learner import Learner, OptimConfig
+from libra.runtime.train.lora import adapter_state, has_lora
+from libra.runtime.train.models import train_model
 from libra.runtime.train.reducer import SumAllReduce
 from libra.runtime.train.warmstart import warm_start
 
@@ -69,9 +70,8 @@ class Replica:
         self.elastic: ElasticReducer | None = None
         self.samples: list[TrainSample] = []
         self.global_tokens = 0
-        self.learner = Learner(
-            PRESETS[cfg.engine.model], cfg.seed, optim_of(cfg, cfg.warmstart.lr), SumAllReduce()
-        )
+        model = train_model(cfg, cfg.seed)  # every replica the same weights: the seed or the checkpoint
+        self.learner = Learner(None, cfg.seed, optim_of(cfg, cfg.warmstart.lr), SumAllReduce(), model)
         self.lock = asyncio.Lock()
         self.registry = CollectorRegistry()
         self.m_step = Histogram(
@@ -90,11 +90,13 @@ class Replica:
         return {"losses": out.losses, "probes": out.probes, "seconds": time.perf_counter() - t0, "checkpoint": path, "fingerprint": self.learner.fingerprint()}  # fmt: skip
 
     def resume(self, path: str) -> dict:
-        info = next((c for c in ckpt.complete(Path(path).parent) if str(c.path) == path), None)
-        if info is None:
-            raise ValueError(f"no complete checkpoint at {path}")
-        weights, opt = ckpt.load(info)
-        self.learner.load(weights, opt, info.step, info.version)
+        """Load a checkpoint of this run, verified against its manifest (`checkpoint`)."""
+        info = ckpt.open_checkpoint(Path(path), self.run)
+        weights, opt = ckpt.load(info, self.run)
+        try:
+            self.learner.load(weights, opt, info.step, info.version)
+        except (RuntimeError, ValueError, KeyError) as e:  # a state_dict of another model or optimizer
+            raise ckpt.CheckpointError(f"checkpoint {path} does not fit this run's model and optimizer ({type(e).__name__}: {str(e)[:200]})") from None  # fmt: skip
         return {"step": info.step, "version": info.version, "fingerprint": self.learner.fingerprint()}
 
     def train(self, body: dict) -> dict:
@@ -112,7 +114,8 @@ class Replica:
         self.m_version.set(self.learner.version)
         elastic = self.elastic.status.to_json() if self.elastic is not None else None
         return {**stats.as_dict(), "rank": self.rank, "version": self.learner.version, "checkpoint": path,
-                "fingerprint": self.learner.fingerprint(), "seconds": time.perf_counter() - t0, "elastic": elastic}  # fmt: skip
+                "fingerprint": self.learner.fingerprint(), "seconds": time.perf_counter() - t0, "elastic": elastic,
+                "memory": memory_mb(self.learner.device)}  # fmt: skip
 
     def _elastic_share(self, step: int, samples: list[TrainSample], release: list[int]) -> list[TrainSample]:
         """This rank's samples of the step, by the membership; the reducer is made at the first RL
@@ -137,7 +140,10 @@ class Replica:
         if self.rank != 0:
             return None
         opt = self.learner.opt.state_dict() if with_optimizer else None
-        info = ckpt.save(self.run / "checkpoints", step, version, self.learner.model.state_dict(), opt, self.cfg.trainer.keep_checkpoints)  # fmt: skip
+        model = self.learner.model
+        # What the engines load: the whole state_dict, or with LoRA the adapter alone (lora.py).
+        weights = adapter_state(model) if has_lora(model) else model.state_dict()
+        info = ckpt.save(self.run / "checkpoints", step, version, weights, opt, self.cfg.trainer.keep_checkpoints)  # fmt: skip
         return str(info.path)
 
     # ---- HTTP ---------------------------------------------------------------------------------
@@ -159,6 +165,11 @@ class Replica:
         async with self.lock:
             try:
                 return web.json_response(await asyncio.to_thread(fn, body))
+            except (
+                ckpt.CheckpointError,
+                ckpt.NonFiniteWeights,
+            ) as e:  # refused: the run cannot go on this way
+                return web.json_response({"error": str(e), "refused": True}, status=422)
             except (KeyError, TypeError, ValueError) as e:
                 return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=400)
             except RuntimeError as e:  # a collective that failed: a peer is gone
@@ -173,7 +184,19 @@ class Replica:
         )
 
 
-def join_group(rank: int, world: int, store_addr: str | None, timeout_s: float) -> dist.Store:
+def memory_mb(device: torch.device) -> dict:
+    """This process's memory: its peak resident set, and on CUDA the allocator's peak."""
+    import resource
+
+    out = {"peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    if device.type == "cuda":
+        out["cuda_peak_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    return out
+
+
+def join_group(
+    rank: int, world: int, store_addr: str | None, timeout_s: float, backend: str = "gloo"
+) -> dist.Store:
     """Rank 0 opens the rendezvous store on a free port and says where; the others connect."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if rank == 0:
@@ -182,7 +205,7 @@ def join_group(rank: int, world: int, store_addr: str | None, timeout_s: float) 
     else:
         host, port = store_addr.rsplit(":", 1)
         store = dist.TCPStore(host, int(port), world, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return store
 
 
@@ -205,7 +228,10 @@ def main(argv: list[str] | None = None) -> None:
     cfg = TrainConfig.model_validate(json.loads(Path(a.config).read_text()))
     torch.set_num_threads(cfg.trainer.threads)
     sock = bind(HOST, 0)
-    store = join_group(a.rank, a.world, a.store, cfg.trainer.collective_timeout_s)
+    if cfg.trainer.device.startswith("cuda"):  # one GPU per replica, by rank
+        torch.cuda.set_device(a.rank % max(1, torch.cuda.device_count()))
+    backend = "nccl" if cfg.trainer.device.startswith("cuda") else "gloo"
+    store = join_group(a.rank, a.world, a.store, cfg.trainer.collective_timeout_s, backend)
     replica = Replica(cfg, a.rank, a.world, Path(a.run), store)
     asyncio.run(_serve(replica, sock))
     # No destroy_process_group: it waits on peers that may be gone; exiting closes the sockets.

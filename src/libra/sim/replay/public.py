@@ -50,7 +50,9 @@ class Figure(BaseModel):
     def requests(self) -> list[tuple[int, int]]:
         if self.kind == "latency":
             return [(self.input, self.output)] * self.batch
-        return list(zip(self.inputs, self.outputs, strict=True))
+        return [
+            (i, max(1, o)) for i, o in zip(self.inputs, self.outputs, strict=True)
+        ]  # 0: one token, empty text
 
 
 @dataclass(frozen=True, slots=True)

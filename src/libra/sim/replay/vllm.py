@@ -5,9 +5,12 @@ newer runs the KV cache vLLM allocated), `config.json` (hardware and the engine 
 `requests.jsonl` (arrivals, token counts and the engine's timestamps). Every instance of the
 layout is simulated: data-parallel ranks each run their own engine behind vLLM's load balancer,
 and a mixture-of-experts model served with expert parallelism splits its experts over the ranks
-(`RolloutCostModel(..., ep=...)`). The model and hardware are looked up in the catalog by name, so
-the replay uses spec-sheet numbers, the measured GPU terms and an engine preset: nothing is fitted
-per trace.
+(`RolloutCostModel(..., ep=...)`), its ranks stepping together (`LockstepGroup`). The model and
+hardware are looked up in the catalog by name, so the replay uses spec-sheet numbers, the measured
+GPU terms and an engine preset: nothing is fitted per trace. Where meta.json records the KV cache
+vLLM allocated, the engines run on it and the cost model's own (vLLM's memory profile, term by
+term, from the run's vLLM version) is reported beside it; where it records vLLM's preemption
+counter, each rank's simulated count is reported beside it.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from libra.core.config import build, read_text_file
 from libra.core.errors import ConfigError, TraceError
+from libra.core.specs import GIB
 from libra.core.trace import MAX_TOKENS, build_line, json_lines
 from libra.costmodel.catalog import Catalog
 from libra.costmodel.efficiency import DEFAULT_ENGINE, RolloutEfficiency
 from libra.costmodel.rollout import RolloutCostModel
-from libra.sim.engine import Engine, Seq
+from libra.sim.engine import Engine, LockstepGroup, Seq
 from libra.sim.kernel import Kernel
 
 METRICS = ("ttft", "tpot", "latency")
@@ -58,6 +62,8 @@ class Bench:
     requests: list[dict]
     dtype: str = ""  # the weight dtype a model-name suffix notes (`-FP8`)
     vllm_kv_tokens: int | None = None  # per rank, when meta.json reports what vLLM allocated
+    vllm_version: tuple[int, ...] | None = None  # meta.json's vllm_version, when recorded
+    vllm_preemptions: list[int] | None = None  # per rank (or one total), when meta.json has them
 
     @property
     def hardware(self) -> str:
@@ -118,11 +124,20 @@ class _Resolved(_Lenient):
     cache_config: _CacheConfig = _CacheConfig()
 
 
+class _Metrics(_Lenient):
+    """vLLM's own counters at the end of the run, where the recorder kept them: the preemptions
+    (vLLM's `vllm:num_preemptions` counter), for the whole run or one per data-parallel rank."""
+
+    num_preemptions: int | list[int] | None = None
+
+
 class _Meta(_Lenient):
     model: str = ""
+    vllm_version: str = ""
     engine_kwargs: _EngineKwargs = _EngineKwargs()
     kv_cache: _KVCache = _KVCache()
     resolved_config: _Resolved = _Resolved()
+    metrics: _Metrics = _Metrics()
 
 
 class _NpuMem(_Lenient):
@@ -165,8 +180,34 @@ def load_bench(folder: str | Path, catalog: Catalog) -> Bench:
     if catalog.model(model).is_moe is False:
         ranks = [Rank(r.hardware, r.tp, 1, r.gpu_memory_utilization) for r in ranks]
     reqs = _read_requests(folder / "requests.jsonl")
+    pre = meta.metrics.num_preemptions
     return Bench(model, ranks, kw.max_num_seqs or 256, kw.max_num_batched_tokens or 8192, reqs, dtype,
-                 _vllm_kv_tokens(meta, len(ranks)))  # fmt: skip
+                 _vllm_kv_tokens(meta, len(ranks)), _version(meta.vllm_version),
+                 [pre] if isinstance(pre, int) else pre)  # fmt: skip
+
+
+def _version(text: str) -> tuple[int, ...] | None:
+    """'0.19.0' -> (0, 19, 0); None when absent or not numbers (a dev build's suffix is dropped)."""
+    parts = []
+    for piece in text.strip().split("."):
+        digits = "".join(c for c in piece if c.isdigit()) if piece[:1].isdigit() else ""
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts) or None
+
+
+# vLLM subtracts its CUDA graphs' estimated memory before sizing the KV cache as from 0.21
+# (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS on by default); earlier runs captured them afterwards.
+CUDAGRAPH_PROFILED_FROM = (0, 21)
+
+
+def _for_version(eff: RolloutEfficiency, engine: str, version: tuple[int, ...] | None) -> RolloutEfficiency:
+    if version is None or version >= CUDAGRAPH_PROFILED_FROM:
+        return eff
+    eng = eff.engine(engine)
+    mem = eng.memory.model_copy(update={"cudagraph_mib": 0.0})
+    return eff.model_copy(update={"engines": {**eff.engines, engine: eng.model_copy(update={"memory": mem})}})
 
 
 def _ranks(meta: _Meta, instances: list[_Instance], catalog: Catalog) -> list[Rank]:
@@ -219,6 +260,7 @@ def measured(bench: Bench) -> dict[str, np.ndarray]:
 def cost_models(bench: Bench, catalog: Catalog, eff: RolloutEfficiency | None = None,
                 engine: str = DEFAULT_ENGINE) -> list[RolloutCostModel]:  # fmt: skip
     model = catalog.model(bench.model)
+    eff = _for_version(eff or RolloutEfficiency(), engine, bench.vllm_version)
     out = []
     for r in bench.ranks:
         cost = RolloutCostModel(catalog.hardware(r.hardware), model, r.tp, eff, r.gpu_memory_utilization,
@@ -240,8 +282,12 @@ class Replay:
 def simulate(bench: Bench, catalog: Catalog, eff: RolloutEfficiency | None = None,
              engine: str = DEFAULT_ENGINE) -> Replay:  # fmt: skip
     k = Kernel(0)
-    engines = [Engine(k, f"rank{i}", c, bench.max_num_seqs, bench.max_num_batched_tokens)
+    # The KV cache vLLM allocated where the run recorded it (the computed one is reported beside).
+    engines = [Engine(k, f"rank{i}", c, bench.max_num_seqs, bench.max_num_batched_tokens,
+                      kv_capacity=bench.vllm_kv_tokens)
                for i, c in enumerate(cost_models(bench, catalog, eff, engine))]  # fmt: skip
+    if len(engines) > 1 and catalog.model(bench.model).is_moe:
+        LockstepGroup(k, engines)  # an MoE model's data-parallel ranks run each forward together
     served: list[list[Seq]] = [[] for _ in engines]
     t0 = min(r["arrival_time"] for r in bench.requests)
     seqs = []
@@ -274,7 +320,7 @@ def _check_fits(bench: Bench, cost: RolloutCostModel) -> None:
     if cost.tp > hw.gpus_per_node:
         raise ConfigError("meta.json: engine_kwargs.tensor_parallel_size", cost.tp,
                           f"<= gpus_per_node ({hw.gpus_per_node}) of {hw.name}")  # fmt: skip
-    cap = cost.kv_capacity_tokens()
+    cap = bench.vllm_kv_tokens or cost.kv_capacity_tokens()
     i = max(range(len(bench.requests)), key=lambda j: bench.requests[j]["input_toks"] + bench.requests[j]["output_toks"])  # fmt: skip
     need = bench.requests[i]["input_toks"] + bench.requests[i]["output_toks"]
     if need > cap:
@@ -290,30 +336,40 @@ def summarize(arrs: dict[str, np.ndarray]) -> dict[str, float]:
     return {f"{m}_{s}": float(f(arrs[m])) for m in METRICS for s, f in STATS.items() if len(arrs[m])}
 
 
-def kv_capacity(bench: Bench, costs: Sequence[RolloutCostModel]) -> dict | None:
-    """Simulated KV tokens per rank against what vLLM reported allocating, if it did."""
-    if bench.vllm_kv_tokens is None:
-        return None
+def kv_capacity(bench: Bench, costs: Sequence[RolloutCostModel]) -> dict:
+    """The KV tokens per rank as the cost model computes them (vLLM's memory profile, term by
+    term, in GiB), against what vLLM reported allocating where it did; the replay runs on vLLM's."""
     sim = costs[0].kv_capacity_tokens()
-    return {
-        "simulated": sim,
-        "vllm": bench.vllm_kv_tokens,
-        "error": (sim - bench.vllm_kv_tokens) / bench.vllm_kv_tokens,
-    }
+    out: dict = {"computed": sim, "vllm": bench.vllm_kv_tokens, "error": None, "replayed": sim,
+                 "breakdown_gib": {k: round(v / GIB, 3) for k, v in costs[0].memory_breakdown().items()}}  # fmt: skip
+    if bench.vllm_kv_tokens is not None:
+        out["error"] = (sim - bench.vllm_kv_tokens) / bench.vllm_kv_tokens
+        out["replayed"] = bench.vllm_kv_tokens
+    return out
 
 
-def per_instance(replay: Replay) -> list[dict]:
-    """Each rank's share: requests, busy fraction, preemptions and its simulated latencies."""
+def per_instance(replay: Replay, vllm_preemptions: list[int] | None = None) -> list[dict]:
+    """Each rank's share: requests, busy fraction, preemptions (beside vLLM's count where the run
+    recorded it per rank; a single total goes on the first row) and its simulated latencies."""
     out = []
     horizon = max((s.t_done for seqs in replay.seqs for s in seqs), default=0.0) or 1.0
-    for eng, seqs in zip(replay.engines, replay.seqs, strict=True):
+    for i, (eng, seqs) in enumerate(zip(replay.engines, replay.seqs, strict=True)):
         row = {"instance": eng.id, "tp": eng.tp, "ep": eng.cost.ep, "requests": len(seqs),
-               "busy": eng.busy_s / horizon, "preemptions": eng.preemptions}  # fmt: skip
+               "busy": eng.busy_s / horizon, "preemptions": eng.preemptions,
+               "vllm_preemptions": _rank_count(vllm_preemptions, i, len(replay.engines))}  # fmt: skip
         if seqs:
             m = _metrics(seqs)
             row.update({f"{k}_mean": float(np.mean(v)) for k, v in m.items() if len(v)})
         out.append(row)
     return out
+
+
+def _rank_count(counts: list[int] | None, rank: int, ranks: int) -> int | None:
+    if counts is None:
+        return None
+    if len(counts) == ranks:
+        return counts[rank]
+    return sum(counts) if rank == 0 else None
 
 
 def compare(bench: Bench, catalog: Catalog, eff: RolloutEfficiency | None = None,
@@ -322,7 +378,7 @@ def compare(bench: Bench, catalog: Catalog, eff: RolloutEfficiency | None = None
     real, sim = summarize(measured(bench)), summarize(replay.metrics)
     keys = ("ttft_mean", "latency_mean", "latency_p90", "tpot_mean")
     return {"measured": real, "simulated": sim, "error": {k: (sim[k] - real[k]) / real[k] for k in keys},
-            "instances": per_instance(replay),
+            "instances": per_instance(replay, bench.vllm_preemptions),
             "kv_capacity": kv_capacity(bench, [e.cost for e in replay.engines])}  # fmt: skip
 
 

@@ -550,7 +550,10 @@ class RLSim:
                         "throughput_tokens_per_s": r.generated_tokens / max(1e-9, r.train_end - prev),
                         "rollout_makespan_s": r.rollout_makespan, "makespan_lower_bound_s": bound,
                         "train_time_s": r.train_time,
-                        "mean_length": float(np.mean(r.lengths)), "p90_length": float(np.percentile(r.lengths, 90))})  # fmt: skip
+                        "mean_length": float(np.mean(r.lengths)), "p90_length": float(np.percentile(r.lengths, 90)),
+                        "staleness_mean": float(np.mean(r.staleness)) if r.staleness else 0.0,
+                        "staleness_max": max(r.staleness, default=0),
+                        "train_gpus": r.train_gpus, "rollout_gpus": r.rollout_gpus})  # fmt: skip
             prev = r.train_end
         return out
 

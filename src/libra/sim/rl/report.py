@@ -14,6 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from libra.core.curves import CurveOptions, Curves, flatten  # noqa: E402
 from libra.sim.output import write_results  # noqa: E402
 from libra.sim.rl.records import StepRecord  # noqa: E402
 
@@ -29,6 +30,18 @@ def write_outputs(out: dict, records: dict, out_dir: Path) -> list[Path]:
     paths.append(plot_layout(focus.history, focus.name, out_dir / "layout.png"))
     paths.append(last.tracer.write(last.name, out_dir / "trace.json"))
     return paths
+
+
+def write_curves(per_step: dict, out_dir: Path, options: CurveOptions) -> list[str]:
+    """Every system's steps as TensorBoard/W&B curves, one series (a TensorBoard run) per system:
+    step time, throughput, rollout makespan and its lower bound, train time, lengths, staleness and
+    the GPU split the controller chose. Returns the writers used."""
+    curves = Curves(out_dir, options, name=out_dir.name)
+    for system, rows in per_step.items():
+        for row in rows:
+            curves.log(row["step"], flatten("", {k: v for k, v in row.items() if k != "step"}), series=system)
+    curves.close()
+    return curves.writers
 
 
 def plot_steps(per_step: dict, path: Path) -> Path:
