@@ -524,7 +524,7 @@ class RLSim:
             "mean_staleness": float(np.mean([x for r in h for x in r.staleness])),
             "max_staleness": max(x for r in h for x in r.staleness),
             **_token_lag(h),
-            **({"interrupts": self.driver_interrupts()} if self.mech.interrupt_updates else {}),
+            **({"interrupts": self.driver.interrupts} if self.mech.interrupt_updates else {}),
             **({"carried_groups": self.partial.carried_groups} if self.partial is not None else {}),
             **({"elastic": self.pool.summary()} if self.pool else {}),
             **({"routing": self.routing.as_dict(rollout_tokens)} if self.bucketed else {}),
@@ -534,9 +534,6 @@ class RLSim:
                 else {}
             ),  # fmt: skip
         }
-
-    def driver_interrupts(self) -> int:
-        return self.driver.interrupts
 
     def record(self) -> SimRecord:
         """What the report needs of this run (without the trajectories: they stay with the batches)."""
