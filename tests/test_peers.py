@@ -279,3 +279,19 @@ def test_strict_gate_takes_overdue_groups_first_and_waits_for_running_ones():
     taken = q.take(2, 1, oldest_running=2)
     assert [f.group for f in taken] == ["old-a", "old-b"]  # overdue at step 2: past the target
     assert [f.group for f in q.take(3, 2)] == ["mid", "fresh-a"]
+
+
+def test_an_interrupted_lockstep_rank_aborts_at_the_groups_step_end(cost):
+    from libra.sim.engine import LockstepGroup
+
+    k = Kernel(0)
+    a, b = Engine(k, "a", cost), Engine(k, "b", cost)
+    LockstepGroup(k, [a, b])
+    done, aborted = [], []
+    for i, eng in enumerate((a, b)):
+        eng.submit(Seq(i, 500, 300, on_done=done.append))
+    k.run(until=0.5)
+    a.interrupt(lambda seq, n: aborted.append((seq.key, n)))
+    k.run()
+    assert [key for key, _ in aborted] == [0] and 0 < aborted[0][1] < 300
+    assert [s.key for s in done] == [1] and a.paused and a.kv_used() == 0

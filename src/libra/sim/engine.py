@@ -148,15 +148,15 @@ class Engine:
         self.evicted_tokens = 0
         self.healthy = True
         self._stepping = False
+        # Tests set 1 to step iteration by iteration and check the closed form against it.
+        self.max_segment_steps = max_segment_steps
+        # Data-parallel ranks of an MoE model step together (`LockstepGroup`); None: on its own.
+        self.group: LockstepGroup | None = None
         self.paused = False
         self._on_abort: Callable[[Seq, int], None] | None = None
         self._arriving: dict[Seq, None] = {}  # reloading from host memory: in no queue yet
         self._prioritized = False  # whether any request had a non-default priority
         self.aborted = 0
-        # Tests set 1 to step iteration by iteration and check the closed form against it.
-        self.max_segment_steps = max_segment_steps
-        # Data-parallel ranks of an MoE model step together (`LockstepGroup`); None: on its own.
-        self.group: LockstepGroup | None = None
 
     # ---- queries ------------------------------------------------------------------------------
 
@@ -236,16 +236,24 @@ class Engine:
         submitted while paused wait for `resume`."""
         self.paused = True
         self._on_abort = on_abort
-        if self._stepping:
-            return  # called from a step's own callbacks: the step handler aborts when it is done
+        if self._stepping or self._in_group_step():
+            return  # the step's handler (or its group's) aborts when the step is done
         if self._busy is None:
             self._abort_all()
         elif self._seg is not None:
             self._cut_at_next_step()
 
+    def _in_group_step(self) -> bool:
+        return self.group is not None and (self.group.busy or self.group.stepping)
+
     def resume(self) -> None:
         self.paused = False
         self._poke()
+
+    def _abort_pending(self) -> None:
+        """Carry out an interrupt that waited for the end of a step."""
+        if self._on_abort is not None:
+            self._abort_all()
 
     def _abort_all(self) -> None:
         on_abort, self._on_abort = self._on_abort, None
@@ -293,9 +301,8 @@ class Engine:
             self._cut_segment()
 
     def _schedule_next(self) -> None:
+        self._abort_pending()
         if self.paused:
-            if self._on_abort is not None:
-                self._abort_all()
             return
         if self.group is not None:
             self.group.poke()
@@ -606,10 +613,6 @@ class Engine:
             self.cache_tokens += tokens
 
 
-def _order_of(seq: Seq) -> int:
-    return seq.order
-
-
 class LockstepGroup:
     """The data-parallel ranks of a mixture-of-experts model, stepping together.
 
@@ -630,10 +633,13 @@ class LockstepGroup:
             e.max_segment_steps = 1  # decode segments would let the ranks drift apart
 
     def poke(self) -> None:
-        """Start the group's next step, unless one is running or being applied."""
+        """Start the group's next step, unless one is running or being applied. A rank that was
+        interrupted during the step aborts now; a paused rank plans nothing (others go on)."""
         if self.busy or self.stepping:
             return
-        plans = [e.schedule() for e in self.engines]
+        for e in self.engines:
+            e._abort_pending()
+        plans = [StepPlan() if e.paused else e.schedule() for e in self.engines]
         if all(p.empty for p in plans):
             return
         pad = max(max(1, p.prefill_tokens + p.decode_seqs) for p in plans)
@@ -654,6 +660,10 @@ class LockstepGroup:
                 e.apply(p)
         self.stepping = False
         self.poke()
+
+
+def _order_of(seq: Seq) -> int:
+    return seq.order
 
 
 def _live(entry: tuple[int, int, Seq]) -> bool:

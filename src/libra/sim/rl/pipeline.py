@@ -245,6 +245,16 @@ class RLSim:
         """No batch and no re-run group in flight."""
         return not self.in_flight and not self.rerun
 
+    def _starved(self) -> bool:
+        """Under a strict gate a step may train more groups than a batch holds (its overdue ones),
+        so the batches of the run may not hold enough groups for its last steps: then one more
+        batch starts, whose groups feed those steps (it is never a step of its own)."""
+        if not (self.gate.strict and self.gate.by_completion()) or self.filled >= self.steps:
+            return False
+        have = self.finished.waiting() + len(self.group_left)
+        per_step = len({t.prompt_id for t in self.batches.get(0)})
+        return have < (self.steps - self.filled) * per_step
+
     def _try_rollout(self) -> None:
         while self._may_roll(self.rollout_started):
             s = self.rollout_started
@@ -639,7 +649,7 @@ class RLSim:
             "mean_staleness": float(np.mean([x for r in h for x in r.staleness])),
             "max_staleness": max(x for r in h for x in r.staleness),
             **_token_lag(h),
-            **({"interrupts": self.driver_interrupts()} if self.mech.interrupt_updates else {}),
+            **({"interrupts": self.driver.interrupts} if self.mech.interrupt_updates else {}),
             **({"carried_groups": self.partial.carried_groups} if self.partial is not None else {}),
             "expired_groups": self.expired_groups,
             **({"elastic": self.pool.summary()} if self.pool else {}),
@@ -650,9 +660,6 @@ class RLSim:
                 else {}
             ),  # fmt: skip
         }
-
-    def driver_interrupts(self) -> int:
-        return self.driver.interrupts
 
     def record(self) -> SimRecord:
         """What the report needs of this run (without the trajectories: they stay with the batches)."""
