@@ -245,16 +245,6 @@ class RLSim:
         """No batch and no re-run group in flight."""
         return not self.in_flight and not self.rerun
 
-    def _starved(self) -> bool:
-        """Under a strict gate a step may train more groups than a batch holds (its overdue ones),
-        so the batches of the run may not hold enough groups for its last steps: then one more
-        batch starts, whose groups feed those steps (it is never a step of its own)."""
-        if not (self.gate.strict and self.gate.by_completion()) or self.filled >= self.steps:
-            return False
-        have = self.finished.waiting() + len(self.group_left)
-        per_step = len({t.prompt_id for t in self.batches.get(0)})
-        return have < (self.steps - self.filled) * per_step
-
     def _try_rollout(self) -> None:
         while self._may_roll(self.rollout_started):
             s = self.rollout_started
