@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 
 import numpy as np
@@ -238,8 +238,12 @@ class RLSim:
         if not (self.gate.strict and self.gate.by_completion()) or self.filled >= self.steps:
             return False
         have = self.finished.waiting() + len(self.group_left)
-        per_step = len({t.prompt_id for t in self.batches.get(0)})
-        return have < (self.steps - self.filled) * per_step
+        return have < (self.steps - self.filled) * self._groups_per_step
+
+    @cached_property
+    def _groups_per_step(self) -> int:
+        """GRPO groups a training step takes (batch 0's; every batch has as many)."""
+        return len({t.prompt_id for t in self.batches.get(0)})
 
     def _drained(self) -> bool:
         """No batch and no re-run group in flight."""
