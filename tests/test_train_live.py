@@ -143,9 +143,16 @@ def check_tokens(out: Path, recs: list[dict]) -> None:
 
 def test_smoke_local(tmp_path):
     out = tmp_path / "run"
-    r = libra_train(out, "--steps", "3", "--set", "save_trajectories=true")
+    held_out = ["--set", "task.base_eval=4", "--set", "task.eval_every=2"]
+    r = libra_train(out, "--steps", "3", "--set", "save_trajectories=true", *held_out)
     check_smoke(out, r, 3)
     assert "libra train" in r.stdout  # the final table
+    # the held-out problems measured before training, after step 1 (every 2 steps) and after the last
+    summary = json.loads((out / "summary.json").read_text())
+    evals = [summary["base_success"], *summary["held_out"]]
+    assert [e["trained_steps"] for e in evals] == [0, 2, 3]
+    assert all(e["problems"] == 4 and e["greedy_dropped"] == e["sampled_dropped"] == 0 for e in evals)
+    assert all(0 <= e["greedy"] <= 1 and 0 <= e["sampled"] <= 1 for e in evals)
 
 
 def test_smoke_ray(tmp_path):

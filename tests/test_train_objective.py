@@ -66,7 +66,7 @@ def test_the_trainer_scores_tokens_under_the_engines_processed_distribution(tool
         SamplingParams(48, temperature=T, top_p=TOP_P, top_k=TOP_K, seed=i, logprobs=True) for i in range(4)
     ]
     learner, prompt, seqs, lps = _generate(params, tools)
-    n = len(prompt)
+    n, free_tokens = len(prompt), 0
     for s in seqs:
         forced = [lp.forced for lp in lps[s.index]]
         mask = [0] * n + [int(not f) for f in forced]
@@ -76,14 +76,17 @@ def test_the_trainer_scores_tokens_under_the_engines_processed_distribution(tool
         raw = torch.tensor(learner.logprobs([sample.model_copy(update={"temperature": 1.0, "top_p": 1.0, "top_k": 0})])[0][n:])  # fmt: skip
         theirs = torch.tensor([lp.logprob for lp in lps[s.index]])
         free = ~torch.tensor(forced)
-        assert free.any() and (ours - theirs)[free].abs().max() < 1e-4
-        assert (raw - theirs)[free].abs().max() > 1e-2
+        free_tokens += int(free.sum())
+        if free.any():  # a random model's top-k may miss every token the grammar allows
+            assert (ours - theirs)[free].abs().max() < 1e-4
+            assert (raw - theirs)[free].abs().max() > 1e-2
         if tools:
             text = bytes(t for t, f in zip(s.tokens[n:], forced, strict=True) if not f and t < 256).decode()
             assert sum(forced) >= 30, "the envelope and the tool's name are the grammar's"
             assert '"name"' not in text and "calc" not in text
         else:  # no grammar: only a token the UTF-8 rule chose outside the policy's top_k/top_p set
             assert forced == [lp.logprob == LOGPROB_FLOOR for lp in lps[s.index]]
+    assert free_tokens > 0
 
 
 def test_processed_logprobs_keep_the_sampled_token_and_renormalise():

@@ -159,6 +159,8 @@ def test_config_errors_name_the_field():
         load_train_config(None, ["trainer.replicas=0"])
     with pytest.raises(ConfigError, match=r"task.hi"):
         load_train_config(None, ["task.lo=50", "task.hi=10"])
+    with pytest.raises(ConfigError, match=r"task.eval_every"):  # held-out evaluations need problems
+        load_train_config(None, ["task.eval_every=5"])
     with pytest.raises(ConfigError, match=r"rollout.nonsense"):
         load_train_config(None, ["rollout.nonsense=1"])
     assert load_train_config(None, []).trainer.replicas == 2

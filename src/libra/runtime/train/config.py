@@ -34,7 +34,8 @@ class TaskConfig(_Strict):
     ops: str = Field("+-", pattern=r"^[-+*]{1,3}$", description="Operators to draw from.")
     prompt: str = Field("What is {expr}?", min_length=1, max_length=2000, description="The user turn; {expr} is the problem.")  # fmt: skip
     system: str | None = Field(None, max_length=4000, description="A system turn before it (a checkpoint model's task).")  # fmt: skip
-    base_eval: int = Field(0, ge=0, le=4096, description="Held-out problems the model is measured on before training, greedy and sampled (0: none).")  # fmt: skip
+    base_eval: int = Field(0, ge=0, le=4096, description="Held-out problems the model is measured on before training and after the last step, greedy and sampled (0: none).")  # fmt: skip
+    eval_every: int = Field(0, ge=0, le=100000, description="Measure the same held-out problems every this many steps too (0: only before and after; needs task.base_eval).")  # fmt: skip
     answer: Literal["exact", "last_number"] = Field("exact", description="exact: the answer is the whole text; last_number: the text's last integer.")  # fmt: skip
     tool: Literal["sandbox", "in_process"] = Field("sandbox", description="Where calc runs.")
     slow_tool_s: float = Field(0.0, ge=0, le=600, description="A workload shift: each tool call waits this long ...")  # fmt: skip
@@ -44,6 +45,10 @@ class TaskConfig(_Strict):
     def _range(self) -> TaskConfig:
         if self.hi < self.lo:
             raise ConfigError("task.hi", self.hi, f">= task.lo ({self.lo})")
+        if self.eval_every and not self.base_eval:
+            raise ConfigError(
+                "task.eval_every", self.eval_every, "0 unless task.base_eval sets the held-out problems"
+            )
         return self
 
 

@@ -104,9 +104,8 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
     start = await _guard(cluster, _prepare(cfg, trainers, folder, resume, progress))
     await publisher.publish(str(Path(start.checkpoint) / ckpt.MODEL), start.version)
     if cfg.task.base_eval and start.step == 0:
-        folder.base = await _guard(cluster, base_success(cfg, _env(cfg, cluster, http)))
-        if progress is not None:
-            progress.note(f"base model: success {folder.base['greedy']} greedy, {folder.base['sampled']} sampled ({cfg.task.base_eval} problems)")  # fmt: skip
+        folder.base = await _guard(cluster, held_out_success(cfg, _env(cfg, cluster, http), 0))
+        _note_eval(progress, "base model", folder.base, cfg)
     rollouts = _rollouts(cfg, cluster, http, start.step)
     admin = GatewayAdmin(cluster.gateway_url, http, cfg.publish.admin_token)
     controller = make_controller(cfg)
@@ -146,6 +145,11 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
             _observe(metrics, rec)
             if progress is not None:
                 progress.step(rec)
+            if _evaluates(cfg, step):  # the same held-out problems as the base, with this step's weights
+                folder.held_out.append(
+                    await _guard(cluster, held_out_success(cfg, _env(cfg, cluster, http), step + 1))
+                )
+                _note_eval(progress, f"after step {step}", folder.held_out[-1], cfg)
     except asyncio.CancelledError:  # interrupted (Ctrl-C): the steps so far stay, counted as such
         folder.interrupted = True
         raise
@@ -200,10 +204,22 @@ def _env(cfg: TrainConfig, cluster, http: aiohttp.ClientSession) -> AgentEnv:
     return AgentEnv(chat, tools, sampling_of(r))
 
 
-async def base_success(cfg: TrainConfig, env: AgentEnv) -> dict:
-    """The model's success before training on `task.base_eval` held-out problems (a stream neither
-    training nor the warm-start draws), greedy (temperature 0) and sampled (the rollouts')."""
-    out = {"problems": cfg.task.base_eval}
+def _evaluates(cfg: TrainConfig, step: int) -> bool:
+    """After the last step, and every `task.eval_every` steps, when held-out problems are set."""
+    every = cfg.task.eval_every
+    return bool(cfg.task.base_eval) and (step == cfg.steps - 1 or (every > 0 and (step + 1) % every == 0))
+
+
+def _note_eval(progress, what: str, out: dict, cfg: TrainConfig) -> None:
+    if progress is not None:
+        progress.note(f"{what}: held-out success {out['greedy']} greedy, {out['sampled']} sampled ({cfg.task.base_eval} problems)")  # fmt: skip
+
+
+async def held_out_success(cfg: TrainConfig, env: AgentEnv, trained_steps: int) -> dict:
+    """The model's success on `task.base_eval` held-out problems (a stream neither training nor
+    the warm-start draws; the same problems every time), greedy (temperature 0) and sampled (the
+    rollouts'), with the weights the engines serve after `trained_steps` steps (0: the base)."""
+    out = {"problems": cfg.task.base_eval, "trained_steps": trained_steps}
     for label, temp in (("greedy", 0.0), ("sampled", cfg.rollout.temperature)):
         problems = ProblemStream.of(cfg.seed + BASE_STREAM, cfg.task)
         run_env = replace(env, sampling=replace(env.sampling, temperature=temp))

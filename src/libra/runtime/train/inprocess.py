@@ -44,7 +44,7 @@ from libra.runtime.train.reducer import LocalReducer
 from libra.runtime.train.report import MOVING
 from libra.runtime.train.rollout import Rollouts, RolloutShape
 from libra.runtime.train.samples import figures, to_samples
-from libra.runtime.train.task import ProblemStream, call_id
+from libra.runtime.train.task import ProblemStream, call_id, demonstration
 from libra.runtime.train.tools import InProcessTools
 from libra.runtime.train.trajectory import Turn
 from libra.runtime.train.warmstart import WarmStartResult, probe_success, warm_start
@@ -156,8 +156,11 @@ def warm_learner(cfg: TrainConfig, cache: Path | None = None, on_sft=None) -> tu
 
 
 def warm_digest(cfg: TrainConfig) -> str:
-    """What a warm-start depends on (seed, model, task, warm-start settings), as 12 hex digits."""
-    key = {"seed": cfg.seed, "model": cfg.engine.model, "task": cfg.task.model_dump(), "ws": cfg.warmstart.model_dump()}  # fmt: skip
+    """What a warm-start depends on (seed, model, task, warm-start settings), as 12 hex digits.
+    The held-out evaluation's settings are left out: they measure the model, never train it."""
+    task = cfg.task.model_dump(exclude={"base_eval", "eval_every"})
+    episode = demonstration(ProblemStream.of(cfg.seed, cfg.task).next())[0]  # the template, as trained
+    key = {"seed": cfg.seed, "model": cfg.engine.model, "task": task, "ws": cfg.warmstart.model_dump(), "episode": episode}  # fmt: skip
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 

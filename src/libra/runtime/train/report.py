@@ -199,6 +199,7 @@ class RunFolder:
         self.interrupted = False  # stopped by an interrupt before its last step
         self.warmstart: WarmStartRecord | None = None
         self.base: dict | None = None  # the model's success before any training (task.base_eval)
+        self.held_out: list[dict] = []  # the same problems' success after steps (task.eval_every, the last)
 
     def save_trajectories(self, step: int, groups) -> None:
         """Every trained trajectory of the step, turn by turn, as the engines reported it."""
@@ -232,7 +233,7 @@ class RunFolder:
         self.curves.close()
         ws = asdict(self.warmstart) if self.warmstart is not None else None
         summary = {**summarize(self.records), "unfinished": self.unfinished, "interrupted": self.interrupted,
-                   "warmstart": ws, "base_success": self.base}  # fmt: skip
+                   "warmstart": ws, "base_success": self.base, "held_out": self.held_out}  # fmt: skip
         self._write("summary.json", summary)
         self._write("trace.json", self.timeline.chrome())
         if metrics_text is not None:
