@@ -97,6 +97,13 @@ def test_libra_runs_partial_rollouts_late_in_training_and_its_plan_early(catalog
     assert out["max_token_lag"] <= 1 and out["replans"] == 0
 
 
+def test_libra_tail_chooses_alike_without_its_lane_when_colocated(catalog):
+    sc, _ = _libra(100)
+    system = make_system("libra+tail")
+    setup = system.setup(sc, catalog.hardware(sc.cluster.hardware))
+    assert system.mode_decision.partial and setup.colocated and not system.tail and not system.elastic
+
+
 def test_libra_keeps_its_plan_at_staleness_zero(catalog):
     sc, late = _libra(100, staleness=0)
     setup = late.setup(sc, catalog.hardware(sc.cluster.hardware))

@@ -13,7 +13,7 @@ mechanism per rung:
 | ablation:hetero-tp | libra | TP buckets | least-loaded | yes | no |
 | ablation:cmlfq | libra | TP buckets | cmlfq | yes | no |
 | libra | libra, or colocated partial rollouts | TP buckets | cmlfq | yes | yes |
-| libra+tail | libra | TP buckets | cmlfq, with the tail lane | yes | yes |
+| libra+tail | as libra | TP buckets | cmlfq, with the tail lane | yes | yes |
 | planned:ROUTER | libra | TP buckets | any registered router | yes | no |
 
 `libra` also chooses its pipeline (`planner.mode.choose_mode`): before the first step it predicts,
@@ -23,7 +23,8 @@ homogeneous TP on every GPU, `peers.april.over_provision` times a step's groups 
 least-loaded routing), and runs the shorter. The choice is made once: a run that starts colocated
 stays colocated (no re-plan, no elastic pool; the planner's re-plans are disaggregated plans, and a
 switch between the two pipelines is not priced). At `pipeline.staleness` 0 only the plan is a
-candidate. The live runtime (`libra train`) does not carry the colocated-partial mode yet.
+candidate. `libra+tail` chooses the same way; its tail lane runs only in the disaggregated mode.
+The live runtime (`libra train`) does not carry the colocated-partial mode yet.
 """
 
 from __future__ import annotations
@@ -63,7 +64,9 @@ LADDER = (
     Rung("ablation:planner", "planner", "+ global planner (split, parallelism, one TP), re-planned"),
     Rung("ablation:hetero-tp", "hetero-tp", "+ heterogeneous TP buckets (least-loaded routing)"),
     Rung("ablation:cmlfq", "cmlfq", "+ C-MLFQ routing"),
-    Rung("libra", "elastic", "+ elastic hybrid pool"),
+    # `libra` also chooses its pipeline (`planner.mode`): where it runs colocated partial rollouts,
+    # this rung's gain is that choice, not the pool (which the colocated mode does not run).
+    Rung("libra", "elastic", "+ elastic hybrid pool, or colocated partial rollouts where predicted faster"),
     Rung("libra+tail", "tail", "+ tail lane: stragglers on engines of their own as the batch drains"),
 )
 
@@ -117,7 +120,7 @@ class PlannedSystem(System):
             self.mode_decision = choose_mode(planner, plan, stats, colocated_partial(sc, hw))
             if self.mode_decision.partial:
                 # Colocated for the whole run: no re-plans into the disaggregated mode, no pool.
-                self.controller, self.elastic = None, False
+                self.controller, self.elastic, self.tail = None, False, False
                 mech = Mechanisms(over_provision=sc.peers.april.over_provision)
                 return colocated(sc, hw, "least-loaded", dict(sc.rollout.router_params), mech)
         return self.setup_for(plan, sc, hw)
@@ -155,7 +158,7 @@ PLANNED = (
     _system("ablation:hetero-tp", "libra", "least-loaded", replan=True),
     _system("ablation:cmlfq", "libra", "cmlfq", replan=True),
     _system("libra", "libra", "cmlfq", replan=True, elastic=True, modes=True),
-    _system("libra+tail", "libra", "cmlfq", replan=True, elastic=True, tail=True),
+    _system("libra+tail", "libra", "cmlfq", replan=True, elastic=True, tail=True, modes=True),
 )
 # The planned systems whose planner may split the rollout into buckets by length (and may not).
 BUCKETED = tuple(cls.name for cls in PLANNED if cls.planner == "libra")
