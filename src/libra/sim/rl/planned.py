@@ -66,7 +66,7 @@ LADDER = (
     Rung("ablation:cmlfq", "cmlfq", "+ C-MLFQ routing"),
     # `libra` also chooses its pipeline (`planner.mode`): where it runs colocated partial rollouts,
     # this rung's gain is that choice, not the pool (which the colocated mode does not run).
-    Rung("libra", "elastic", "+ elastic hybrid pool, or colocated partial rollouts where predicted faster"),
+    Rung("libra", "elastic", "+ elastic hybrid pool, or colocated partial rollouts"),
     Rung("libra+tail", "tail", "+ tail lane: stragglers on engines of their own as the batch drains"),
 )
 
