@@ -7,8 +7,8 @@ a step's GRPO groups in flight and the rollout stopped once the step's target ha
 (`planner.partial`). Neither wins everywhere: where a step is bound by a few long trajectories,
 over-provisioning keeps every engine busy and carries the tail into the next step; where training
 or the two phase switches dominate, the disaggregated overlap wins. Giving the disaggregated
-pipeline partial rollouts instead does not pay (measured: it lost 10-18% and stalled at one bound,
-docs/gaps.md), so the choice is between the two pipelines whole.
+pipeline partial rollouts instead does not pay (measured: it lost 15-18% and stalled in one cell,
+docs/peers.md), so the choice is between the two pipelines whole.
 
 The choice is a prediction, made once from the profiling sample with the planner's own cost model,
 never from simulated or measured results: `choose_mode` prices the colocated-partial step
