@@ -19,28 +19,15 @@ Baselines, as their papers measure against:
 
 from __future__ import annotations
 
-from libra.core.specs import HardwareSpec
 from libra.costmodel.speculative import SpecDecoding
 from libra.planner.stats import WorkloadStats
-from libra.sim.rl.config import RLScenario
 from libra.sim.rl.planned import PlannedSystem, profiling_sample, shared_planner
 from libra.sim.rl.setup import (
     Mechanisms,
-    Setup,
     System,
-    homogeneous,
-    one_bucket,
+    colocated,
     packed,
-    train_parallel,
 )
-
-
-def _colocated(sc: RLScenario, hw: HardwareSpec, router: str, params: dict, mech: Mechanisms) -> Setup:
-    """Rollout, then training, on every GPU: engines of the scenario's homogeneous TP."""
-    total = sc.cluster.nodes * hw.gpus_per_node
-    tp = sc.rollout.homogeneous_tp
-    return Setup(True, total, homogeneous(0, total, tp, hw), one_bucket(sc, tp), router,
-                 train_parallel(sc, total), params, mechanisms=mech)  # fmt: skip
 
 
 class Areal(PlannedSystem):
@@ -103,7 +90,7 @@ class April(System):
 
     def setup(self, sc, hw):
         mech = Mechanisms(over_provision=sc.peers.april.over_provision)
-        return _colocated(sc, hw, self.router, dict(sc.rollout.router_params), mech)
+        return colocated(sc, hw, self.router, dict(sc.rollout.router_params), mech)
 
 
 class Seer(System):
@@ -129,7 +116,7 @@ class Seer(System):
         spec = SpecDecoding(cfg.acceptance_rate, cfg.max_draft) if cfg.speculative else None
         mech = Mechanisms(chunk_tokens=cfg.chunk_tokens, speculative=spec)
         params = {**sc.rollout.router_params, "context_aware": cfg.context_aware}
-        return _colocated(sc, hw, self.router, params, mech)
+        return colocated(sc, hw, self.router, params, mech)
 
 
 class Heddle(System):
@@ -157,7 +144,7 @@ class Heddle(System):
         cfg = sc.peers.heddle
         mech = Mechanisms(migrate_in_tool=cfg.migrate_in_tool)
         params = {**sc.rollout.router_params, "priority": cfg.priority, "oracle": cfg.oracle}
-        base = _colocated(sc, hw, self.router, params, mech)
+        base = colocated(sc, hw, self.router, params, mech)
         if not cfg.per_trajectory_tp:
             return base
         total = sc.cluster.nodes * hw.gpus_per_node

@@ -645,6 +645,7 @@ class RLSim:
             **_token_lag(h),
             **({"interrupts": self.driver.interrupts} if self.mech.interrupt_updates else {}),
             **({"carried_groups": self.partial.carried_groups} if self.partial is not None else {}),
+            **({"mode": d.to_dict()} if (d := getattr(self.system, "mode_decision", None)) else {}),
             "expired_groups": self.expired_groups,
             **({"elastic": self.pool.summary()} if self.pool else {}),
             **({"routing": self.routing.as_dict(rollout_tokens)} if self.bucketed else {}),

@@ -12,9 +12,19 @@ mechanism per rung:
 | ablation:planner | homogeneous | one TP | least-loaded | yes | no |
 | ablation:hetero-tp | libra | TP buckets | least-loaded | yes | no |
 | ablation:cmlfq | libra | TP buckets | cmlfq | yes | no |
-| libra | libra | TP buckets | cmlfq | yes | yes |
-| libra+tail | libra | TP buckets | cmlfq, with the tail lane | yes | yes |
+| libra | libra, or colocated partial rollouts | TP buckets | cmlfq | yes | yes |
+| libra+tail | as libra | TP buckets | cmlfq, with the tail lane | yes | yes |
 | planned:ROUTER | libra | TP buckets | any registered router | yes | no |
+
+`libra` also chooses its pipeline (`planner.mode.choose_mode`): before the first step it predicts,
+from the profiling sample and the planner's cost model, the step of its disaggregated plan and
+that of a colocated pipeline with partial rollouts (APRIL's mechanism: engines of the scenario's
+homogeneous TP on every GPU, `peers.april.over_provision` times a step's groups in flight,
+least-loaded routing), and runs the shorter. The choice is made once: a run that starts colocated
+stays colocated (no re-plan, no elastic pool; the planner's re-plans are disaggregated plans, and a
+switch between the two pipelines is not priced). At `pipeline.staleness` 0 only the plan is a
+candidate. `libra+tail` chooses the same way; its tail lane runs only in the disaggregated mode.
+The live runtime (`libra train`) does not carry the colocated-partial mode yet.
 """
 
 from __future__ import annotations
@@ -25,10 +35,12 @@ from dataclasses import dataclass
 from libra.core.specs import HardwareSpec
 from libra.costmodel.catalog import load_catalog
 from libra.planner import ElasticController, Plan, PlanController, make_planner
+from libra.planner.mode import ColocatedPartial, ModeDecision, choose_mode
 from libra.planner.plan import place
+from libra.planner.stats import WorkloadStats
 from libra.rollout.base import Bucket
 from libra.sim.rl.config import RLScenario, problem_of
-from libra.sim.rl.setup import InstanceSpec, Setup, System
+from libra.sim.rl.setup import InstanceSpec, Mechanisms, Setup, System, colocated, train_parallel
 from libra.sim.workloads import make_workload
 
 # The profiling sample the first plan is made from: step 0 of the workload on a stream of its
@@ -52,7 +64,9 @@ LADDER = (
     Rung("ablation:planner", "planner", "+ global planner (split, parallelism, one TP), re-planned"),
     Rung("ablation:hetero-tp", "hetero-tp", "+ heterogeneous TP buckets (least-loaded routing)"),
     Rung("ablation:cmlfq", "cmlfq", "+ C-MLFQ routing"),
-    Rung("libra", "elastic", "+ elastic hybrid pool"),
+    # `libra` also chooses its pipeline (`planner.mode`): where it runs colocated partial rollouts,
+    # this rung's gain is that choice, not the pool (which the colocated mode does not run).
+    Rung("libra", "elastic", "+ elastic hybrid pool, or colocated partial rollouts"),
     Rung("libra+tail", "tail", "+ tail lane: stragglers on engines of their own as the batch drains"),
 )
 
@@ -88,19 +102,43 @@ class PlannedSystem(System):
     planner = "libra"
     replan = True
     elastic = False
+    # Whether the planner may run colocated partial rollouts instead of its plan (`choose_mode`),
+    # and what it chose (None for a system that does not choose).
+    modes = False
+    mode_decision: ModeDecision | None = None
 
     def setup(self, sc: RLScenario, hw: HardwareSpec) -> Setup:
         elastic = ElasticController(sc.elastic) if self.elastic else None
         planner = shared_planner(self.shared, self.planner, sc, hw)
         self.controller = PlanController(planner, self.replan, elastic, sc.pipeline.tool_latency_default_s)
-        return self.setup_for(self.controller.initial(profiling_sample(sc)), sc, hw)
+        sample = profiling_sample(sc)
+        plan = self.controller.initial(sample)
+        if self.modes:
+            stats = WorkloadStats.from_trajectories(
+                sample, default_tool_latency_s=sc.pipeline.tool_latency_default_s
+            )
+            self.mode_decision = choose_mode(planner, plan, stats, colocated_partial(sc, hw))
+            if self.mode_decision.partial:
+                # Colocated for the whole run: no re-plans into the disaggregated mode, no pool.
+                self.controller, self.elastic, self.tail = None, False, False
+                mech = Mechanisms(over_provision=sc.peers.april.over_provision)
+                return colocated(sc, hw, "least-loaded", dict(sc.rollout.router_params), mech)
+        return self.setup_for(plan, sc, hw)
 
     def setup_for(self, plan: Plan, sc: RLScenario, hw: HardwareSpec, reconfig_s: float = 0.0) -> Setup:
         return setup_of(plan, hw, self.router, sc.rollout.router_params, reconfig_s)
 
 
+def colocated_partial(sc: RLScenario, hw: HardwareSpec) -> ColocatedPartial:
+    """The colocated pipeline with partial rollouts `libra` may run instead of its plan: what
+    `colocated` lays out, with APRIL's over-provisioning, and the scenario's switch cost."""
+    total = sc.cluster.nodes * hw.gpus_per_node
+    return ColocatedPartial(sc.rollout.homogeneous_tp, train_parallel(sc, total),
+                            sc.peers.april.over_provision, sc.pipeline.switch_s)  # fmt: skip
+
+
 def _system(name: str, planner: str, router: str, replan: bool, elastic: bool = False,
-            tail: bool = False) -> type[PlannedSystem]:  # fmt: skip
+            tail: bool = False, modes: bool = False) -> type[PlannedSystem]:  # fmt: skip
     attrs = {
         "name": name,
         "planner": planner,
@@ -108,6 +146,7 @@ def _system(name: str, planner: str, router: str, replan: bool, elastic: bool = 
         "replan": replan,
         "elastic": elastic,
         "tail": tail,
+        "modes": modes,
     }
     return type(name.replace(":", "_").replace("-", "_").title(), (PlannedSystem,), attrs)
 
@@ -118,8 +157,8 @@ PLANNED = (
     _system("ablation:planner", "homogeneous", "least-loaded", replan=True),
     _system("ablation:hetero-tp", "libra", "least-loaded", replan=True),
     _system("ablation:cmlfq", "libra", "cmlfq", replan=True),
-    _system("libra", "libra", "cmlfq", replan=True, elastic=True),
-    _system("libra+tail", "libra", "cmlfq", replan=True, elastic=True, tail=True),
+    _system("libra", "libra", "cmlfq", replan=True, elastic=True, modes=True),
+    _system("libra+tail", "libra", "cmlfq", replan=True, elastic=True, tail=True, modes=True),
 )
 # The planned systems whose planner may split the rollout into buckets by length (and may not).
 BUCKETED = tuple(cls.name for cls in PLANNED if cls.planner == "libra")

@@ -113,6 +113,14 @@ def packed(
     return instances, [Bucket(f"b{k}-tp{b.tp}", b.tp, b.max_context) for k, b in enumerate(buckets)]
 
 
+def colocated(sc: RLScenario, hw: HardwareSpec, router: str, params: dict, mech: Mechanisms) -> Setup:
+    """Rollout, then training, on every GPU: engines of the scenario's homogeneous TP."""
+    total = sc.cluster.nodes * hw.gpus_per_node
+    tp = sc.rollout.homogeneous_tp
+    return Setup(True, total, homogeneous(0, total, tp, hw), one_bucket(sc, tp), router,
+                 train_parallel(sc, total), params, mechanisms=mech)  # fmt: skip
+
+
 def one_bucket(sc: RLScenario, tp: int) -> list[Bucket]:
     return [Bucket("all", tp, sc.workload.max_length)]
 
