@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import machine  # noqa: E402
 
 PROMPT = "What is {expr}? Answer with just the number."
+TEMPERATURE = 1.0  # both sides sample at it (real-smollm2's own default is 0.7)
 
 
 class RssSampler:
@@ -92,7 +93,8 @@ def libra_side(a) -> dict:
     out = Path(tempfile.mkdtemp(prefix="bench-vs-trl-libra-"))
     sets = [f"rollout.groups_per_step={a.groups}", f"rollout.group_size={a.group_size}", f"rollout.max_tokens={a.max_tokens}",
             f"trainer.lr={a.lr}", "rollout.agent_loop=answer", "task.tool=in_process", f"task.prompt={PROMPT}",
-            f"task.base_eval={a.base_eval}", f"pipeline.staleness={a.staleness}", "pipeline.consume=completion",
+            f"task.base_eval={a.base_eval}", "task.eval_every=0", f"rollout.temperature={TEMPERATURE}",
+            f"pipeline.staleness={a.staleness}", "pipeline.consume=completion",
             f"seed={a.seed}", "trainer.negative_weight=1.0", f"trainer.threads={os.cpu_count()}"]  # fmt: skip
     cmd = [sys.executable, "-m", "libra", "train", "--config", "real-smollm2", "--steps", str(a.steps), "--out", str(out), "--json"]  # fmt: skip
     for s in sets:
@@ -189,7 +191,7 @@ def trl_worker(a) -> None:
     cfg = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="bench-vs-trl-trl-"), learning_rate=a.lr, max_steps=a.steps,
         per_device_train_batch_size=a.groups * a.group_size, gradient_accumulation_steps=1,
-        num_generations=a.group_size, max_completion_length=a.max_tokens, temperature=1.0, beta=0.0,
+        num_generations=a.group_size, max_completion_length=a.max_tokens, temperature=TEMPERATURE, beta=0.0,
         epsilon=0.2, epsilon_high=0.28, loss_type="dapo",  # Libra's clip (0.2, 0.28) and token-level loss
         logging_steps=1, report_to=[], use_cpu=True, bf16=False, seed=a.seed, shuffle_dataset=False,
         save_strategy="no", disable_tqdm=True,
