@@ -19,7 +19,7 @@ TRL logs completion lengths) and `completion_tokens_per_s` (sampled tokens), `ba
 training, sampled and greedy; TRL: the first step's mean reward, sampled), `final_success` (mean
 success of the last min(3, steps) steps), `steps`, `peak_rss_mb` (the largest sum of the
 resident memory of the run's processes, sampled every 0.5 s), the curve, and `ratio_step_s`
-(Libra / TRL).
+(Libra / TRL). Libra's run folder (`run`) keeps its records; its checkpoints are removed.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -105,6 +106,8 @@ def libra_side(a) -> dict:
         sys.exit(f"libra train failed ({r.returncode}): {r.stderr[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
     steps = json.loads((out / "steps.json").read_text())
+    # The run's records stay in `out`; its checkpoints (1.6 GB a step for this model) do not.
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
     timed = steps[1:] or steps
     base = summary.get("base_success") or {}
     return {
