@@ -117,11 +117,12 @@ class PlannedSystem(System):
             stats = WorkloadStats.from_trajectories(
                 sample, default_tool_latency_s=sc.pipeline.tool_latency_default_s
             )
-            self.mode_decision = choose_mode(planner, plan, stats, colocated_partial(sc, hw))
+            option = colocated_partial(sc, hw)
+            self.mode_decision = choose_mode(planner, plan, stats, option)
             if self.mode_decision.partial:
                 # Colocated for the whole run: no re-plans into the disaggregated mode, no pool.
                 self.controller, self.elastic, self.tail = None, False, False
-                mech = Mechanisms(over_provision=sc.peers.april.over_provision)
+                mech = Mechanisms(over_provision=option.over_provision)
                 return colocated(sc, hw, "least-loaded", dict(sc.rollout.router_params), mech)
         return self.setup_for(plan, sc, hw)
 
