@@ -131,9 +131,7 @@ def check_tokens(out: Path, recs: list[dict]) -> None:
             v = vers[0]
             if v not in models:
                 m = models[v] = TinyTransformer(PRESETS["tiny"], 0)
-                m.load_state_dict(
-                    torch.load(out / "checkpoints" / f"step-{v:06d}" / "model.pt", weights_only=True)
-                )
+                m.load_state_dict(torch.load(weights_file(out, v), weights_only=True))
             if len(set(vers)) == 1:
                 seq = torch.tensor([turn["prompt_ids"] + ids])
                 ours = token_logprobs(models[v], seq)[0, len(turn["prompt_ids"]) - 1 :]
@@ -141,11 +139,22 @@ def check_tokens(out: Path, recs: list[dict]) -> None:
     assert worst < 1e-3, worst
 
 
+def weights_file(out: Path, version: int) -> Path:
+    """Version `version`'s weights: its checkpoint's model.pt, or between two checkpoints
+    (`trainer.checkpoint_every`) the weights published alone."""
+    full = out / "checkpoints" / f"step-{version:06d}" / "model.pt"
+    return full if full.exists() else out / "weights" / f"version-{version:06d}.pt"
+
+
 def test_smoke_local(tmp_path):
     out = tmp_path / "run"
     held_out = ["--set", "task.base_eval=4", "--set", "task.eval_every=2"]
-    r = libra_train(out, "--steps", "3", "--set", "save_trajectories=true", *held_out)
+    every = ["--set", "trainer.checkpoint_every=2"]
+    r = libra_train(out, "--steps", "3", "--set", "save_trajectories=true", *held_out, *every)
     check_smoke(out, r, 3)
+    # full checkpoints after the warm-start, every 2 steps and at the last; step 1's weights alone
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000000", "step-000002", "step-000003"]  # fmt: skip
+    assert sorted(p.name for p in (out / "weights").iterdir()) == ["version-000001.pt"]
     assert "libra train" in r.stdout  # the final table
     # the held-out problems measured before training, after step 1 (every 2 steps) and after the last
     summary = json.loads((out / "summary.json").read_text())
@@ -165,9 +174,10 @@ def test_smoke_ray(tmp_path):
 def test_an_engine_killed_fails_over_then_a_trainer_killed_stops_clearly_and_resumes(tmp_path):
     """Two faults in one run: an engine SIGKILLed mid-rollout (the gateway fails its sessions
     over, the run goes on, nothing is lost), then a trainer replica SIGKILLed (the run stops with
-    a message naming the checkpoint), then `--resume` continues from that checkpoint."""
+    a message naming the checkpoint), then `--resume` continues from that checkpoint: the newest
+    full one (every 3 steps here), the steps after it trained again."""
     out = tmp_path / "run"
-    proc = start_train(out, "--steps", "8")
+    proc = start_train(out, "--steps", "8", "--set", "trainer.checkpoint_every=3")
     wait_for_steps(out, 1, proc)
     os.kill(pid_of(out, "engine-long-0"), signal.SIGKILL)
     wait_for_steps(out, 4, proc)  # ...the run goes on without it
@@ -184,8 +194,11 @@ def test_an_engine_killed_fails_over_then_a_trainer_killed_stops_clearly_and_res
     assert all(
         set(x["routing"]["turns_by_bucket"]) == {"short"} for x in recs[2:]
     )  # only the survivor serves
-    r = libra_train(out, "--steps", str(done + 1), "--resume")
+    newest = max(int(p.name[5:]) for p in (out / "checkpoints").iterdir() if "tmp" not in p.name)
+    assert newest % 3 == 0 and newest <= done, newest
+    r = libra_train(out, "--steps", str(done + 1), "--resume", "--set", "trainer.checkpoint_every=3")
     assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resuming from step {newest}" in r.stdout + r.stderr, r.stdout[-2000:]
     recs = steps_of(out)
     assert [x["step"] for x in recs] == list(range(done + 1))
     assert [x["weight_version"] for x in recs] == list(range(1, done + 2))

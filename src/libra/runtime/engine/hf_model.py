@@ -190,13 +190,14 @@ class LlamaFamily(nn.Module):
                     field, where, f"a LoRA adapter of this model's linear layers ({key!r} does not fit)"
                 )
 
-    def forward_train(self, tokens: Tensor) -> Tensor:
-        """Logits [B, T, vocab] of right-padded `tokens` [B, T], cache-free and differentiable."""
+    def forward_train(self, tokens: Tensor, rows: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """Logits [B, T, vocab] of right-padded `tokens` [B, T], cache-free and differentiable;
+        given `rows` (a `nonzero(as_tuple=True)` of [B, T]), only those positions' [N, vocab]."""
         x = self.model.embed_tokens(tokens)
         rope = self.rope(torch.arange(tokens.shape[1], device=tokens.device), x.dtype)
         for layer in self.model.layers:
             x = layer.forward_train(x, rope)
-        return self.lm_head(self.model.norm(x))
+        return self.lm_head(self.model.norm(x if rows is None else x[rows]))
 
 
 def _eps(cfg: dict) -> float:

@@ -202,17 +202,20 @@ class TinyTransformer(nn.Module):
         x = x if b.sample_rows is None else x[b.sample_rows]
         return self.lm_head(F.rms_norm(x, (self.preset.d_model,), self.final_norm, NORM_EPS))
 
-    def forward_train(self, tokens: Tensor) -> Tensor:
+    def forward_train(self, tokens: Tensor, rows: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """Logits [B, T, vocab] for right-padded sequences `tokens` [B, T]: the trainer's forward.
 
         Cache-free and differentiable: every position attends causally to the positions before it,
-        so padding at the right never reaches a real token. Row t predicts token t + 1.
+        so padding at the right never reaches a real token. Row t predicts token t + 1. Given `rows`
+        (a `nonzero(as_tuple=True)` of [B, T]) only those positions' logits [N, vocab]: the head
+        and its gradient skip the prompt, which a large vocabulary makes a sizeable share.
         """
         prev = torch.cat([torch.full_like(tokens[:, :1], self.preset.vocab_size), tokens[:, :-1]], 1)
         x = self.embed(tokens) + self.embed_prev(prev)
         rope = self.rope(torch.arange(tokens.shape[1], device=tokens.device))
         for layer in self.layers:
             x = layer.forward_train(x, rope)
+        x = x if rows is None else x[rows]
         return self.lm_head(F.rms_norm(x, (self.preset.d_model,), self.final_norm, NORM_EPS))
 
 

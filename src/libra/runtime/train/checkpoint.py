@@ -6,7 +6,10 @@ after the warm-start, which resets the optimizer) and `manifest.json`: the step,
 and each file's size and sha256. The files are written and synced in `step-000005.tmp/`, the
 manifest last (itself through a temporary name), then the folder is renamed into place: a folder
 without a manifest is an interrupted write, and bits flipped later show as a digest mismatch.
-Only trainer rank 0 writes (replicas are bitwise equal).
+Only trainer rank 0 writes (replicas are bitwise equal). With `trainer.checkpoint_every` N > 1,
+the steps between two checkpoints write their weights alone to `RUN/weights/` (`publish_weights`):
+a step's AdamW state is twice its weights, and writing, syncing and hashing it every step was the
+largest part of a real model's step (docs/models.md).
 
 Before a checkpoint is written its weights are checked for NaN and infinities: a step that
 diverged stops the run with a message naming the tensor, and nothing is written or published.
@@ -99,6 +102,24 @@ def save(
     for old in complete(root)[:-keep]:
         shutil.rmtree(old.path, ignore_errors=True)
     return CheckpointInfo(final, step, version, tuple(files))
+
+
+def publish_weights(root: Path, version: int, weights: dict, keep: int = 3) -> Path:
+    """Write version `version`'s weights alone for the engines to load, between two full
+    checkpoints (`trainer.checkpoint_every`): checked for NaN like a checkpoint, renamed into place
+    whole, but neither synced nor hashed, since nothing resumes from it (a crash resumes from the
+    newest checkpoint). The newest `keep` are kept: an engine that joins late loads the latest."""
+    import torch
+
+    check_finite(weights, version)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"version-{version:06d}.pt"
+    tmp = final.with_name(final.name + ".tmp")
+    torch.save(weights, tmp)
+    os.replace(tmp, final)
+    for old in sorted(root.glob("version-*.pt"))[:-keep]:
+        old.unlink(missing_ok=True)
+    return final
 
 
 def _serialize(obj: dict) -> bytes:

@@ -139,6 +139,7 @@ class TrainerConfig(_Strict):
     threads: int = Field(1, ge=1, le=256)
     collective_timeout_s: float = Field(120.0, gt=0, le=3600, description="A replica waiting longer on its peers fails.")  # fmt: skip
     keep_checkpoints: int = Field(3, ge=1, le=1000)
+    checkpoint_every: int = Field(1, ge=1, le=100_000, description="Steps between full checkpoints (weights and AdamW state, synced and hashed; the last step always writes one); the steps between write their weights alone, unsynced, for publication (RUN/weights/). --resume starts from the newest full checkpoint.")  # fmt: skip
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$", description="cpu (gloo) or cuda (NCCL between replicas).")  # fmt: skip
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: float32 on CPU, bfloat16 on CUDA.")  # fmt: skip
     lora: LoraSettings = LoraSettings()

@@ -41,7 +41,8 @@ class PublishFailed(RuntimeError):
 @dataclass(slots=True)
 class TrainResult:
     version: int
-    checkpoint: str
+    checkpoint: str | None  # the step's checkpoint folder; None between two (`checkpoint_every`)
+    weights: str  # the file the engines load: the checkpoint's model.pt, or the weights alone
     seconds: float
     replicas: list[dict]
 
@@ -99,8 +100,8 @@ class Trainers:
             for part in parts
         ]
         out = await self.all("/train", bodies)
-        ckpt = next(r["checkpoint"] for r in out if r.get("checkpoint"))
-        return TrainResult(int(out[0]["version"]), ckpt, time.perf_counter() - t0, out)
+        writer = next(r for r in out if r.get("weights"))  # rank 0
+        return TrainResult(int(out[0]["version"]), writer.get("checkpoint"), writer["weights"], time.perf_counter() - t0, out)  # fmt: skip
 
 
 @dataclass(slots=True)

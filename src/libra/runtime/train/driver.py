@@ -124,7 +124,7 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
                 cluster, _train(cfg, trainers, pool, step, samples, packing)
             )  # train, checkpoint
             clock.mark("train")
-            model = str(Path(result.checkpoint) / ckpt.MODEL)
+            model = result.weights
             pub = await publisher.publish(model, result.version)
             rollouts.mark_trained(step + 1)
             await publisher.end_step()
@@ -186,6 +186,8 @@ async def _prepare(cfg: TrainConfig, trainers: Trainers, folder: RunFolder, resu
     if found is not None:
         await trainers.resume(str(found.path))
         folder.load_previous(found.step)
+        if progress is not None:
+            progress.note(f"resuming from step {found.step} ({found.path})")
         return Start(found.step, found.version, str(found.path))
     out = await trainers.warmstart()
     probes = out[0]["probes"]

@@ -109,12 +109,12 @@ class Replica:
         if self.cfg.elastic.enabled:
             samples = self._elastic_share(int(body["step"]), samples, body.get("release") or [])
         stats = self.learner.rl_step(samples, self.global_tokens, objective_of(self.cfg))
-        path = self._save(self.learner.step, self.learner.version, with_optimizer=True)
+        path, weights = self._after_step()
         self.m_step.observe(time.perf_counter() - t0)
         self.m_tokens.inc(stats.tokens)
         self.m_version.set(self.learner.version)
         elastic = self.elastic.status.to_json() if self.elastic is not None else None
-        return {**stats.as_dict(), "rank": self.rank, "version": self.learner.version, "checkpoint": path,
+        return {**stats.as_dict(), "rank": self.rank, "version": self.learner.version, "checkpoint": path, "weights": weights,
                 "fingerprint": self.learner.fingerprint(), "seconds": time.perf_counter() - t0, "elastic": elastic,
                 "memory": memory_mb(self.learner.device)}  # fmt: skip
 
@@ -139,14 +139,28 @@ class Replica:
             [self.samples[i] for i in indices], self.global_tokens, objective_of(self.cfg)
         )
 
+    def _after_step(self) -> tuple[str | None, str | None]:
+        """(the checkpoint folder or None, the weights file the engines load), rank 0 only: a full
+        checkpoint every `checkpoint_every` steps and at the run's last step, the weights alone
+        between them (`checkpoint.publish_weights`)."""
+        step, version, every = self.learner.step, self.learner.version, self.cfg.trainer.checkpoint_every
+        if self.rank != 0:
+            return None, None
+        if step % every == 0 or step >= self.cfg.steps:
+            path = self._save(step, version, with_optimizer=True)
+            return path, str(Path(path) / ckpt.MODEL)
+        return None, str(ckpt.publish_weights(self.run / "weights", version, self._weights()))
+
+    def _weights(self) -> dict:
+        # What the engines load: the whole state_dict, or with LoRA the adapter alone (lora.py).
+        model = self.learner.model
+        return adapter_state(model) if has_lora(model) else model.state_dict()
+
     def _save(self, step: int, version: int, with_optimizer: bool) -> str | None:
         if self.rank != 0:
             return None
         opt = self.learner.opt.state_dict() if with_optimizer else None
-        model = self.learner.model
-        # What the engines load: the whole state_dict, or with LoRA the adapter alone (lora.py).
-        weights = adapter_state(model) if has_lora(model) else model.state_dict()
-        info = ckpt.save(self.run / "checkpoints", step, version, weights, opt, self.cfg.trainer.keep_checkpoints)  # fmt: skip
+        info = ckpt.save(self.run / "checkpoints", step, version, self._weights(), opt, self.cfg.trainer.keep_checkpoints)  # fmt: skip
         return str(info.path)
 
     # ---- HTTP ---------------------------------------------------------------------------------
