@@ -6,7 +6,8 @@ RUN/trace.json      Chrome-trace timeline (ui.perfetto.dev): the driver's phases
                     batch, and every model turn on the engine that served it
 RUN/summary.json    the figures of the final table
 RUN/metrics.prom    the driver's Prometheus metrics at the end
-RUN/checkpoints/    step-NNNNNN/{model.pt, optimizer.pt, state.json}
+RUN/checkpoints/    step-NNNNNN/{model.pt, optimizer.pt, manifest.json}, every trainer.checkpoint_every
+RUN/weights/        version-NNNNNN.pt: the weights alone, for the engines, between two checkpoints
 RUN/logs/           one log per process; processes.json says which is which
 RUN/tb/, RUN/wandb/ the per-step curves (`curves`), when their extras are installed or asked for
 """
