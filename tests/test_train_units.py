@@ -163,6 +163,15 @@ def test_config_errors_name_the_field():
         load_train_config(None, ["task.eval_every=5"])
     with pytest.raises(ConfigError, match=r"rollout.nonsense"):
         load_train_config(None, ["rollout.nonsense=1"])
+    partial = "pipeline.mode=colocated-partial"
+    with pytest.raises(ConfigError, match=r"pipeline.staleness"):  # carried groups train a step later
+        load_train_config(None, [partial, "pipeline.staleness=0"])
+    with pytest.raises(ConfigError, match=r"pipeline.consume"):
+        load_train_config(None, [partial, "pipeline.consume=batch"])
+    with pytest.raises(ConfigError, match=r"pipeline.mode"):
+        load_train_config(None, [partial, "elastic.enabled=true"])
+    with pytest.raises(ConfigError, match=r"pipeline.over_provision"):
+        load_train_config(None, [partial, "pipeline.over_provision=0.5"])
     assert load_train_config(None, []).trainer.replicas == 2
 
 

@@ -129,6 +129,11 @@ class Publisher:
             raise PublishFailed(f"gateway {path}: HTTP {r.status}: {data}")
         return data
 
+    async def pause(self) -> None:
+        """Every engine stops stepping (the publish pause mode) until the next publication
+        continues them: the colocated pipeline's turn for training."""
+        await self._post("/pause_generation", {"mode": self.mode})
+
     async def publish(self, model_path: str, version: int) -> PublishResult:
         t0 = time.perf_counter()
         await self._post("/pause_generation", {"mode": self.mode})

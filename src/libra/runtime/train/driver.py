@@ -41,6 +41,7 @@ from libra.runtime.train.control import (
 from libra.runtime.train.fleet import LiveFleet
 from libra.runtime.train.gateway_admin import GatewayAdmin
 from libra.runtime.train.metrics import DriverMetrics
+from libra.runtime.train.partial import PartialRollouts
 from libra.runtime.train.planning import StageLayout, decide, decision_log, make_controller, step_report
 from libra.runtime.train.pool import make_pool
 from libra.runtime.train.report import RunFolder, WarmStartRecord
@@ -120,6 +121,8 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
             clock.mark("rollout")
             samples = to_samples(groups, cfg.trainer.normalize_std, cfg.trainer.negative_weight, sampling_of(cfg.rollout))  # fmt: skip
             packing, selected = _select(layout, samples)  # EARL: the layout for this context range
+            if cfg.pipeline.mode == "colocated-partial":  # rollout and training take turns
+                await publisher.pause()
             result = await _guard(
                 cluster, _train(cfg, trainers, pool, step, samples, packing)
             )  # train, checkpoint
@@ -137,7 +140,7 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
             fleet.carry_out(decision.replan)  # engines change bucket, boundaries move, in the background
             rec = step_record(step, groups, samples, result, pub, clock, rollouts.drops.take())
             rec.planner, rec.elastic, rec.selector = decision_log(decision, report), pool.record(), selected
-            rec.fleet = fleet.record()
+            rec.fleet, rec.carried = fleet.record(), rollouts.carried
             folder.record(rec)
             if cfg.save_trajectories:
                 folder.save_trajectories(step, groups)
@@ -238,11 +241,15 @@ def _rollouts(cfg: TrainConfig, cluster, http: aiohttp.ClientSession, step: int)
     r = cfg.rollout
     env = _env(cfg, cluster, http)
     tools = env.tools
-    gate = StalenessGate(cfg.pipeline.staleness, cfg.pipeline.consume)
+    p = cfg.pipeline
     # Each resumed step draws fresh problems: the stream is seeded by the step it starts at.
     problems = ProblemStream.of(cfg.seed * 1_000_003 + 2 + step, cfg.task)
     shape = RolloutShape(r.groups_per_step, r.group_size, r.max_drop_fraction)
-    rollouts = Rollouts(shape, gate, problems, make_agent_loop(r.agent_loop), env, step, cfg.steps - 1)
+    loop = make_agent_loop(r.agent_loop)
+    if p.mode == "colocated-partial":
+        rollouts: Rollouts = PartialRollouts(shape, p.staleness, p.over_provision, problems, loop, env, step, cfg.steps - 1)  # fmt: skip
+    else:
+        rollouts = Rollouts(shape, StalenessGate(p.staleness, p.consume), problems, loop, env, step, cfg.steps - 1)  # fmt: skip
     tools.trained = lambda: rollouts.trained
     return rollouts
 

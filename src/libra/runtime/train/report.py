@@ -48,6 +48,7 @@ class StepRecord:
     elastic: dict | None = None  # the hybrid pool: joins, releases, rollbacks, hybrid_active, states
     fleet: dict | None = None  # the re-planned layout: buckets' boundaries and engines, what moved
     memory: dict | None = None  # each trainer replica's peak resident memory (and CUDA peak), by rank
+    carried: int | None = None  # colocated-partial: groups still in flight when the step's rollout stopped
 
     def as_dict(self) -> dict:
         return asdict(self)

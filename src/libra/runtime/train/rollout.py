@@ -91,6 +91,7 @@ class Rollouts:
         self._producer: asyncio.Task | None = None
         self._next_batch = start_step
         self._ids = itertools.count()
+        self.carried: int | None = None  # partial rollouts: groups in flight when a step stopped
 
     # ---- the driver's side ---------------------------------------------------------------------
 
@@ -132,9 +133,12 @@ class Rollouts:
             while not self.gate.may_start(b, self.trained):
                 self._changed.clear()
                 await self._changed.wait()
-            self.started[b] = asyncio.get_running_loop().time()
+            self.started[b] = self._now()
             self._spawn(self._batch(b, self.trained))
             self._next_batch += 1
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -171,7 +175,7 @@ class Rollouts:
         while True:
             group = await self._group(b, g, version)
             if not group.dropped:
-                self.queue.add(b, version, group)
+                self._finished(b, g, version, group)
                 self._poke()
                 return dropped
             for t in group.trajs:
@@ -180,6 +184,9 @@ class Rollouts:
             dropped += 1
             if dropped > self.shape.groups_per_step:
                 return dropped
+
+    def _finished(self, b: int, g: int, version: int, group: Group) -> None:
+        self.queue.add(b, version, group)
 
     async def _group(self, b: int, g: int, version: int) -> Group:
         problem = self.problems.next()
