@@ -172,7 +172,7 @@ def test_colocated_partial_rollouts(tmp_path):
     r = libra_train(out, "--steps", "3", "--set", "save_trajectories=true", "--set", "pipeline.mode=colocated-partial")  # fmt: skip
     check_smoke(out, r, 3)
     recs = steps_of(out)
-    assert all(x["carried"] is not None and 0 <= x["carried"] <= 2 for x in recs)
+    assert all(x["carried"] is not None and 0 <= x["carried"] <= 4 for x in recs)  # at most 2 x 2 in flight
     assert recs[-1]["carried"] == 0  # the last step leaves nothing in flight
 
 
