@@ -96,7 +96,7 @@ def libra_side(a) -> dict:
             f"trainer.lr={a.lr}", "rollout.agent_loop=answer", "task.tool=in_process", f"task.prompt={PROMPT}",
             f"task.base_eval={a.base_eval}", "task.eval_every=0", f"rollout.temperature={TEMPERATURE}",
             f"pipeline.staleness={a.staleness}", "pipeline.consume=completion",
-            f"seed={a.seed}", "trainer.negative_weight=1.0", f"trainer.threads={os.cpu_count()}"]  # fmt: skip
+            f"seed={a.seed}", "trainer.negative_weight=1.0", f"trainer.threads={os.cpu_count()}", *a.libra_set]  # fmt: skip
     cmd = [sys.executable, "-m", "libra", "train", "--config", "real-smollm2", "--steps", str(a.steps), "--out", str(out), "--json"]  # fmt: skip
     for s in sets:
         cmd += ["--set", s]
@@ -226,6 +226,7 @@ def main() -> None:
     ap.add_argument("--base-eval", type=int, default=8, help="Libra's held-out base measurement (problems)")
     ap.add_argument("--staleness", type=int, default=1, help="Libra's pipeline.staleness")
     ap.add_argument("--only", choices=["libra", "trl"], default=None)
+    ap.add_argument("--libra-set", action="append", default=[], metavar="KEY=VALUE", help="more libra train --set overrides (e.g. pipeline.mode=colocated-partial)")  # fmt: skip
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.trl_worker:
