@@ -130,6 +130,7 @@ class RLSim:
         self.total_gpus = sc.cluster.nodes * self.hw.gpus_per_node
         self.tracer = Tracer(trace_step)
         self.train_cost = TrainCostModel(self.hw, self.model, self.profile.train)
+        system.run_steps = steps
         self.setup: Setup = system.setup(sc, self.hw)
         # Routing counts and engine token totals cover the whole run, across re-plans (each
         # re-plan builds new engines and a new driver).
