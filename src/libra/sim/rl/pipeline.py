@@ -599,8 +599,14 @@ class RLSim:
                 if partial and self.setup.colocated
                 else None
             )
+            # Every batch the run started, with its start: a batch no step is named after may
+            # still feed the last steps (its groups count among the earliest finishes).
+            began: dict[int, float] = {}
+            for (b, g), t in self.submitted.items():
+                if not g.endswith(SPARE):
+                    began[b] = min(t, began.get(b, t))
             self._bounds = makespan_bounds(taken, floors, self.total_gpus, completion,
-                                           self.submitted if partial else None, windows)  # fmt: skip
+                                           self.submitted if partial else None, windows, began)  # fmt: skip
         return self._bounds
 
     def mean_bound(self) -> float:
