@@ -3,7 +3,8 @@
 Disaggregated systems run rollout and training on separate GPUs, asynchronously with bounded
 staleness, as slime and AReaL do: rollout batch s may start once at least s-k training steps have
 finished (its weights are at most k steps old), so up to k+1 batches are in flight and the next
-batch overlaps the tail of the last one. Training step s takes as many whole GRPO groups as batch s
+batch overlaps the tail of the last one (under the strict gate the lead ramps up from 1 at the
+start, `StalenessGate.lead`). Training step s takes as many whole GRPO groups as batch s
 has: by default the first groups to finish (`pipeline.consume: completion`, as AReaL does), so a
 straggler's group is trained by a later step instead of holding its own step up; with `batch`,
 exactly the groups of batch s. The bound holds for what is trained: a group that finishes more than
