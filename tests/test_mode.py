@@ -79,7 +79,7 @@ def test_a_short_run_weighs_each_pipelines_fill(catalog, stats):
     fill once. A plan whose period training bounds, 1 s shorter than the colocated step, keeps the
     plan in the steady state and over a long run, and loses over 12 steps: its first step waits for
     the first groups of two batches (R2E late, 64 prompts, k=2 on the default map: the plan's 672 s
-    period against 673 s, and the 12-step run slower by 9%)."""
+    period against 673 s, and APRIL 1.09x the plan over 12 steps)."""
     planner = _planner(catalog, 2)
     est = colocated_partial_step(planner, stats, COLOCATED)
     assert est is not None and est.fill_s >= 0
