@@ -123,3 +123,37 @@ def test_cells_built_from_real_trajectories_run_every_system(shared_data):
     assert set(cell["skipped"]) == {"areal", "april"}  # they need a bound of at least 1
     assert {"seer", "heddle", "libra"} <= set(cell["throughput"]) and cell["best_peer"] in ("seer", "heddle")
     assert all(lag == [0.0, 0] for name, lag in cell["token_lag"].items() if name in ("seer", "heddle"))
+
+
+@pytest.mark.parametrize("systems", ["static-optimal,no-such-system", "", "libra,libra"])
+def test_explore_systems_must_be_known_systems(systems, tmp_path):
+    proc = run_cli(
+        "explore", "--grid", "default", "--systems", systems, "--out", str(tmp_path / "o"), timeout=120
+    )
+    assert proc.returncode == 2 and "--systems" in proc.stderr, proc.stderr
+    assert not (tmp_path / "o" / "cells.jsonl").exists()  # nothing ran
+
+
+def test_explore_runs_only_the_systems_asked_for(tmp_path):
+    """`--systems`: every cell runs those systems only; gains need both rungs, so none here, and
+    libra is still set against the best peer and the best static configuration that ran."""
+    p = tmp_path / "g.yaml"
+    p.write_text(
+        yaml.safe_dump(
+            {**TINY, "steps": 2, "axes": [{"name": "k", "key": "pipeline.staleness", "values": [1]}]}
+        )
+    )
+    out = tmp_path / "out"
+    proc = run_cli("explore", "--grid", str(p), "--systems", "static-optimal, libra,april", "--out", str(out),
+                   "--executor", "local", timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((out / "explore.json").read_text())
+    (cell,) = result["cells"]
+    assert result["systems"] == ["static-optimal", "libra", "april"]
+    assert set(cell["throughput"]) == {"static-optimal", "libra", "april"} and cell["gains"] == {}
+    assert cell["best_static"] == "static-optimal" and cell["best_peer"] == "april"
+    assert cell["libra_vs_best_peer"] == pytest.approx(
+        cell["throughput"]["libra"] / cell["throughput"]["april"] - 1
+    )
+    assert "--systems static-optimal,libra,april" in cell["command"]
+    assert (out / "libra_vs_best_peer.png").exists() and not list(out.glob("gain_*.png"))

@@ -22,6 +22,8 @@ from libra.planner.mode import (
     ColocatedPartial,
     choose_mode,
     colocated_partial_step,
+    disaggregated_fill_s,
+    run_step_s,
     turnover_s,
 )
 from libra.sim.rl.pipeline import Batches, RLSim
@@ -70,6 +72,31 @@ def test_more_groups_in_flight_turn_over_faster():
     once, twice, thrice = (turnover_s(spread, 100.0, 10.0, o) for o in (1.0, 2.0, 3.0))
     assert once == pytest.approx(100.0, rel=1e-6)  # no over-provisioning: the slowest group
     assert thrice < twice < once
+
+
+def test_a_short_run_weighs_each_pipelines_fill(catalog, stats):
+    """Both step predictions are steady-state periods; a run of n steps also pays its pipeline's
+    fill once. A plan whose period training bounds, 1 s shorter than the colocated step, keeps the
+    plan in the steady state and over a long run, and loses over 12 steps: its first step waits for
+    the first groups of two batches (R2E late, 64 prompts, k=2 on the default map: the plan's 672 s
+    period against 673 s, and APRIL 1.09x the plan over 12 steps)."""
+    planner = _planner(catalog, 2)
+    est = colocated_partial_step(planner, stats, COLOCATED)
+    assert est is not None and est.fill_s >= 0
+    plan = replace(planner.plan(stats), t_train_s=est.step_time_s - 1.0)
+    assert plan.step_time_s == pytest.approx(plan.t_train_s)  # training bounds the period
+    fill = disaggregated_fill_s(plan)
+    assert fill > est.fill_s + 12  # so that 12 steps tip it
+    assert run_step_s(plan.step_time_s, fill, 12) == pytest.approx(plan.step_time_s + fill / 12)
+    chosen = {n: choose_mode(planner, plan, stats, COLOCATED, n) for n in (None, 12, 10**6)}
+    assert chosen[None].mode == chosen[10**6].mode == DISAGGREGATED
+    assert (
+        chosen[12].mode == COLOCATED_PARTIAL
+        and chosen[12].steps == 12
+        and "over 12 steps" in chosen[12].reason
+    )
+    sync = replace(plan, staleness=0)  # one batch at a time: its first step is like any other
+    assert disaggregated_fill_s(sync) == pytest.approx(0.0, abs=1e-9)
 
 
 def _libra(phase: int, staleness: int = 1):

@@ -103,3 +103,17 @@ def test_a_slow_group_is_regenerated_not_trained_stale():
     ages, drops = asyncio.run(run())
     assert max(ages) <= 1
     assert drops.stale_groups == 1 and drops.reasons[DropReason.STALE] == 2
+
+
+@given(k=st.integers(1, 4), trained=st.integers(0, 20))
+def test_a_strict_lead_ramps_up_and_never_starts_a_batch_later_than_k_1_would(k, trained):
+    """Under the strict gate at most two batches start on one weight version (as k=1 starts), so
+    the start never makes one step wait for the stragglers of k + 1 batches at once (the start-up
+    barrier that made k=2 slower than k=1 on the default map); from step k - 1 on the lead is k.
+    Any batch k=1 may start, a larger k may start too."""
+    strict, k1 = StalenessGate(k, strict=True), StalenessGate(1, strict=True)
+    started = [b for b in range(trained + k + 2) if strict.may_start(b, trained)]
+    assert started == list(range(len(started)))  # in order, none skipped
+    assert len(started) == trained + 1 + min(k, trained + 1)
+    assert all(strict.may_start(b, trained) for b in range(trained + 3) if k1.may_start(b, trained))
+    assert StalenessGate(k).may_start(trained + k, trained)  # the expiry rule (libra train) keeps lead k

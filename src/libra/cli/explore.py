@@ -17,7 +17,7 @@ native.activate()
 from libra.cli.common import console, emit_json, err_console, json_option, table, writable_dir  # noqa: E402
 from libra.core.errors import ConfigError  # noqa: E402
 from libra.sim.explore.grid import load_grid  # noqa: E402
-from libra.sim.explore.sweep import local_map, sweep  # noqa: E402
+from libra.sim.explore.sweep import check_systems, local_map, sweep  # noqa: E402
 
 EXECUTORS = ("auto", "local", "ray")
 
@@ -39,17 +39,29 @@ EXECUTORS = ("auto", "local", "ray")
     help="Where cells run: local processes, or Ray tasks (auto: Ray when it is installed and RAY_ADDRESS names a cluster).",
 )
 @click.option(
+    "--systems",
+    default=None,
+    help="Comma-separated systems every cell runs (`libra simulate --systems` names) "
+    "[default: the grid's, else the static configurations, the ladder and the peers].",
+)
+@click.option(
     "--out", "out_dir", type=click.Path(file_okay=False), default=None, help="[default: runs/explore-GRID]"
 )
 @json_option
-def explore(scenario, grid_name, steps, workers, executor, out_dir, as_json):
+def explore(scenario, grid_name, steps, workers, executor, systems, out_dir, as_json):
     """Sweep a grid of regimes; per cell, each mechanism's gain and the distance to the limit.
 
     Writes explore.json and a heatmap PNG per mechanism to --out, and each cell to cells.jsonl
     as it finishes.
     """
     grid = load_grid(grid_name)
-    updates = {k: v for k, v in (("scenario", scenario), ("steps", steps)) if v is not None}
+    if systems is not None:
+        names = [n.strip() for n in systems.split(",") if n.strip()]
+        check_systems(names, "--systems")  # exit 2 naming the flag, before any cell runs
+        systems = names
+    updates = {
+        k: v for k, v in (("scenario", scenario), ("steps", steps), ("systems", systems)) if v is not None
+    }
     grid = grid.model_copy(update=updates)
     out = writable_dir(Path(out_dir or Path("runs") / f"explore-{grid.name}"))
     mapper = _mapper(executor, workers)
@@ -102,11 +114,13 @@ def cells_table(result: dict):
         if c["error"] is not None:
             rows.append([where, c["error"], *["-"] * (len(mechs) + 3)])
             continue
-        best = c["throughput"][c["best_static"]]
+        static = c["best_static"]
         peer = c.get("best_peer") or ""
         vs = c.get("libra_vs_best_peer")
-        rows.append([where, f"{best:,.0f} ({c['best_static']})", *(f"{100 * c['gains'][m]:+.1f}%" for m in mechs),
-                     f"{100 * c['distance_to_limit'][top]:.0f}%",
+        limit = c["distance_to_limit"].get(top)
+        rows.append([where, f"{c['throughput'][static]:,.0f} ({static})" if static else "-",
+                     *(f"{100 * c['gains'][m]:+.1f}%" if m in c["gains"] else "-" for m in mechs),
+                     "-" if limit is None else f"{100 * limit:.0f}%",
                      f"{c['throughput'][peer]:,.0f} ({peer})" if peer else "-",
                      "-" if vs is None else f"{100 * vs:+.1f}%"])  # fmt: skip
     cols = ["cell", "best static tok/s", *mechs, f"{top} to limit", "best peer tok/s", "libra vs best peer"]

@@ -34,6 +34,21 @@ never from simulated or measured results: `choose_mode` prices the colocated-par
     batch's makespan. With o = 1 and k = 0 this is the synchronous pipeline's makespan.
   The colocated-partial mode needs k >= 1 (carried trajectories are trained a step after they
   started, with tokens one version old); at k = 0 it is not a candidate.
+
+**A run of n steps** (`steps`). Both step times above are steady-state periods; a run also pays
+its pipeline's fill once, so each is compared as period + fill / n (`run_step_s`):
+- disaggregated: the first step trains once the first T groups are done of the two batches that
+  start together on version 0 (the strict gate's lead starts at 1, `StalenessGate.lead`; one batch
+  at k = 0), W0 = F^-1(1/2) with the plan's F (`plan.completion_wait`'s), and every later step
+  ends a period after the one before: fill = W0 + T_train - P. Where training bounds the period
+  (P = T_train) the whole first wait is fill: on R2E-Gym late, 64 prompts, k = 2, 935 s on a
+  672 s period, and over 12 steps the plan ran 5,959 tok/s (`static-optimal`, 707 s a step)
+  against 6,483 for APRIL's pipeline, whose periods the steady state priced alike (672 against
+  673 s);
+- colocated partial: the first step has no carried groups, so its rollout stops when T of the
+  o T groups started together are done, R0 = F^-1(1/o) with F as in *turnover*: fill = R0 - R
+  (at least 0).
+Without `steps` (None) the steady state decides.
 """
 
 from __future__ import annotations
@@ -76,6 +91,7 @@ class ColocatedEstimate:
     work_s: float
     turnover_s: float
     staleness_s: float
+    fill_s: float = 0.0  # what a run pays once: its first rollout's excess over R (module docstring)
 
     def to_dict(self) -> dict:
         return {k: round(getattr(self, k), 3) for k in self.__slots__}
@@ -86,10 +102,12 @@ class ModeDecision:
     """The pipeline to run, both predicted step times, and why."""
 
     mode: str  # DISAGGREGATED or COLOCATED_PARTIAL
-    disaggregated_s: float  # the plan's predicted step
-    colocated_s: float  # the colocated-partial prediction; inf when it is not a candidate
+    disaggregated_s: float  # the plan's predicted step (steady state)
+    colocated_s: float  # the colocated-partial prediction (steady state); inf when not a candidate
     reason: str
     colocated: ColocatedEstimate | None = None
+    steps: int | None = None  # the run's length the choice was made for; None: the steady state
+    disaggregated_fill_s: float = 0.0  # the plan's pipeline fill (module docstring)
 
     @property
     def partial(self) -> bool:
@@ -101,8 +119,38 @@ class ModeDecision:
             "disaggregated_step_s": round(self.disaggregated_s, 3),
             "colocated_partial_step_s": None if math.isinf(self.colocated_s) else round(self.colocated_s, 3),
             "reason": self.reason,
+            "steps": self.steps,
+            "disaggregated_fill_s": round(self.disaggregated_fill_s, 3),
             **({"colocated_partial": self.colocated.to_dict()} if self.colocated is not None else {}),
         }
+
+
+def run_step_s(period_s: float, fill_s: float, steps: int | None) -> float:
+    """The mean step of a run of `steps` steps: the period plus the fill spread over the run."""
+    return period_s if not steps else period_s + fill_s / steps
+
+
+def _done_at(spread: Sequence[tuple[float, float]], makespan_s: float, work_s: float) -> list[float]:
+    """When each group of a batch started together is done (`plan.completion_wait`'s F), sorted;
+    without group labels every group ends at the makespan."""
+    return sorted(max(lat * makespan_s, shared * work_s) for lat, shared in spread) or [makespan_s]
+
+
+def first_done_s(
+    spread: Sequence[tuple[float, float]], makespan_s: float, work_s: float, share: float
+) -> float:
+    """F^-1(share): the time until `share` of the groups started together are done."""
+    done_at = _done_at(spread, makespan_s, work_s)
+    return done_at[max(0, math.ceil(share * len(done_at)) - 1)]
+
+
+def disaggregated_fill_s(plan: Plan) -> float:
+    """The plan's pipeline fill (module docstring, "A run of n steps"): the first step's wait
+    for its groups, of the batches that start together, beyond what a period leaves for it."""
+    together = 1 + min(plan.staleness, 1)  # the strict gate's lead starts at 1 (`StalenessGate.lead`)
+    spread = plan.group_spread if plan.staleness >= 1 else ()
+    first = first_done_s(spread, plan.t_rollout_s, plan.rollout_work_s, 1 / together)
+    return max(0.0, first + plan.t_train_s - plan.step_time_s)
 
 
 def turnover_s(spread: Sequence[tuple[float, float]], makespan_s: float, work_s: float, over: float) -> float:
@@ -110,7 +158,7 @@ def turnover_s(spread: Sequence[tuple[float, float]], makespan_s: float, work_s:
     the least R at which a step that starts its new groups at once and stops with (over - 1)
     targets still running turns its groups over. Without group labels every group is taken to end
     at the makespan."""
-    done_at = sorted(max(lat * makespan_s, shared * work_s) for lat, shared in spread) or [makespan_s]
+    done_at = _done_at(spread, makespan_s, work_s)
     last, n = done_at[-1], len(done_at)
     if last <= 0:
         return 0.0
@@ -154,26 +202,40 @@ def colocated_partial_step(
     stale = makespan / (p.staleness + over)
     rollout = max(work, turnover, stale)
     switches = 2 * mode.switch_s
-    return ColocatedEstimate(rollout + train + switches, rollout, train, switches, work, turnover, stale)
+    fill = max(0.0, first_done_s(stats.group_spread(), makespan, work, 1 / over) - rollout)
+    return ColocatedEstimate(
+        rollout + train + switches, rollout, train, switches, work, turnover, stale, fill
+    )
 
 
 def choose_mode(
-    planner: GlobalPlanner, plan: Plan, stats: WorkloadStats, colocated: ColocatedPartial | None
+    planner: GlobalPlanner,
+    plan: Plan,
+    stats: WorkloadStats,
+    colocated: ColocatedPartial | None,
+    steps: int | None = None,
 ) -> ModeDecision:
     """The disaggregated `plan` or the colocated-partial pipeline, whichever is predicted to take
-    the shorter step on `stats` (the plan wins a tie: it is what the planner searched)."""
+    the shorter mean step on `stats` over a run of `steps` steps (each period plus its fill over
+    the run; None: the steady state). The plan wins a tie: it is what the planner searched."""
     d = plan.step_time_s
+    fill = disaggregated_fill_s(plan)
     if colocated is None:
-        return ModeDecision(DISAGGREGATED, d, math.inf, "colocated partial rollouts not offered")
-    if planner.problem.staleness < 1:
         return ModeDecision(
-            DISAGGREGATED, d, math.inf, "staleness 0: partial rollouts train tokens one version old"
+            DISAGGREGATED, d, math.inf, "colocated partial rollouts not offered", None, steps, fill
         )
+    if planner.problem.staleness < 1:
+        why = "staleness 0: partial rollouts train tokens one version old"
+        return ModeDecision(DISAGGREGATED, d, math.inf, why, None, steps, fill)
     est = colocated_partial_step(planner, stats, colocated)
     if est is None:
-        return ModeDecision(DISAGGREGATED, d, math.inf, "colocated partial rollouts cannot run here")
-    if est.step_time_s < d:
-        why = f"colocated partial rollouts predicted {est.step_time_s:.1f} s a step, the plan {d:.1f} s"
-        return ModeDecision(COLOCATED_PARTIAL, d, est.step_time_s, why, est)
-    why = f"the plan predicted {d:.1f} s a step, colocated partial rollouts {est.step_time_s:.1f} s"
-    return ModeDecision(DISAGGREGATED, d, est.step_time_s, why, est)
+        return ModeDecision(
+            DISAGGREGATED, d, math.inf, "colocated partial rollouts cannot run here", None, steps, fill
+        )
+    d_run, c_run = run_step_s(d, fill, steps), run_step_s(est.step_time_s, est.fill_s, steps)
+    over = f" over {steps} steps" if steps else ""
+    if c_run < d_run:
+        why = f"colocated partial rollouts predicted {c_run:.1f} s a step{over}, the plan {d_run:.1f} s"
+        return ModeDecision(COLOCATED_PARTIAL, d, est.step_time_s, why, est, steps, fill)
+    why = f"the plan predicted {d_run:.1f} s a step{over}, colocated partial rollouts {c_run:.1f} s"
+    return ModeDecision(DISAGGREGATED, d, est.step_time_s, why, est, steps, fill)

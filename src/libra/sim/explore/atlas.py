@@ -9,6 +9,7 @@ cell when its rung adds at least `PAYS` (5%) over the rung below.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from libra.sim.explore.grid import GRID_DIR
@@ -34,7 +35,9 @@ def pays_lines(result: dict, threshold: float = PAYS) -> list[str]:
         if best is None:
             continue
         where = ", ".join(f"{k}={v}" for k, v in best["cell"].items())
-        paying = sum(1 for c in ok if c["gains"][mech] >= threshold)
+        paying = sum(
+            1 for c in ok if c["gains"].get(mech, -math.inf) >= threshold
+        )  # `--systems` maps lack some
         if paying:
             lines.append(f"{mech}: pays >= {threshold:.0%} in {paying} of {len(ok)} cells of the {name} map, "
                          f"most {best['gain']:+.1%} ({where})")  # fmt: skip

@@ -64,6 +64,11 @@ class Grid(BaseModel):
     trace: str | None = Field(
         None, description="a JSONL trajectory trace every cell replays instead of the scenario's workload"
     )
+    systems: list[str] | None = Field(
+        None,
+        description="the systems every cell runs (`libra explore --systems`); default: the static "
+        "configurations, the ladder and the peers (`sim.explore.sweep.cell_systems`)",
+    )
     axes: list[Axis] = Field(min_length=1, max_length=6)
 
     @model_validator(mode="after")

@@ -25,13 +25,16 @@ def write_outputs(result: dict, out_dir: Path) -> list[Path]:
     if not ok:
         return paths
     for mech in result["mechanisms"]:
-        values = {c["index"]: 100 * c["gains"][mech] for c in ok}
+        values = {c["index"]: 100 * c["gains"][mech] for c in ok if mech in c["gains"]}
+        if not values:  # a rung of it, or the rung below, was not run (`--systems`)
+            continue
         title = f"{mech}: gain over the rung below, % ({result['grid']['name']})"
         paths.append(heatmap(result, values, title, out_dir / f"gain_{mech}.png", diverging=True))
     top = result.get("top", result["systems"][-1])
     values = {c["index"]: 100 * c["distance_to_limit"][top] for c in ok if top in c["distance_to_limit"]}
-    title = f"{top}: rollout makespan over its lower bound, % above ({result['grid']['name']})"
-    paths.append(heatmap(result, values, title, out_dir / "distance_to_limit.png", diverging=False))
+    if values:
+        title = f"{top}: rollout makespan over its lower bound, % above ({result['grid']['name']})"
+        paths.append(heatmap(result, values, title, out_dir / "distance_to_limit.png", diverging=False))
     peers = {c["index"]: 100 * c["libra_vs_best_peer"] for c in ok if c.get("libra_vs_best_peer") is not None}
     if peers:
         title = f"libra over the best peer, % ({result['grid']['name']})"

@@ -30,6 +30,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 
+from libra.core.errors import ConfigError
 from libra.sim.explore.grid import Cell, Grid
 from libra.sim.rl.peers import PEERS
 from libra.sim.rl.planned import LADDER
@@ -42,9 +43,28 @@ LIBRA = "libra"
 PEER_SYSTEMS = tuple(cls.name for cls in PEERS)
 
 
-def cell_systems() -> list[str]:
-    """The systems every cell runs: the static configurations, the ladder above its base, the peers."""
+def cell_systems(grid: Grid | None = None) -> list[str]:
+    """The systems every cell of `grid` runs: its `systems` when it names them, else the static
+    configurations, the ladder above its base and the peers."""
+    if grid is not None and grid.systems is not None:
+        return list(grid.systems)
     return [*STATIC, *(system for _, system, _ in MECHANISMS if system not in STATIC), *PEER_SYSTEMS]
+
+
+def check_systems(names: list[str], field: str = "grid.systems") -> None:
+    """Every name a known system (`libra simulate --systems` names), at least one, none twice; else
+    one error naming `field`, before any cell runs."""
+    from libra.sim.rl.systems import known_systems, make_system
+
+    if not names:
+        raise ConfigError(field, names, "a comma-separated list of at least one system")
+    for name in names:
+        try:
+            make_system(name)
+        except ConfigError:
+            raise ConfigError(field, name, known_systems()) from None
+    if len(set(names)) != len(names):
+        raise ConfigError(field, ",".join(names), "each system once")
 
 
 def _runnable(names: list[str], staleness: int) -> tuple[list[str], dict[str, str]]:
@@ -88,11 +108,18 @@ class CellResult:
 
 
 def gains_of(throughput: dict[str, float]) -> tuple[str, dict[str, float], dict[str, float]]:
-    """(best static system, gain per mechanism over the rung below, gain over the best static)."""
-    best = max(STATIC, key=lambda s: throughput[s])
-    base = throughput[best]
-    gains = {m: throughput[system] / throughput[below] - 1 for m, system, below in MECHANISMS}
-    vs = {m: throughput[system] / base - 1 for m, system, _ in MECHANISMS}
+    """(best static system, gain per mechanism over the rung below, gain over the best static).
+    A cell that ran only some systems (`--systems`) has the gains of the mechanisms whose rung and
+    rung below both ran, and a best static of "" when neither static configuration ran."""
+    ran = [s for s in STATIC if s in throughput]
+    best = max(ran, key=lambda s: throughput[s]) if ran else ""
+    gains = {m: throughput[system] / throughput[below] - 1 for m, system, below in MECHANISMS
+             if system in throughput and below in throughput}  # fmt: skip
+    vs = (
+        {m: throughput[system] / throughput[best] - 1 for m, system, _ in MECHANISMS if system in throughput}
+        if best
+        else {}
+    )
     return best, gains, vs
 
 
@@ -101,10 +128,10 @@ def run_cell(grid: Grid, cell: Cell) -> CellResult:
     from libra.core.errors import LibraError
     from libra.sim.scenarios import load_scenario, run_scenario
 
-    res = CellResult(cell.index, cell.settings, cell.overrides, cell.command(grid, cell_systems()))
+    res = CellResult(cell.index, cell.settings, cell.overrides, cell.command(grid, cell_systems(grid)))
     try:
         sc = load_scenario(grid.scenario, cell.overrides)
-        systems, res.skipped = _runnable(cell_systems(), sc.pipeline.staleness)
+        systems, res.skipped = _runnable(cell_systems(grid), sc.pipeline.staleness)
         res.command = cell.command(grid, systems)
         options = {"trace": grid.trace} if grid.trace else {}
         out = run_scenario(sc, systems, grid.steps, grid.seed, None, lambda label, frac: None, **options)
@@ -129,7 +156,8 @@ def _against_peers(res: CellResult) -> None:
         mine = res.throughput[LIBRA]
         if peers:
             res.libra_vs_best_peer = mine / res.throughput[res.best_peer] - 1
-        res.libra_vs_best_static = mine / res.throughput[res.best_static] - 1
+        if res.best_static:
+            res.libra_vs_best_static = mine / res.throughput[res.best_static] - 1
 
 
 Mapper = Callable[[Callable[[Grid, Cell], CellResult], Grid, list[Cell]], Iterable[CellResult]]
@@ -160,6 +188,8 @@ def sweep(
     """Run every cell; return {"grid", "systems", "cells", "best_gain"} (see `best_gain`).
     `on_cell` sees each cell as it finishes (the CLI appends it to cells.jsonl, so a long sweep
     that is stopped keeps what it measured)."""
+    if grid.systems is not None:
+        check_systems(grid.systems)
     cells = grid.cells()
     done: list[CellResult] = []
     for r in (mapper or local_map())(run_cell, grid, cells):
@@ -171,7 +201,7 @@ def sweep(
     done.sort(key=lambda r: r.index)
     return {
         "grid": grid.model_dump(),
-        "systems": cell_systems(),
+        "systems": cell_systems(grid),
         "top": TOP,
         "peers": list(PEER_SYSTEMS),
         "mechanisms": [m for m, _, _ in MECHANISMS],
@@ -184,7 +214,7 @@ def best_gain(cells: list[CellResult]) -> dict[str, dict]:
     """Per mechanism: its largest gain over the grid and the cell where it occurs."""
     out = {}
     for mech, _, _ in MECHANISMS:
-        ok = [c for c in cells if c.error is None]
+        ok = [c for c in cells if c.error is None and mech in c.gains]
         if not ok:
             continue
         top = max(ok, key=lambda c: c.gains[mech])

@@ -167,14 +167,20 @@ class StepTaken:
 
 def makespan_bounds(steps: Sequence[StepTaken], floors: dict[int, BatchFloor], gpus: int, completion: bool,
                     submitted: dict[tuple[int, str], float] | None = None,
-                    windows: Sequence[tuple[float, float]] | None = None) -> list[float]:  # fmt: skip
+                    windows: Sequence[tuple[float, float]] | None = None,
+                    batch_starts: dict[int, float] | None = None) -> list[float]:  # fmt: skip
     """Each step's lower bound on its rollout makespan, seconds (see the module's docstring).
 
     `submitted`: when each group's first trajectory started, for a system that does not start its
     groups batch by batch (partial rollouts); by default every group starts with its batch.
     `windows`: the only intervals in which the engines work (a colocated system's rollout
-    phases), if they do not work all the time."""
-    starts = {s.step: s.start for s in steps}
+    phases), if they do not work all the time. `batch_starts`: when every batch the run started
+    began, steps' own or not: under completion order a step may train groups of a batch that no
+    step of the run is named after (a batch started beyond the run's last step, whose early groups
+    fill its last steps), and the C_s-th earliest finish must count those groups too, or it is
+    the C_s-th of fewer groups, which can be later than any real finish (seen once the strict
+    gate's lead ramped up, `planner.staleness`)."""
+    starts = {**(batch_starts or {}), **{s.step: s.start for s in steps}}
     out, taken = [], 0
     finish = None
     if completion:

@@ -3,7 +3,8 @@
 Disaggregated systems run rollout and training on separate GPUs, asynchronously with bounded
 staleness, as slime and AReaL do: rollout batch s may start once at least s-k training steps have
 finished (its weights are at most k steps old), so up to k+1 batches are in flight and the next
-batch overlaps the tail of the last one. Training step s takes as many whole GRPO groups as batch s
+batch overlaps the tail of the last one (under the strict gate the lead ramps up from 1 at the
+start, `StalenessGate.lead`). Training step s takes as many whole GRPO groups as batch s
 has: by default the first groups to finish (`pipeline.consume: completion`, as AReaL does), so a
 straggler's group is trained by a later step instead of holding its own step up; with `batch`,
 exactly the groups of batch s. The bound holds for what is trained: a group that finishes more than
@@ -130,6 +131,7 @@ class RLSim:
         self.total_gpus = sc.cluster.nodes * self.hw.gpus_per_node
         self.tracer = Tracer(trace_step)
         self.train_cost = TrainCostModel(self.hw, self.model, self.profile.train)
+        system.run_steps = steps
         self.setup: Setup = system.setup(sc, self.hw)
         # Routing counts and engine token totals cover the whole run, across re-plans (each
         # re-plan builds new engines and a new driver).
@@ -598,8 +600,14 @@ class RLSim:
                 if partial and self.setup.colocated
                 else None
             )
+            # Every batch the run started, with its start: a batch no step is named after may
+            # still feed the last steps (its groups count among the earliest finishes).
+            began: dict[int, float] = {}
+            for (b, g), t in self.submitted.items():
+                if not g.endswith(SPARE):
+                    began[b] = min(t, began.get(b, t))
             self._bounds = makespan_bounds(taken, floors, self.total_gpus, completion,
-                                           self.submitted if partial else None, windows)  # fmt: skip
+                                           self.submitted if partial else None, windows, began)  # fmt: skip
         return self._bounds
 
     def mean_bound(self) -> float:

@@ -20,7 +20,8 @@ mechanism per rung:
 from the profiling sample and the planner's cost model, the step of its disaggregated plan and
 that of a colocated pipeline with partial rollouts (APRIL's mechanism: engines of the scenario's
 homogeneous TP on every GPU, `peers.april.over_provision` times a step's groups in flight,
-least-loaded routing), and runs the shorter. The choice is made once: a run that starts colocated
+least-loaded routing), and runs the shorter over the run's length (each steady-state period plus
+its pipeline's fill spread over the run's steps, `System.run_steps`). The choice is made once: a run that starts colocated
 stays colocated (no re-plan, no elastic pool; the planner's re-plans are disaggregated plans, and a
 switch between the two pipelines is not priced). At `pipeline.staleness` 0 only the plan is a
 candidate. `libra+tail` chooses the same way; its tail lane runs only in the disaggregated mode.
@@ -118,7 +119,7 @@ class PlannedSystem(System):
                 sample, default_tool_latency_s=sc.pipeline.tool_latency_default_s
             )
             option = colocated_partial(sc, hw)
-            self.mode_decision = choose_mode(planner, plan, stats, option)
+            self.mode_decision = choose_mode(planner, plan, stats, option, self.run_steps)
             if self.mode_decision.partial:
                 # Colocated for the whole run: no re-plans into the disaggregated mode, no pool.
                 self.controller, self.elastic, self.tail = None, False, False

@@ -143,6 +143,9 @@ class System:
     # by an older policy needs at least 1), and why; the pipeline refuses a lower bound.
     min_staleness = 0
     needs_staleness = ""
+    # The length of the run it is set up for (the pipeline sets it before `setup`): a choice made
+    # once per run may weigh what the run pays once (`planner.mode.choose_mode`). None: unknown.
+    run_steps: int | None = None
 
     def setup(self, sc: RLScenario, hw: HardwareSpec) -> Setup:
         raise NotImplementedError  # abstract: each system defines its layout
