@@ -29,6 +29,7 @@ import torch
 
 from libra.runtime.engine.config import PRESETS
 from libra.runtime.engine.model import TinyTransformer
+from libra.runtime.train.config import load_train_config
 from libra.runtime.train.learner import weights_digest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -51,7 +52,7 @@ TRAJECTORIES = 16  # per step
 
 def fingerprint(model_pt: Path) -> str:
     """The trainer's weight digest (`Learner.fingerprint`) of a checkpoint."""
-    m = TinyTransformer(PRESETS["tiny"], 0)
+    m = TinyTransformer(PRESETS[load_train_config(None, []).engine.model], 0)
     m.load_state_dict(torch.load(model_pt, weights_only=True))
     return weights_digest(m)
 

@@ -28,12 +28,15 @@ import torch
 
 from libra.runtime.engine.config import PRESETS
 from libra.runtime.engine.model import TinyTransformer, token_logprobs
+from libra.runtime.train.config import load_train_config
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(900),
     pytest.mark.skipif(shutil.which("bwrap") is None, reason="the actions service needs bubblewrap"),
 ]
+
+MODEL = PRESETS[load_train_config(None, []).engine.model]  # the runs' model: the default config's
 
 SMALL = ["--set", "warmstart.steps=2", "--set", "warmstart.batch=4", "--set", "rollout.groups_per_step=2",
          "--set", "rollout.group_size=4", "--set", "trainer.keep_checkpoints=20", "--set", "metrics_port=-1"]  # fmt: skip
@@ -130,7 +133,7 @@ def check_tokens(out: Path, recs: list[dict]) -> None:
             assert all(math.isfinite(x) and x <= 0 for x in lps) and all(v >= 0 for v in vers)
             v = vers[0]
             if v not in models:
-                m = models[v] = TinyTransformer(PRESETS["tiny"], 0)
+                m = models[v] = TinyTransformer(MODEL, 0)
                 m.load_state_dict(torch.load(weights_file(out, v), weights_only=True))
             if len(set(vers)) == 1:
                 seq = torch.tensor([turn["prompt_ids"] + ids])

@@ -89,7 +89,7 @@ class BucketSpec(_Strict):
 
 
 class EngineSettings(_Strict):
-    model: str = Field("tiny", description="A preset, smollm2-135m, a Hugging Face directory or a .gguf file (docs/models.md).")  # fmt: skip
+    model: str = Field("tiny8", description="A preset, smollm2-135m, a Hugging Face directory or a .gguf file (docs/models.md).")  # fmt: skip
     max_model_len: int | None = Field(None, ge=16, le=1 << 20, description="Cap a checkpoint's context (each engine's KV cache must hold one).")  # fmt: skip
     max_num_seqs: int = Field(64, ge=1, le=4096)
     kv_cache_mb: int = Field(32, ge=17, le=65536)
