@@ -220,18 +220,17 @@ def choose_mode(
     the run; None: the steady state). The plan wins a tie: it is what the planner searched."""
     d = plan.step_time_s
     fill = disaggregated_fill_s(plan)
-    if colocated is None:
-        return ModeDecision(
-            DISAGGREGATED, d, math.inf, "colocated partial rollouts not offered", None, steps, fill
-        )
-    if planner.problem.staleness < 1:
-        why = "staleness 0: partial rollouts train tokens one version old"
+
+    def plan_only(why: str) -> ModeDecision:  # the colocated pipeline is no candidate
         return ModeDecision(DISAGGREGATED, d, math.inf, why, None, steps, fill)
+
+    if colocated is None:
+        return plan_only("colocated partial rollouts not offered")
+    if planner.problem.staleness < 1:
+        return plan_only("staleness 0: partial rollouts train tokens one version old")
     est = colocated_partial_step(planner, stats, colocated)
     if est is None:
-        return ModeDecision(
-            DISAGGREGATED, d, math.inf, "colocated partial rollouts cannot run here", None, steps, fill
-        )
+        return plan_only("colocated partial rollouts cannot run here")
     d_run, c_run = run_step_s(d, fill, steps), run_step_s(est.step_time_s, est.fill_s, steps)
     over = f" over {steps} steps" if steps else ""
     if c_run < d_run:

@@ -69,16 +69,15 @@ def processed_logprobs(
     return lp - torch.logsumexp(lp, dim=-1, keepdim=True)
 
 
-def sampled_logprobs(row_logits: Tensor, targets: Tensor, where: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:  # fmt: skip
-    """The trainer's side: the logits [N, V] at `where`'s true positions (in `nonzero` order: the
-    model's `forward_train(tokens, rows)`), the tokens that followed [B, T], and per-sequence
-    parameters [B]. Returns [B, T]: each target's processed log-probability where `where` is true,
+def sampled_logprobs(row_logits: Tensor, targets: Tensor, rows: tuple[Tensor, Tensor], temperature: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:  # fmt: skip
+    """The trainer's side: the logits [N, V] at `rows` (a [B, T] mask's `nonzero(as_tuple=True)`,
+    what the model's `forward_train(tokens, rows)` returns), the tokens that followed [B, T], and
+    per-sequence parameters [B]. Returns [B, T]: each target's processed log-probability at `rows`,
     0 elsewhere (computed only there: a large vocabulary's head and sort stay small)."""
-    rows = where.nonzero(as_tuple=True)
     seq, tok = rows[0], targets[rows]
     lp = processed_logprobs(row_logits, temperature[seq], top_p[seq], top_k[seq], keep=tok)
     picked = lp.gather(1, tok[:, None]).squeeze(1)
-    return torch.zeros(where.shape, dtype=picked.dtype).index_put(rows, picked)
+    return torch.zeros(targets.shape, dtype=picked.dtype).index_put(rows, picked)
 
 
 def kept_set(probs: Tensor, top_p: Param = 1.0, top_k: Param = 0, min_p: Param = 0.0) -> Tensor:

@@ -70,11 +70,15 @@ class PipelineConfig(_Strict):
     mode: Literal["disaggregated", "colocated-partial"] = Field("disaggregated", description="disaggregated: rollout runs on while the trainer trains; colocated-partial: APRIL's partial rollouts, the engines paused while the trainer trains (docs/train.md).")  # fmt: skip
     over_provision: float = Field(2.0, ge=1, le=16, description="colocated-partial: groups in flight per step, times rollout.groups_per_step.")  # fmt: skip
 
+    @property
+    def colocated_partial(self) -> bool:
+        return self.mode == "colocated-partial"
+
     @model_validator(mode="after")
     def _partial(self) -> PipelineConfig:
-        if self.mode == "colocated-partial" and self.staleness < 1:
+        if self.colocated_partial and self.staleness < 1:
             raise ConfigError("pipeline.staleness", self.staleness, ">= 1 with pipeline.mode colocated-partial (a carried group's tokens are trained a step later)")  # fmt: skip
-        if self.mode == "colocated-partial" and self.consume != "completion":
+        if self.colocated_partial and self.consume != "completion":
             raise ConfigError("pipeline.consume", self.consume, "completion with pipeline.mode colocated-partial (a step trains the first groups to finish)")  # fmt: skip
         return self
 
@@ -219,7 +223,7 @@ class TrainConfig(_Strict):
         ctx = [b.max_context for b in self.buckets]
         if len(set(ctx)) != len(ctx):
             raise ConfigError("buckets", ctx, "a different max_context for every bucket")
-        if self.pipeline.mode == "colocated-partial" and self.elastic.enabled:
+        if self.pipeline.colocated_partial and self.elastic.enabled:
             raise ConfigError("pipeline.mode", self.pipeline.mode, "disaggregated with elastic.enabled (the hybrid pool lends rollout engines to training, which colocated-partial pauses)")  # fmt: skip
         return self
 

@@ -136,7 +136,7 @@ class Publisher:
 
     async def publish(self, model_path: str, version: int) -> PublishResult:
         t0 = time.perf_counter()
-        await self._post("/pause_generation", {"mode": self.mode})
+        await self.pause()
         try:
             res = await self._post("/update_weights_from_disk", {"model_path": model_path, "weight_version": str(version)})  # fmt: skip
         finally:

@@ -121,7 +121,7 @@ async def _loop(cfg, cluster, http, folder, metrics, resume, progress) -> None:
             clock.mark("rollout")
             samples = to_samples(groups, cfg.trainer.normalize_std, cfg.trainer.negative_weight, sampling_of(cfg.rollout))  # fmt: skip
             packing, selected = _select(layout, samples)  # EARL: the layout for this context range
-            if cfg.pipeline.mode == "colocated-partial":  # rollout and training take turns
+            if cfg.pipeline.colocated_partial:  # rollout and training take turns
                 await publisher.pause()
             result = await _guard(
                 cluster, _train(cfg, trainers, pool, step, samples, packing)
@@ -246,7 +246,7 @@ def _rollouts(cfg: TrainConfig, cluster, http: aiohttp.ClientSession, step: int)
     problems = ProblemStream.of(cfg.seed * 1_000_003 + 2 + step, cfg.task)
     shape = RolloutShape(r.groups_per_step, r.group_size, r.max_drop_fraction)
     loop = make_agent_loop(r.agent_loop)
-    if p.mode == "colocated-partial":
+    if p.colocated_partial:
         rollouts: Rollouts = PartialRollouts(shape, p.staleness, p.over_provision, problems, loop, env, step, cfg.steps - 1)  # fmt: skip
     else:
         rollouts = Rollouts(shape, StalenessGate(p.staleness, p.consume), problems, loop, env, step, cfg.steps - 1)  # fmt: skip

@@ -117,8 +117,9 @@ class Learner:
     def sampled_logprobs(self, b: Padded, where: torch.Tensor) -> torch.Tensor:
         """[B, T - 1]: each token's log-prob under the processed distribution it was sampled from
         (its sample's temperature, top_p, top_k), where `where` is true; 0 elsewhere."""
-        logits = self.model.forward_train(b.tokens[:, :-1], where.nonzero(as_tuple=True))
-        return sampled_logprobs(logits, b.tokens[:, 1:], where, b.temperature, b.top_p, b.top_k)
+        rows = where.nonzero(as_tuple=True)
+        logits = self.model.forward_train(b.tokens[:, :-1], rows)
+        return sampled_logprobs(logits, b.tokens[:, 1:], rows, b.temperature, b.top_p, b.top_k)
 
     def sft_step(self, batch: list[tuple[list[int], list[int]]], global_tokens: int) -> float:
         """Cross-entropy on the masked tokens of (ids, mask) demonstrations; returns this

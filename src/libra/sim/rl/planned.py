@@ -25,7 +25,8 @@ its pipeline's fill spread over the run's steps, `System.run_steps`). The choice
 stays colocated (no re-plan, no elastic pool; the planner's re-plans are disaggregated plans, and a
 switch between the two pipelines is not priced). At `pipeline.staleness` 0 only the plan is a
 candidate. `libra+tail` chooses the same way; its tail lane runs only in the disaggregated mode.
-The live runtime (`libra train`) does not carry the colocated-partial mode yet.
+Live, `libra train --set pipeline.mode=colocated-partial` runs the same pipeline with the same
+`PartialRollout` object (`runtime/train/partial.py`); there the mode is set, not chosen.
 """
 
 from __future__ import annotations
