@@ -540,6 +540,42 @@ def test_drift_is_followed(problem):
     assert decision.plan.step_time_s < decision.current.step_time_s
 
 
+def test_a_switch_near_the_run_end_must_pay_before_the_end(problem):
+    """The horizon is the shorter of `interval_steps` and the steps the run has left: a switch
+    (here interrupting a batch just started) that pays for itself within ten steps does not with
+    fewer steps left than its payback, nor with none; a run of unknown length keeps ten."""
+    planner = GlobalPlanner(problem)
+    first = planner.decide(WorkloadStats.from_trajectories(synthetic(512, 7, out_median=2500, latency_median_s=30)), None).plan
+    drifted = WorkloadStats.from_trajectories(synthetic(512, 8, out_median=150, latency_median_s=30))
+    just_started = [InFlightBatch(9, 0.0, 512, 512 * 3000)]
+    free = planner.decide(drifted, first, just_started)
+    assert free.verdict.apply and math.isfinite(free.verdict.gain_s)
+    payback = math.ceil(free.verdict.cost_s / free.verdict.gain_s)  # steps the switch needs
+    assert 1 < payback < planner.config.interval_steps  # the case under test
+    assert planner.decide(drifted, first, just_started, steps_left=payback).verdict.apply
+    late = planner.decide(drifted, first, just_started, steps_left=payback - 1)
+    assert not late.verdict.apply and late.plan == late.current
+    assert f"over {payback - 1} steps" in late.verdict.reason
+    assert "no step left" in planner.decide(drifted, first, just_started, steps_left=0).verdict.reason
+    assert planner.decide(drifted, first, just_started, steps_left=100).verdict.apply
+
+
+def test_the_controller_tells_the_planner_how_many_steps_the_run_has_left(problem):
+    """`PlanController(run_steps=n)`: after the run's last step nothing is switched, whatever the
+    drift; the same report in a run of unknown length switches."""
+    long, drifted = synthetic(512, 7, out_median=2500), synthetic(512, 8, out_median=150)
+    config = PlannerConfig(interval_steps=1)
+    decisions = []
+    for run_steps in (4, None):
+        ctrl = PlanController(GlobalPlanner(problem, config), run_steps=run_steps)
+        first = ctrl.initial(long)
+        decisions.append(ctrl.observe(StepReport(3, drifted, 10.0, 10.0), first))
+    last, unknown = decisions
+    # After the last step only free changes remain (bucket boundaries, router thresholds).
+    assert "no step left" in last.reason and (last.replan is None or last.replan.reconfig_s == 0)
+    assert unknown.replan is not None and unknown.replan.reconfig_s > 0
+
+
 def test_drain_is_the_longest_wait_of_the_batches_still_running():
     young, old = InFlightBatch(5, 20.0, 3), InFlightBatch(4, 90.0, 1)
     assert drain_s([young, old], 100.0) == pytest.approx(80.0)  # the young batch's stragglers

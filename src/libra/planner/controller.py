@@ -114,8 +114,10 @@ class PlanController:
         elastic: ElasticController | None = None,
         default_tool_latency_s: float = 0.0,
         window_steps: int = WINDOW_STEPS,
+        run_steps: int | None = None,
     ):
         self.planner, self.replan, self.elastic = planner, replan, elastic
+        self.run_steps = run_steps  # the run's length, when known: a switch must pay before its end
         self.default_tool_latency_s = default_tool_latency_s
         self.window: deque[StepReport] = deque(maxlen=window_steps)
         self.last_plan_step: int | None = None
@@ -178,7 +180,8 @@ class PlanController:
         stats = WorkloadStats.from_trajectories(window, train_time_s=report.t_train_s,
                                                 rollout_time_s=report.t_rollout_s,
                                                 default_tool_latency_s=self.default_tool_latency_s)  # fmt: skip
-        dec = self.planner.decide(stats, current, report.in_flight, self.context_floor(current))
+        left = None if self.run_steps is None else self.run_steps - report.step - 1
+        dec = self.planner.decide(stats, current, report.in_flight, self.context_floor(current), left)
         reason = dec.verdict.reason
         if dec.plan == current:
             return ControlDecision(report.step, elastic, trigger=trigger, reason=reason)

@@ -56,6 +56,7 @@ class FleetPlanner(GlobalPlanner):
         current: Plan | None,
         in_flight: Sequence[InFlightBatch] = (),
         floor: int = 0,
+        steps_left: int | None = None,
     ) -> PlanDecision:
         if current is None:
             raise ConfigError(
@@ -63,7 +64,7 @@ class FleetPlanner(GlobalPlanner):
             )
         self.fleet = current
         try:
-            return super().decide(stats, current, in_flight, floor)
+            return super().decide(stats, current, in_flight, floor, steps_left)
         except InfeasibleError as e:  # keep the fleet as it is, and say why
             return PlanDecision(current, current, ApplyVerdict(False, 0.0, 0.0, 0.0, str(e)))
 

@@ -300,6 +300,7 @@ class GlobalPlanner:
         current: Plan | None,
         in_flight: Sequence[InFlightBatch] = (),
         floor: int = 0,
+        steps_left: int | None = None,
     ) -> PlanDecision:
         """Search, then apply the candidate only under the apply rule.
 
@@ -312,7 +313,9 @@ class GlobalPlanner:
         mechanism moves engines without draining batches). The switch's cost is then the restart
         plus the drain (`plan.drain_s`), so no switch is made whose drain costs more than its
         gain over the planning horizon. `floor`: the least context bound the candidate trains
-        for (`PlanController.context_floor`).
+        for (`PlanController.context_floor`). `steps_left`: the steps the run has still to
+        train, when it is known; the horizon is then the shorter of it and `interval_steps`,
+        so a switch near the run's end must pay for itself before the end.
         """
         candidate = self.plan(stats, current, floor)
         if current is None:
@@ -326,11 +329,12 @@ class GlobalPlanner:
         if in_flight and restarts_engines(change):
             wait, interrupt, how = self.switch_cost(now, candidate, stats, in_flight)
         cost = reconfig_cost_s(change, self.elastic) + wait
-        verdict = self._verdict(now, candidate, cost)
+        horizon = self.config.interval_steps if steps_left is None else min(self.config.interval_steps, steps_left)
+        verdict = self._verdict(now, candidate, cost, horizon)
         if how:
             verdict = replace(verdict, reason=f"{verdict.reason} ({how})")
         if verdict.apply and math.isfinite(now.step_time_s):  # a plan that no longer fits must go
-            verdict = self._robust(now, candidate, cost, stats, verdict)
+            verdict = self._robust(now, candidate, cost, stats, verdict, horizon)
         return PlanDecision(candidate, now, verdict, interrupt)
 
     def switch_cost(
@@ -367,16 +371,18 @@ class GlobalPlanner:
         parts = stats.by_step() or [stats]
         return max([plan.t_rollout_s] + [self.evaluate(plan, p).t_rollout_s for p in parts])
 
-    def _verdict(self, now: Plan, candidate: Plan, cost: float) -> ApplyVerdict:
-        """The apply rule; a move from one bucket to a split by length must also clear
-        `split_margin`, the estimate's error on exactly that comparison (as in `_pick`)."""
+    def _verdict(self, now: Plan, candidate: Plan, cost: float, horizon: int) -> ApplyVerdict:
+        """The apply rule over `horizon` steps; a move from one bucket to a split by length must
+        also clear `split_margin`, the estimate's error on exactly that comparison (as in `_pick`)."""
         least = self.config.min_gain
         if len(candidate.buckets) > 1 and len(now.buckets) == 1:
             least = max(least, self.config.split_margin)
-        return should_apply(now, candidate, cost, self.config.interval_steps, least)
+        if horizon < 1:
+            return ApplyVerdict(False, 0.0, 0.0, cost, "the run has no step left to gain on")
+        return should_apply(now, candidate, cost, horizon, least)
 
     def _robust(
-        self, now: Plan, candidate: Plan, cost: float, stats: WorkloadStats, verdict: ApplyVerdict
+        self, now: Plan, candidate: Plan, cost: float, stats: WorkloadStats, verdict: ApplyVerdict, horizon: int
     ) -> ApplyVerdict:
         """Keep a switch only if it also wins on each step of the history on its own.
 
@@ -385,7 +391,7 @@ class GlobalPlanner:
         noise tips one way does not.
         """
         for part in stats.by_step():
-            v = self._verdict(self.evaluate(now, part), self.evaluate(candidate, part), cost)
+            v = self._verdict(self.evaluate(now, part), self.evaluate(candidate, part), cost, horizon)
             if not v.apply:
                 reason = f"not better on step {part.steps[0]} alone ({v.reason})"
                 return ApplyVerdict(False, verdict.gain_s, verdict.gain_fraction, cost, reason)
@@ -440,6 +446,7 @@ class GreedyShiftPlanner(GlobalPlanner):
         current: Plan | None,
         in_flight: Sequence[InFlightBatch] = (),
         floor: int = 0,
+        steps_left: int | None = None,
     ) -> PlanDecision:
         candidate = self.plan(stats, current, floor)
         changed = current is None or candidate.layout_key() != current.layout_key()

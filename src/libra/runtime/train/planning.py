@@ -120,7 +120,7 @@ def make_controller(cfg: TrainConfig) -> PlanController:
     el = cfg.elastic
     planner = FleetPlanner(live_problem(cfg), cfg.planner.policy, el.policy)
     return PlanController(planner, replan=cfg.planner.replan,
-                          elastic=ElasticController(el.policy) if el.enabled else None)  # fmt: skip
+                          elastic=ElasticController(el.policy) if el.enabled else None, run_steps=cfg.steps)  # fmt: skip
 
 
 def decide(ctrl: PlanController, report: StepReport, current: Plan, pool: PoolView | None) -> ControlDecision:

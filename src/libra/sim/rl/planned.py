@@ -112,7 +112,8 @@ class PlannedSystem(System):
     def setup(self, sc: RLScenario, hw: HardwareSpec) -> Setup:
         elastic = ElasticController(sc.elastic) if self.elastic else None
         planner = shared_planner(self.shared, self.planner, sc, hw)
-        self.controller = PlanController(planner, self.replan, elastic, sc.pipeline.tool_latency_default_s)
+        self.controller = PlanController(planner, self.replan, elastic, sc.pipeline.tool_latency_default_s,
+                                         run_steps=self.run_steps)  # fmt: skip
         sample = profiling_sample(sc)
         plan = self.controller.initial(sample)
         if self.modes:
