@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from libra.core.errors import ConfigError, LibraError
+from libra.costmodel.catalog import load_catalog
 from libra.planner import ControlDecision, Replan, Trigger
 from libra.planner.config import ElasticConfig, PlannerConfig
 from libra.sim.rl import pipeline
@@ -164,6 +165,30 @@ def test_replays_a_real_trace(shared_data, tmp_path):
     assert res["steps"] == 5  # the trace's RL steps
     total = sum(len(json.loads(line)["turns"]) for line in trace.read_text().splitlines())
     assert total > 0 and res["systems"]["static-uniform"]["generated_tokens"] > 0
+
+
+def test_a_replayed_trace_is_what_the_planner_profiles_and_sizes_for(tmp_path):
+    """With a trace, the planned systems profile its first step (not the scenario's generated
+    workload) and plan for its batch shape (3 prompts x 2 samples, not the scenario's 4 x 4)."""
+    from libra.core.trace import read_trace, write_trace
+    from libra.sim.rl.pipeline import Batches, trace_shaped
+    from libra.sim.workloads import make_workload, step_rng
+
+    workload = make_workload(WorkloadConfig(family="search-r1", prompts_per_step=3, samples_per_prompt=2))
+    p = tmp_path / "t.jsonl"
+    write_trace([t for s in range(2) for t in workload.generate(s, step_rng(7, s))], p)
+    sc = parse_scenario(SMALL)
+    batches = Batches(sc, 0, read_trace(p))
+    shaped = trace_shaped(sc, batches.trace[0])
+    assert (shaped.workload.prompts_per_step, shaped.workload.samples_per_prompt) == (3, 2)
+    system = make_system("static-optimal")
+    system.sample = batches.trace[0]
+    system.setup(shaped, load_catalog().hardware("a800-80g"))
+    profiled = system.controller.window[0].trajectories
+    assert [t.id for t in profiled] == [t.id for t in batches.trace[0]]
+    assert system.controller.planner.problem.batch_size == 6
+    out = run(SMALL, ["static-optimal", "libra"], None, 0, None, _quiet, trace=str(p))
+    assert out["steps"] == 2 and all(s["generated_tokens"] > 0 for s in out["systems"].values())
 
 
 def test_llmservingsim_sessions_replay(tmp_path):

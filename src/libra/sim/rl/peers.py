@@ -149,7 +149,7 @@ class Heddle(System):
             return base
         total = sc.cluster.nodes * hw.gpus_per_node
         planner = shared_planner(self.shared, "libra", sc, hw)
-        layout = planner.rollout_layout(WorkloadStats.from_trajectories(profiling_sample(sc)), total)
+        layout = planner.rollout_layout(WorkloadStats.from_trajectories(profiling_sample(sc, self)), total)
         base.instances, base.buckets = packed(layout, hw, sc.cluster.nodes)
         return base
 

@@ -132,6 +132,7 @@ class RLSim:
         self.tracer = Tracer(trace_step)
         self.train_cost = TrainCostModel(self.hw, self.model, self.profile.train)
         system.run_steps = steps
+        system.sample = batches.trace[0] if batches.trace else None  # a trace's own data to profile
         self.setup: Setup = system.setup(sc, self.hw)
         # Routing counts and engine token totals cover the whole run, across re-plans (each
         # re-plan builds new engines and a new driver).
@@ -776,6 +777,8 @@ def run(sc: RLScenario, systems: list[str] | None, steps: int | None, seed: int,
     trajs = read_trace(trace) if trace else None
     names = systems or sc.systems or ["verl-colocated", "static-uniform"]
     batches = Batches(sc, seed, trajs)
+    if batches.trace:
+        sc = trace_shaped(sc, batches.trace[0])
     n = steps or (batches.trace_steps if trajs is not None else sc.steps)
     if n < 1:
         raise ConfigError("steps", n, "an integer >= 1")
@@ -800,6 +803,15 @@ def run(sc: RLScenario, systems: list[str] | None, steps: int | None, seed: int,
 
         write_outputs(out, records, Path(out_dir))
     return out
+
+
+def trace_shaped(sc: RLScenario, batch: Sequence[Trajectory]) -> RLScenario:
+    """The scenario with its workload's batch shape (prompts per step, samples per prompt) set to
+    a replayed trace's: the planners size training and rollout for the batches the run replays,
+    not for the scenario's own workload (a tau-bench step is 10 x 4, R2E-Gym's 32 x 16)."""
+    sizes = Counter(t.prompt_id for t in batch)
+    shape = {"prompts_per_step": len(sizes), "samples_per_prompt": max(sizes.values())}
+    return sc.model_copy(update={"workload": sc.workload.model_copy(update=shape)})
 
 
 def _simulate(sc: RLScenario, system: System, batches: Batches, n: int, seed: int, profile: Profile | None,

@@ -15,6 +15,13 @@ mechanism per rung:
 | libra | libra, or colocated partial rollouts | TP buckets | cmlfq | yes | yes |
 | libra+tail | as libra | TP buckets | cmlfq, with the tail lane | yes | yes |
 | planned:ROUTER | libra | TP buckets | any registered router | yes | no |
+| libra+interrupt | as libra | TP buckets | cmlfq | yes | yes |
+| libra+heddle | as libra | TP buckets | heddle | yes | yes |
+
+`libra+interrupt` and `libra+heddle` are `libra` with a peer's rollout mechanisms on its plan
+(`PEER_TAKES`): AReaL's interruptible weight updates, and Heddle's progressive priority with
+migration during tool calls. They measure whether Libra should take them (docs/peers.md, "What
+Libra takes"): a mechanism that pays on no cell of the map is not one the planner chooses.
 
 `libra` also chooses its pipeline (`planner.mode.choose_mode`): before the first step it predicts,
 from the profiling sample and the planner's cost model, the step of its disaggregated plan and
@@ -85,8 +92,11 @@ def shared_planner(shared: dict | None, name: str, sc: RLScenario, hw: HardwareS
     return shared[key]
 
 
-def profiling_sample(sc: RLScenario) -> list:
-    """The batch a system profiles before training (step 0 on a stream of its own)."""
+def profiling_sample(sc: RLScenario, system: System | None = None) -> list:
+    """The batch a system profiles before training: the run's (`System.sample`, a replayed
+    trace's first step) or else step 0 of the workload on a stream of its own."""
+    if system is not None and system.sample is not None:
+        return list(system.sample)
     return make_workload(sc.workload).generate(0, random.Random(PROFILE_SEED))
 
 
@@ -114,7 +124,7 @@ class PlannedSystem(System):
         planner = shared_planner(self.shared, self.planner, sc, hw)
         self.controller = PlanController(planner, self.replan, elastic, sc.pipeline.tool_latency_default_s,
                                          run_steps=self.run_steps)  # fmt: skip
-        sample = profiling_sample(sc)
+        sample = profiling_sample(sc, self)
         plan = self.controller.initial(sample)
         if self.modes:
             stats = WorkloadStats.from_trajectories(
@@ -130,7 +140,31 @@ class PlannedSystem(System):
         return self.setup_for(plan, sc, hw)
 
     def setup_for(self, plan: Plan, sc: RLScenario, hw: HardwareSpec, reconfig_s: float = 0.0) -> Setup:
-        return setup_of(plan, hw, self.router, sc.rollout.router_params, reconfig_s)
+        if not self.takes:
+            return setup_of(plan, hw, self.router, sc.rollout.router_params, reconfig_s)
+        router, params, mech = PEER_TAKES[self.takes](sc)
+        setup = setup_of(plan, hw, router or self.router, {**sc.rollout.router_params, **params}, reconfig_s)
+        setup.mechanisms = mech
+        return setup
+
+    # A peer's rollout mechanisms this system runs on its plan (a key of `PEER_TAKES`), or "".
+    takes = ""
+
+
+def _interrupt(sc: RLScenario) -> tuple[str | None, dict, Mechanisms]:
+    """AReaL's: every weight update interrupts the requests in flight, which recompute their KV."""
+    return None, {}, Mechanisms(interrupt_updates=True)
+
+
+def _heddle(sc: RLScenario) -> tuple[str | None, dict, Mechanisms]:
+    """Heddle's: engine queues by predicted remaining length (its router), and the next turn
+    placed, its KV moving, while the tool runs; options from `peers.heddle`."""
+    cfg = sc.peers.heddle
+    return "heddle", {"priority": cfg.priority, "oracle": cfg.oracle}, Mechanisms(migrate_in_tool=cfg.migrate_in_tool)
+
+
+# What a planned system can take from a peer: (router or None to keep its own, router params, mechanisms).
+PEER_TAKES = {"interrupt": _interrupt, "heddle": _heddle}
 
 
 def colocated_partial(sc: RLScenario, hw: HardwareSpec) -> ColocatedPartial:
@@ -142,8 +176,9 @@ def colocated_partial(sc: RLScenario, hw: HardwareSpec) -> ColocatedPartial:
 
 
 def _system(name: str, planner: str, router: str, replan: bool, elastic: bool = False,
-            tail: bool = False, modes: bool = False) -> type[PlannedSystem]:  # fmt: skip
+            tail: bool = False, modes: bool = False, takes: str = "") -> type[PlannedSystem]:  # fmt: skip
     attrs = {
+        "takes": takes,
         "name": name,
         "planner": planner,
         "router": router,
@@ -163,6 +198,8 @@ PLANNED = (
     _system("ablation:cmlfq", "libra", "cmlfq", replan=True),
     _system("libra", "libra", "cmlfq", replan=True, elastic=True, modes=True),
     _system("libra+tail", "libra", "cmlfq", replan=True, elastic=True, tail=True, modes=True),
+    _system("libra+interrupt", "libra", "cmlfq", replan=True, elastic=True, modes=True, takes="interrupt"),
+    _system("libra+heddle", "libra", "cmlfq", replan=True, elastic=True, modes=True, takes="heddle"),
 )
 # The planned systems whose planner may split the rollout into buckets by length (and may not).
 BUCKETED = tuple(cls.name for cls in PLANNED if cls.planner == "libra")

@@ -146,6 +146,10 @@ class System:
     # The length of the run it is set up for (the pipeline sets it before `setup`): a choice made
     # once per run may weigh what the run pays once (`planner.mode.choose_mode`). None: unknown.
     run_steps: int | None = None
+    # The batch the system profiles before training, when the run gives one (a replayed trace:
+    # its first step, the data a deployment would profile on); None: the scenario's workload
+    # generates one (`planned.profiling_sample`). The pipeline sets it before `setup`.
+    sample: list | None = None
 
     def setup(self, sc: RLScenario, hw: HardwareSpec) -> Setup:
         raise NotImplementedError  # abstract: each system defines its layout
