@@ -14,7 +14,12 @@ from steps 0-2 (the heterogeneous one routed by true length, the routing the est
   each step's trajectories, averaged) against the simulated mean step time of steps 1-10 (the
   first starts two batches at once, the last drains every straggler: see `against_sim`);
 - `throughput_tok_s`: simulated generated tokens per second of each layout.
-Run: .venv/bin/python benchmarks/bench_planner.py [--no-sim]
+
+`--splits` instead: the steady-state step predicted against simulated for homogeneous TP4 layouts
+on 16, 20, 24 and 28 training GPUs in seven cells of the default map (R2E-Gym early / late x
+prompts x staleness), where the KV cache and the strict staleness gate bind; per cell, how much the
+split the prediction ranks first loses against the best simulated one (`pick_loss`).
+Run: .venv/bin/python benchmarks/bench_planner.py [--no-sim | --splits]
 """
 
 from __future__ import annotations
@@ -154,7 +159,57 @@ def against_sim(name: str, steps: int = 12) -> dict:
     return out
 
 
+SPLIT_CELLS = {"late-32-k1": (100, 32, 1), "late-32-k2": (100, 32, 2), "late-64-k1": (100, 64, 1),
+               "late-64-k2": (100, 64, 2), "early-64-k2": (0, 64, 2), "early-32-k2": (0, 32, 2),
+               "late-16-k2": (100, 16, 2)}  # fmt: skip
+
+
+def split_plan(problem: PlanningProblem, stats: WorkloadStats, train_gpus: int, tp: int = 4) -> Plan | None:
+    """One TP bucket on the GPUs training leaves, training at its best parallelism on `train_gpus`."""
+    planner = HomogeneousPlanner(problem)
+    bound = planner.selector.context_bound(stats.max_final)
+    best = planner.train_search.best_per_gpus(stats.batch_lengths(problem.batch_size), bound, problem.gpus - tp)
+    if train_gpus not in best:
+        return None
+    rollout = problem.gpus - train_gpus
+    return Plan(problem.gpus, train_gpus, rollout, best[train_gpus].par,
+                (BucketPlan(tp, rollout // tp, problem.max_length),), 0.0, 0.0, problem.max_length)  # fmt: skip
+
+
+def against_sim_splits(steps: int = 12) -> dict:
+    out, errors = {}, []
+    for cell, (first, prompts, k) in SPLIT_CELLS.items():
+        sets = [f"workload.first_step={first}", f"workload.prompts_per_step={prompts}", f"pipeline.staleness={k}"]
+        cat = load_catalog()
+        sc = parse_rl(read_scenario("libra-r2e-48gpu", sets), cat, split=False)
+        problem = rl_problem(sc, cat.hardware(sc.cluster.hardware), cat)
+        batches = Batches(sc, 0)
+        history = WorkloadStats.from_trajectories([t for s in range(3) for t in batches.get(s)])
+        rows = {}
+        for train in (16, 20, 24, 28):
+            plan = split_plan(problem, history, train)
+            if plan is None:
+                continue
+            sim = RLSim(sc, PlanSystem(plan, "least-loaded", f"{cell}/{train}"), batches, steps, 0)
+            summary, per_step = sim.run(), sim.per_step()
+            simulated = statistics.mean(p["step_time_s"] for p in per_step[1:-1])
+            predicted = statistics.mean(GlobalPlanner(problem).evaluate(plan, WorkloadStats.from_trajectories(
+                batches.get(s))).step_time_s for s in range(1, steps - 1))  # fmt: skip
+            errors.append(abs(predicted / simulated - 1))
+            rows[train] = {"sim_s": round(simulated, 1), "predicted_s": round(predicted, 1),
+                           "tok_s": round(summary["throughput_tokens_per_s"]), "preemptions": summary["preemptions"]}  # fmt: skip
+        best_sim = min(rows, key=lambda t: rows[t]["sim_s"])
+        pick = min(rows, key=lambda t: rows[t]["predicted_s"])
+        out[cell] = {"splits": rows, "best": best_sim, "pick": pick,
+                     "pick_loss": round(rows[best_sim]["sim_s"] / rows[pick]["sim_s"], 3)}  # fmt: skip
+    out["step_time_mape_pct"] = round(100 * statistics.mean(errors), 1)
+    return out
+
+
 def main() -> None:
+    if "--splits" in sys.argv:
+        report("planner_splits", against_sim_splits())
+        return
     figures = {
         **search_figures(),
         "goal_128_s": 1.0,
