@@ -168,7 +168,9 @@ def split_plan(problem: PlanningProblem, stats: WorkloadStats, train_gpus: int, 
     """One TP bucket on the GPUs training leaves, training at its best parallelism on `train_gpus`."""
     planner = HomogeneousPlanner(problem)
     bound = planner.selector.context_bound(stats.max_final)
-    best = planner.train_search.best_per_gpus(stats.batch_lengths(problem.batch_size), bound, problem.gpus - tp)
+    best = planner.train_search.best_per_gpus(
+        stats.batch_lengths(problem.batch_size), bound, problem.gpus - tp
+    )
     if train_gpus not in best:
         return None
     rollout = problem.gpus - train_gpus
@@ -179,7 +181,11 @@ def split_plan(problem: PlanningProblem, stats: WorkloadStats, train_gpus: int, 
 def against_sim_splits(steps: int = 12) -> dict:
     out, errors = {}, []
     for cell, (first, prompts, k) in SPLIT_CELLS.items():
-        sets = [f"workload.first_step={first}", f"workload.prompts_per_step={prompts}", f"pipeline.staleness={k}"]
+        sets = [
+            f"workload.first_step={first}",
+            f"workload.prompts_per_step={prompts}",
+            f"pipeline.staleness={k}",
+        ]
         cat = load_catalog()
         sc = parse_rl(read_scenario("libra-r2e-48gpu", sets), cat, split=False)
         problem = rl_problem(sc, cat.hardware(sc.cluster.hardware), cat)

@@ -545,7 +545,9 @@ def test_a_switch_near_the_run_end_must_pay_before_the_end(problem):
     (here interrupting a batch just started) that pays for itself within ten steps does not with
     fewer steps left than its payback, nor with none; a run of unknown length keeps ten."""
     planner = GlobalPlanner(problem)
-    first = planner.decide(WorkloadStats.from_trajectories(synthetic(512, 7, out_median=2500, latency_median_s=30)), None).plan
+    first = planner.decide(
+        WorkloadStats.from_trajectories(synthetic(512, 7, out_median=2500, latency_median_s=30)), None
+    ).plan
     drifted = WorkloadStats.from_trajectories(synthetic(512, 8, out_median=150, latency_median_s=30))
     just_started = [InFlightBatch(9, 0.0, 512, 512 * 3000)]
     free = planner.decide(drifted, first, just_started)

@@ -329,7 +329,9 @@ class GlobalPlanner:
         if in_flight and restarts_engines(change):
             wait, interrupt, how = self.switch_cost(now, candidate, stats, in_flight)
         cost = reconfig_cost_s(change, self.elastic) + wait
-        horizon = self.config.interval_steps if steps_left is None else min(self.config.interval_steps, steps_left)
+        horizon = (
+            self.config.interval_steps if steps_left is None else min(self.config.interval_steps, steps_left)
+        )
         verdict = self._verdict(now, candidate, cost, horizon)
         if how:
             verdict = replace(verdict, reason=f"{verdict.reason} ({how})")
@@ -382,7 +384,13 @@ class GlobalPlanner:
         return should_apply(now, candidate, cost, horizon, least)
 
     def _robust(
-        self, now: Plan, candidate: Plan, cost: float, stats: WorkloadStats, verdict: ApplyVerdict, horizon: int
+        self,
+        now: Plan,
+        candidate: Plan,
+        cost: float,
+        stats: WorkloadStats,
+        verdict: ApplyVerdict,
+        horizon: int,
     ) -> ApplyVerdict:
         """Keep a switch only if it also wins on each step of the history on its own.
 

@@ -160,7 +160,11 @@ def _heddle(sc: RLScenario) -> tuple[str | None, dict, Mechanisms]:
     """Heddle's: engine queues by predicted remaining length (its router), and the next turn
     placed, its KV moving, while the tool runs; options from `peers.heddle`."""
     cfg = sc.peers.heddle
-    return "heddle", {"priority": cfg.priority, "oracle": cfg.oracle}, Mechanisms(migrate_in_tool=cfg.migrate_in_tool)
+    return (
+        "heddle",
+        {"priority": cfg.priority, "oracle": cfg.oracle},
+        Mechanisms(migrate_in_tool=cfg.migrate_in_tool),
+    )
 
 
 # What a planned system can take from a peer: (router or None to keep its own, router params, mechanisms).
