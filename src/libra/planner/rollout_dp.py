@@ -56,7 +56,7 @@ class EngineTables:
         self, problem: PlanningProblem, tps: list[int], tail_fraction: float = 0.5, kv_headroom: float = 0.75
     ):
         self.tail_fraction, self.kv_headroom = tail_fraction, kv_headroom
-        self.kv_share = RESIDENT * (1 + KV_GROWTH * max(0, problem.staleness - 1))
+        self.kv_share = RESIDENT * max(1.0, (problem.staleness + 1) / 2)
         self.tps = np.asarray([t for t in tps if problem.tp_allowed(t)], dtype=np.int64)
         self.max_num_seqs = problem.max_num_seqs
         models = [problem.rollout_model(int(t)) for t in self.tps]
@@ -100,19 +100,11 @@ class EngineTables:
         # simulator's pipeline (staleness 1): Search-R1's short bucket on TP1 engines ran clean at
         # 0.6 of the cache per batch and preempted 147 times at 0.9.
         # A trajectory holds its final length only at its end: from its prompt its context grows,
-        # so over its life it holds about half of it, while a staleness bound s lets batches
-        # overlap (`kv_share`). Charged a whole final length per trajectory of one batch, R2E-Gym
-        # late in training (64 x 16, s = 1) was priced 4-5x slower on 24 rollout GPUs than it ran:
-        # the simulator's engines held at most half of that (p90 of committed KV), with no
-        # preemption. With the strict gate's start ramped (`StalenessGate.lead`) the same batches
-        # on homogeneous TP4 engines (12 steps, seed 0; one batch's count per engine x final
-        # length against the cache: 1.28 on 24 GPUs, 1.53 on 20) ran clean on 24 GPUs and
-        # preempted 98 times on 20 at s = 2 (on 20 it ran clean at s = 1), and preempted 163 times
-        # on 24 at s = 3: the share is at most 0.49 at s = 1, in (0.49, 0.59] at s = 2 and above
-        # 0.59 at s = 3. RESIDENT x (1 + (s - 1) / 8) meets the last two (0.5625, 0.625) and
-        # charges s = 1 half a final length (a 2% overload on 20 GPUs, an 8% surcharge). Before
-        # the ramp, RESIDENT x (s + 1) / 2 (0.75 at s = 2) priced the 24-GPU layout 2x slower than
-        # it ran, and the planner's split lost 9% there.
+        # so over its life it holds about half of it, while a staleness bound s lets s + 1
+        # batches overlap (`kv_share`). Charged a whole final length per trajectory of one batch,
+        # R2E-Gym late in training (64 x 16, s = 1) was priced 4-5x slower on 24 rollout GPUs than
+        # it ran: the simulator's engines held at most half of that (p90 of committed KV), with
+        # no preemption; at s = 2 they held 0.76-1.3 of it.
         makespan = np.maximum(work, floor)
         demand = (
             np.ceil(r.count / np.minimum(n, np.maximum(1.0, np.ceil(r.count)))) * r.kv_ctx * self.kv_share
@@ -139,10 +131,8 @@ class EngineTables:
 
 # The share of its final length a trajectory's KV holds over its life (its context grows from the
 # prompt); with staleness s the KV-pressure term charges each trajectory of a range
-# RESIDENT x (1 + KV_GROWTH x (s - 1)) of it (`EngineTables.kv_share`): each version of lead past
-# the first lets another batch's young trajectories in beside the older ones' stragglers.
+# RESIDENT x max(1, (s + 1) / 2) of it (`EngineTables.kv_share`).
 RESIDENT = 0.5
-KV_GROWTH = 0.125
 
 
 def _slowest(r: RangeArrays, x: np.ndarray) -> np.ndarray:
