@@ -175,7 +175,8 @@ def split_plan(problem: PlanningProblem, stats: WorkloadStats, train_gpus: int, 
         return None
     rollout = problem.gpus - train_gpus
     return Plan(problem.gpus, train_gpus, rollout, best[train_gpus].par,
-                (BucketPlan(tp, rollout // tp, problem.max_length),), 0.0, 0.0, problem.max_length)  # fmt: skip
+                (BucketPlan(tp, rollout // tp, problem.max_length),), 0.0, 0.0, problem.max_length,
+                staleness=problem.staleness)  # fmt: skip
 
 
 def against_sim_splits(steps: int = 12) -> dict:
