@@ -191,6 +191,25 @@ def test_a_replayed_trace_is_what_the_planner_profiles_and_sizes_for(tmp_path):
     assert out["steps"] == 2 and all(s["generated_tokens"] > 0 for s in out["systems"].values())
 
 
+def test_libra_with_a_peers_mechanisms_carries_them_out():
+    """`libra+interrupt` interrupts the requests in flight at every weight update (AReaL's);
+    `libra+heddle` runs Heddle's router (queues by predicted remaining length) with migration
+    during tool calls switched on. Plain `libra` does neither. Heddle's router moves a trajectory
+    only when its predicted length range changes, so on a one-bucket plan nothing migrates."""
+    sc = parse_scenario({**SMALL, "workload": {**SMALL["workload"], "prompts_per_step": 8},
+                         "planner": {"rollout_tp": [1]}})  # fmt: skip
+    ran = {}
+    for name in ("libra", "libra+interrupt", "libra+heddle"):
+        sim = RLSim(sc, make_system(name), pipeline.Batches(sc, 0), 3, 0)
+        ran[name] = (sim.setup, sim.run(), sim.routing.migrations)
+    (plain, base, _), (_, interrupted, _), (heddle, _, moved) = ran.values()
+    assert "interrupts" not in base and interrupted["interrupts"] >= 2
+    assert (plain.router, plain.mechanisms.migrate_in_tool) == ("cmlfq", False)
+    assert (heddle.router, heddle.mechanisms.migrate_in_tool) == ("heddle", True)
+    assert len(heddle.buckets) == 1 and len(heddle.instances) > 1 and moved == 0
+    assert all(summary["mode"]["mode"] == "disaggregated" for _, summary, _ in ran.values())
+
+
 def test_llmservingsim_sessions_replay(tmp_path):
     p = tmp_path / "s.jsonl"
     p.write_text("\n".join(json.dumps({"session_id": f"s{i}", "arrival_time_ns": 0, "sub_requests": [

@@ -20,7 +20,8 @@ mechanism per rung:
 
 `libra+interrupt` and `libra+heddle` are `libra` with a peer's rollout mechanisms on its plan
 (`PEER_TAKES`): AReaL's interruptible weight updates, and Heddle's progressive priority with
-migration during tool calls. They measure whether Libra should take them (docs/peers.md, "What
+migration during tool calls (which happens only where its router moves a trajectory to another
+bucket: never on a one-bucket plan). They measure whether Libra should take them (docs/peers.md, "What
 Libra takes"): a mechanism that pays on no cell of the map is not one the planner chooses.
 
 `libra` also chooses its pipeline (`planner.mode.choose_mode`): before the first step it predicts,
