@@ -54,10 +54,13 @@ from libra.sim.scenarios import read_scenario  # noqa: E402
 from libra.sim.workloads import make_workload  # noqa: E402
 
 
-def problem_of(name: str, nodes: int | None = None) -> tuple[RLScenario, PlanningProblem]:
-    """A shipped scenario and its planning problem, built as the simulator builds it."""
+def problem_of(
+    name: str, nodes: int | None = None, sets: tuple[str, ...] = ()
+) -> tuple[RLScenario, PlanningProblem]:
+    """A shipped scenario (with `--set` overrides) and its planning problem, as the simulator
+    builds them."""
     cat = load_catalog()
-    sc = parse_rl(read_scenario(name), cat, split=nodes is None)
+    sc = parse_rl(read_scenario(name, sets), cat, split=nodes is None and not sets)
     return sc, rl_problem(sc, cat.hardware(sc.cluster.hardware), cat, nodes)
 
 
@@ -123,6 +126,20 @@ def scenario_layouts(sc: RLScenario, problem: PlanningProblem) -> dict[str, Plan
     }
 
 
+def steady_state(sc: RLScenario, batches: Batches, plan: Plan, router: str, label: str,
+                 evaluator: GlobalPlanner, steps: int) -> tuple[dict, float, float]:  # fmt: skip
+    """`plan` simulated for `steps` steps: (summary, simulated and predicted mean step of steps
+    1 to steps - 2; see `against_sim` for why the first and last are left out)."""
+    sim = RLSim(sc, PlanSystem(plan, router, label), batches, steps, 0)
+    summary, per_step = sim.run(), sim.per_step()
+    simulated = statistics.mean(p["step_time_s"] for p in per_step[1:-1])
+    predicted = statistics.mean(
+        evaluator.evaluate(plan, WorkloadStats.from_trajectories(batches.get(s))).step_time_s
+        for s in range(1, steps - 1)
+    )
+    return summary, simulated, predicted
+
+
 def against_sim(name: str, steps: int = 12) -> dict:
     """Predicted against simulated step time, per layout, in steady state.
 
@@ -139,13 +156,7 @@ def against_sim(name: str, steps: int = 12) -> dict:
     evaluator, out = GlobalPlanner(problem), {}
     for label, plan in layouts.items():
         router = "oracle" if len(plan.buckets) > 1 else "least-loaded"
-        sim = RLSim(sc, PlanSystem(plan, router, label), batches, steps, 0)
-        summary, per_step = sim.run(), sim.per_step()
-        simulated = statistics.mean(p["step_time_s"] for p in per_step[1:-1])
-        predicted = statistics.mean(
-            evaluator.evaluate(plan, WorkloadStats.from_trajectories(batches.get(s))).step_time_s
-            for s in range(1, steps - 1)
-        )
+        summary, simulated, predicted = steady_state(sc, batches, plan, router, label, evaluator, steps)
         out[label] = {
             "split": f"{plan.train_gpus}/{plan.rollout_gpus}",
             "buckets": [f"TP{b.tp}x{b.instances}<={b.max_context}" for b in plan.buckets],
@@ -162,46 +173,50 @@ def against_sim(name: str, steps: int = 12) -> dict:
 SPLIT_CELLS = {"late-32-k1": (100, 32, 1), "late-32-k2": (100, 32, 2), "late-64-k1": (100, 64, 1),
                "late-64-k2": (100, 64, 2), "early-64-k2": (0, 64, 2), "early-32-k2": (0, 32, 2),
                "late-16-k2": (100, 16, 2)}  # fmt: skip
+SPLIT_TRAIN = (16, 20, 24, 28)  # training GPUs of the splits, of 48
 
 
-def split_plan(problem: PlanningProblem, stats: WorkloadStats, train_gpus: int, tp: int = 4) -> Plan | None:
-    """One TP bucket on the GPUs training leaves, training at its best parallelism on `train_gpus`."""
+def split_plans(problem: PlanningProblem, stats: WorkloadStats, tp: int = 4) -> dict[int, Plan]:
+    """Per training-GPU count of `SPLIT_TRAIN`: one TP bucket on the GPUs training leaves,
+    training at its best parallelism on those GPUs (where one fits)."""
     planner = HomogeneousPlanner(problem)
     bound = planner.selector.context_bound(stats.max_final)
     best = planner.train_search.best_per_gpus(
         stats.batch_lengths(problem.batch_size), bound, problem.gpus - tp
     )
-    if train_gpus not in best:
-        return None
-    rollout = problem.gpus - train_gpus
-    return Plan(problem.gpus, train_gpus, rollout, best[train_gpus].par,
-                (BucketPlan(tp, rollout // tp, problem.max_length),), 0.0, 0.0, problem.max_length,
-                staleness=problem.staleness)  # fmt: skip
+    return {
+        train: Plan(
+            problem.gpus,
+            train,
+            problem.gpus - train,
+            best[train].par,
+            (BucketPlan(tp, (problem.gpus - train) // tp, problem.max_length),),
+            0.0,
+            0.0,
+            problem.max_length,
+            staleness=problem.staleness,
+        )  # fmt: skip
+        for train in SPLIT_TRAIN
+        if train in best
+    }
 
 
 def against_sim_splits(steps: int = 12) -> dict:
     out, errors = {}, []
     for cell, (first, prompts, k) in SPLIT_CELLS.items():
-        sets = [
+        sets = (
             f"workload.first_step={first}",
             f"workload.prompts_per_step={prompts}",
             f"pipeline.staleness={k}",
-        ]
-        cat = load_catalog()
-        sc = parse_rl(read_scenario("libra-r2e-48gpu", sets), cat, split=False)
-        problem = rl_problem(sc, cat.hardware(sc.cluster.hardware), cat)
+        )
+        sc, problem = problem_of("libra-r2e-48gpu", sets=sets)
         batches = Batches(sc, 0)
         history = WorkloadStats.from_trajectories([t for s in range(3) for t in batches.get(s)])
-        rows = {}
-        for train in (16, 20, 24, 28):
-            plan = split_plan(problem, history, train)
-            if plan is None:
-                continue
-            sim = RLSim(sc, PlanSystem(plan, "least-loaded", f"{cell}/{train}"), batches, steps, 0)
-            summary, per_step = sim.run(), sim.per_step()
-            simulated = statistics.mean(p["step_time_s"] for p in per_step[1:-1])
-            predicted = statistics.mean(GlobalPlanner(problem).evaluate(plan, WorkloadStats.from_trajectories(
-                batches.get(s))).step_time_s for s in range(1, steps - 1))  # fmt: skip
+        evaluator, rows = GlobalPlanner(problem), {}
+        for train, plan in split_plans(problem, history).items():
+            summary, simulated, predicted = steady_state(
+                sc, batches, plan, "least-loaded", f"{cell}/{train}", evaluator, steps
+            )
             errors.append(abs(predicted / simulated - 1))
             rows[train] = {"sim_s": round(simulated, 1), "predicted_s": round(predicted, 1),
                            "tok_s": round(summary["throughput_tokens_per_s"]), "preemptions": summary["preemptions"]}  # fmt: skip

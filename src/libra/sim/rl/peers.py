@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from libra.costmodel.speculative import SpecDecoding
 from libra.planner.stats import WorkloadStats
-from libra.sim.rl.planned import PlannedSystem, profiling_sample, shared_planner
+from libra.sim.rl.planned import PEER_TAKES, PlannedSystem, profiling_sample, shared_planner
 from libra.sim.rl.setup import (
     Mechanisms,
     System,
@@ -60,11 +60,7 @@ class Areal(PlannedSystem):
     replan = False
     min_staleness = 1
     needs_staleness = "interrupted requests keep tokens from older weights (eta 0 is synchronous RL)"
-
-    def setup_for(self, plan, sc, hw, reconfig_s=0.0):
-        setup = super().setup_for(plan, sc, hw, reconfig_s)
-        setup.mechanisms = Mechanisms(interrupt_updates=sc.peers.areal.interrupt)
-        return setup
+    takes = "interrupt"  # its interruptible updates, on every plan (`planned.PEER_TAKES`)
 
 
 class April(System):
@@ -142,9 +138,8 @@ class Heddle(System):
 
     def setup(self, sc, hw):
         cfg = sc.peers.heddle
-        mech = Mechanisms(migrate_in_tool=cfg.migrate_in_tool)
-        params = {**sc.rollout.router_params, "priority": cfg.priority, "oracle": cfg.oracle}
-        base = colocated(sc, hw, self.router, params, mech)
+        router, params, mech = PEER_TAKES["heddle"](sc)
+        base = colocated(sc, hw, router, {**sc.rollout.router_params, **params}, mech)
         if not cfg.per_trajectory_tp:
             return base
         total = sc.cluster.nodes * hw.gpus_per_node

@@ -119,6 +119,8 @@ class PlannedSystem(System):
     # and what it chose (None for a system that does not choose).
     modes = False
     mode_decision: ModeDecision | None = None
+    # A peer's rollout mechanisms this system runs on its plan (a key of `PEER_TAKES`), or "".
+    takes = ""
 
     def setup(self, sc: RLScenario, hw: HardwareSpec) -> Setup:
         elastic = ElasticController(sc.elastic) if self.elastic else None
@@ -148,13 +150,11 @@ class PlannedSystem(System):
         setup.mechanisms = mech
         return setup
 
-    # A peer's rollout mechanisms this system runs on its plan (a key of `PEER_TAKES`), or "".
-    takes = ""
-
 
 def _interrupt(sc: RLScenario) -> tuple[str | None, dict, Mechanisms]:
-    """AReaL's: every weight update interrupts the requests in flight, which recompute their KV."""
-    return None, {}, Mechanisms(interrupt_updates=True)
+    """AReaL's: every weight update interrupts the requests in flight, which recompute their KV
+    (`peers.areal.interrupt`)."""
+    return None, {}, Mechanisms(interrupt_updates=sc.peers.areal.interrupt)
 
 
 def _heddle(sc: RLScenario) -> tuple[str | None, dict, Mechanisms]:
@@ -168,7 +168,8 @@ def _heddle(sc: RLScenario) -> tuple[str | None, dict, Mechanisms]:
     )
 
 
-# What a planned system can take from a peer: (router or None to keep its own, router params, mechanisms).
+# A peer's rollout mechanisms, one definition each, for the peer itself (`sim.rl.peers`) and for a
+# planned system that takes them: (router or None to keep its own, router params, mechanisms).
 PEER_TAKES = {"interrupt": _interrupt, "heddle": _heddle}
 
 
